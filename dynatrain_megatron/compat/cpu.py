@@ -1,0 +1,221 @@
+"""CPU runtime for megatron-core 0.16.1 on a CPU-only torch with gloo.
+
+megatron-core assumes CUDA everywhere. On a machine without a CUDA device we apply the
+smallest set of patches that lets its GPT/MoE models, DDP and DistributedOptimizer run:
+
+1. `_CudaToCpuMode`, a TorchFunctionMode that rewrites device="cuda"/int devices to CPU and
+   makes `Tensor.cuda()` a no-op (megatron has ~140 such call sites; patching each is not
+   maintainable). `Tensor.type()` reports `torch.cuda.*` names because the optimizer and
+   grad-clipping code dispatch on the strings 'torch.cuda.FloatTensor' etc.
+2. No-op `torch.cuda` streams, events, synchronize, nvtx, memory counters.
+3. The CUDA RNG tracker seeds and forks CPU generator states instead (the tracker's
+   per-TP/EP seeds keep their meaning: different across TP ranks, equal across DP).
+4. MoE without Transformer Engine: `moe_utils.te_general_gemm` is referenced but undefined
+   in 0.16.1; the all-to-all dispatcher expects numpy split sizes from
+   `maybe_move_tensor_to_cpu(as_numpy=True)` but gets a tensor on CPU.
+5. MoE with TP>1 requires sequence parallelism, and megatron's torch norm refuses it; we build
+   the norm without it and tag its parameters `sequence_parallel=True`, so their gradients are
+   all-reduced over TP by `finalize_model_grads` (same math as the TE/apex norms).
+
+`apply_if_needed()` applies all of it only when `torch.cuda.is_available()` is False and is
+idempotent; on a GPU it does nothing, so behaviour there is megatron's own.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+_CPU = torch.device("cpu")
+_state = {"applied": False, "mode": None}
+
+
+def _to_cpu_device(d: Any) -> Any:
+    if isinstance(d, int) and not isinstance(d, bool):
+        return _CPU
+    if isinstance(d, str) and d.startswith("cuda"):
+        return _CPU
+    if isinstance(d, torch.device) and d.type == "cuda":
+        return _CPU
+    return d
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Redirects every CUDA device argument to the CPU (see module docstring, item 1)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            kwargs = dict(kwargs)
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, int, torch.device)):
+            args = (args[0], _to_cpu_device(args[1])) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    def __init__(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def wait_stream(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def wait_event(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def record_event(self, *a: Any, **k: Any) -> "_NullEvent":
+        return _NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> "_NullStream":
+        return self
+
+    def __exit__(self, *a: Any) -> bool:
+        return False
+
+
+class _NullEvent:
+    def __init__(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def record(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def wait(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+def _patch_torch_cuda() -> None:
+    c = torch.cuda
+
+    # a fresh function object per attribute: torch._dynamo's trace rules refuse one object
+    # registered under two torch.cuda names
+    def noop():
+        return lambda *a, **k: None
+
+    def zero():
+        return lambda *a, **k: 0
+
+    c.current_device = lambda: "cpu"
+    c.device_count = lambda: 0
+    c.set_device = noop()
+    c.synchronize = noop()
+    c.empty_cache = noop()
+    c.Stream = _NullStream
+    c.Event = _NullEvent
+    c.current_stream = lambda *a, **k: _NullStream()
+    c.default_stream = lambda *a, **k: _NullStream()
+    c.stream = lambda *a, **k: contextlib.nullcontext()
+    c.set_stream = noop()
+    c.memory_allocated = zero()
+    c.memory_reserved = zero()
+    c.max_memory_allocated = zero()
+    c.reset_peak_memory_stats = noop()
+    c.nvtx.range_push = noop()
+    c.nvtx.range_pop = noop()
+    c.manual_seed = noop()  # the RNG tracker owns the model-parallel seeds (item 3)
+    c.manual_seed_all = noop()
+    c.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    c.set_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
+
+
+def _patch_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        self.seeds_.add(seed)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    mrandom.CudaRNGStatesTracker.add = add
+
+
+def _patch_moe() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.detach().cpu().numpy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _patch_torch_norm_sequence_parallel() -> None:
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    original_new = cls.__new__
+
+    def __new__(klass, config, hidden_size, eps=1e-5, **kw):
+        sp = config.sequence_parallel
+        config.sequence_parallel = False
+        try:
+            module = original_new(klass, config, hidden_size, eps, **kw)
+        finally:
+            config.sequence_parallel = sp
+        for p in module.parameters():
+            p.sequence_parallel = sp
+        return module
+
+    cls.__new__ = staticmethod(__new__)
+
+
+def is_cpu_runtime() -> bool:
+    """True when we run megatron-core on the CPU (no CUDA device)."""
+    return _state["applied"] or not torch.cuda.is_available()
+
+
+def apply_if_needed() -> bool:
+    """Apply the CPU runtime when no CUDA device is present. Returns True if active."""
+    if _state["applied"]:
+        return True
+    if torch.cuda.is_available():
+        return False
+    _patch_torch_cuda()
+    _patch_rng_tracker()
+    _patch_moe()
+    _patch_torch_norm_sequence_parallel()
+    mode = _CudaToCpuMode()
+    mode.__enter__()
+    _state.update(applied=True, mode=mode)
+    log.info("megatron-core CPU runtime applied (no CUDA device)")
+    return True

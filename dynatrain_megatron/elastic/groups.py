@@ -1,0 +1,197 @@
+"""Process groups of a layout, built explicitly and released completely.
+
+Why not `parallel_state.initialize_model_parallel`: (a) it fixes the rank order, while a
+switch wants to *choose* which device takes which coordinate of the new layout (placement);
+(b) during a switch the old and the new layout's groups must be alive together; (c) its
+`destroy_model_parallel()` leaks most groups (ref doc: ~17 per re-init, setup time grows).
+
+So we create every group of the layout ourselves, in the same order on every rank (gloo
+creates groups eagerly: a different order deadlocks), give megatron-core a
+`ProcessGroupCollection`, and `destroy()` releases exactly the groups we made. `install()`
+also points megatron's `parallel_state` globals at these groups, because some megatron code
+paths (schedules, RNG helpers, Megatron-LM's training loop) still read the globals.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from ..vps.layout import Layout
+
+log = logging.getLogger(__name__)
+
+# ProcessGroupCollection field -> the axes of the (dense or expert) grid it spans
+_GROUP_AXES: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "dp": ("dp",),
+    "pp": ("pp",),
+    "dp_cp": ("cp", "dp"),
+    "mp": ("tp", "pp"),
+    "tp_cp": ("tp", "cp"),
+    "tp_dp_cp": ("tp", "cp", "dp"),
+    "ep": ("ep",),
+    "expt_tp": ("etp",),
+    "tp_ep": ("etp", "ep"),
+    "tp_ep_pp": ("etp", "ep", "pp"),
+    "expt_dp": ("edp",),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Which device (global rank) hosts each virtual rank of a layout.
+
+    `devices[v]` is the global rank of virtual rank v; megatron's default order is the
+    identity. A switch may choose another permutation to keep state where it is.
+    """
+
+    devices: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(set(self.devices)) != len(self.devices) or min(self.devices, default=0) < 0:
+            raise ValueError(f"placement {self.devices} must be distinct non-negative ranks")
+
+    @classmethod
+    def default(cls, world_size: int, offset: int = 0) -> "Placement":
+        return cls(tuple(range(offset, offset + world_size)))
+
+    def virtual_rank(self, device: int) -> Optional[int]:
+        try:
+            return self.devices.index(device)
+        except ValueError:
+            return None
+
+
+@dataclass
+class ParallelGroups:
+    """The live process groups of one layout on this process."""
+
+    layout: Layout
+    placement: Placement
+    rank: int  # this process's global rank
+    pg_collection: object  # megatron.core.process_groups_config.ProcessGroupCollection
+    group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    created: list = field(default_factory=list)
+
+    @property
+    def member(self) -> bool:
+        return self.virtual_rank is not None
+
+    @property
+    def virtual_rank(self) -> Optional[int]:
+        return self.placement.virtual_rank(self.rank)
+
+    def coords(self):
+        vr = self.virtual_rank
+        if vr is None:
+            raise RuntimeError(f"rank {self.rank} is not part of layout {self.layout}")
+        return self.layout.coords(vr)
+
+    def destroy(self) -> None:
+        """Destroy every group this object created (nothing else)."""
+        for g in self.created:
+            if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(g)
+        self.created.clear()
+
+
+def build_groups(layout: Layout, placement: Optional[Placement] = None) -> ParallelGroups:
+    """Create all groups of `layout` on `placement`. Collective over the default group."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    placement = placement or Placement.default(layout.world_size)
+    if len(placement.devices) != layout.world_size:
+        raise ValueError(f"placement has {len(placement.devices)} devices, layout {layout} needs "
+                         f"{layout.world_size}")
+    rank = dist.get_rank()
+    dev = placement.devices
+    cache: dict[tuple[int, ...], object] = {}
+    created: list = []
+
+    def make(ranks: Sequence[int]):
+        key = tuple(ranks)
+        if key not in cache:
+            g = dist.new_group(list(key))
+            cache[key] = g
+            created.append(g)
+        return cache[key]
+
+    pgc = ProcessGroupCollection()
+    mine: dict[str, list[int]] = {}
+
+    def add(name: str, groups_virtual: list[list[int]]) -> None:
+        for gv in groups_virtual:
+            ranks = [dev[v] for v in gv]
+            g = make(ranks)
+            if rank in ranks:
+                setattr(pgc, name, g)
+                mine[name] = ranks
+
+    for name, axes in _GROUP_AXES.items():
+        add(name, layout.groups(axes))
+    pp_groups = layout.groups(("pp",))
+    add("embd", [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups])
+    add("pos_embd", [[g[0]] for g in pp_groups])
+    add("intra_dist_opt", [list(range(layout.world_size))])
+    for name in ("embd", "pos_embd"):  # megatron wants them explicitly None off-stage
+        if not hasattr(pgc, name):
+            setattr(pgc, name, None)
+    if rank in dev:
+        pgc.intra_dp_cp = pgc.dp_cp
+        pgc.intra_expt_dp = pgc.expt_dp
+        mine["intra_dp_cp"] = mine["dp_cp"]
+        mine["intra_expt_dp"] = mine["expt_dp"]
+    log.debug("built %d groups for %s", len(created), layout)
+    return ParallelGroups(layout=layout, placement=placement, rank=rank, pg_collection=pgc,
+                          group_ranks=mine, created=created)
+
+
+def install(groups: ParallelGroups) -> None:
+    """Point megatron-core's parallel_state globals at `groups` (this rank must be a member)."""
+    from megatron.core import parallel_state as ps
+
+    p, r = groups.pg_collection, groups.group_ranks
+    L = groups.layout
+    ps.destroy_model_parallel()  # clears globals; destroys only megatron-made gloo groups
+    ps._TENSOR_MODEL_PARALLEL_GROUP = getattr(p, "tp", None)
+    ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = r.get("tp")
+    ps._PIPELINE_MODEL_PARALLEL_GROUP = getattr(p, "pp", None)
+    ps._PIPELINE_GLOBAL_RANKS = r.get("pp")
+    ps._MODEL_PARALLEL_GROUP = getattr(p, "mp", None)
+    ps._MODEL_PARALLEL_GLOBAL_RANKS = r.get("mp")
+    ps._EMBEDDING_GROUP = getattr(p, "embd", None)
+    ps._EMBEDDING_GLOBAL_RANKS = r.get("embd")
+    ps._POSITION_EMBEDDING_GROUP = getattr(p, "pos_embd", None)
+    ps._POSITION_EMBEDDING_GLOBAL_RANKS = r.get("pos_embd")
+    ps._DATA_PARALLEL_GROUP = getattr(p, "dp", None)
+    gloo = dist.get_backend() == "gloo"  # on NCCL megatron-made gloo twins are not needed by us
+    ps._DATA_PARALLEL_GROUP_GLOO = (getattr(p, "dp", None) if gloo else None)
+    ps._DATA_PARALLEL_GLOBAL_RANKS = r.get("dp")
+    ps._DATA_PARALLEL_GROUP_WITH_CP = getattr(p, "dp_cp", None)
+    ps._DATA_PARALLEL_GROUP_WITH_CP_GLOO = getattr(p, "dp_cp", None) if gloo else None
+    ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = r.get("dp_cp")
+    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = getattr(p, "dp_cp", None)
+    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = getattr(p, "dp_cp", None) if gloo else None
+    ps._CONTEXT_PARALLEL_GROUP = getattr(p, "cp", None)
+    ps._CONTEXT_PARALLEL_GLOBAL_RANKS = r.get("cp")
+    ps._TENSOR_AND_CONTEXT_PARALLEL_GROUP = getattr(p, "tp_cp", None)
+    ps._TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = getattr(p, "tp_dp_cp", None)
+    ps._TENSOR_AND_DATA_PARALLEL_GROUP = getattr(p, "tp_dp_cp", None) if L.cp == 1 else None
+    ps._EXPERT_MODEL_PARALLEL_GROUP = getattr(p, "ep", None)
+    ps._EXPERT_MODEL_PARALLEL_RANKS = r.get("ep")
+    ps._EXPERT_TENSOR_PARALLEL_GROUP = getattr(p, "expt_tp", None)
+    ps._EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP = getattr(p, "tp_ep", None)
+    ps._EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP = getattr(p, "tp_ep_pp", None)
+    ps._EXPERT_DATA_PARALLEL_GROUP = getattr(p, "expt_dp", None)
+    ps._EXPERT_DATA_PARALLEL_GROUP_GLOO = getattr(p, "expt_dp", None) if gloo else None
+    ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP = getattr(p, "expt_dp", None)
+    ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO = getattr(p, "expt_dp", None) if gloo else None
+    ps._INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP = getattr(p, "intra_dist_opt", None)
+    ps._set_global_memory_buffer()
+    if L.vpp > 1:
+        ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = L.vpp
+        ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = 0

@@ -1,0 +1,225 @@
+"""Build megatron-core GPT/MoE model chunks, DDP, DistributedOptimizer and LR scheduler.
+
+One function per object, all taking the layout's explicit `ParallelGroups`, so a switch can
+build layout B's objects while layout A's are still alive. `build_training_objects` is the
+*builder* the switch takes (DESIGN.md): everything below `integration` calls it through a
+callable and never imports this module.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..vps.layout import Layout
+from ..vps.model_spec import ModelSpec
+from ..elastic.groups import ParallelGroups
+from .train_config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+def make_transformer_config(spec: ModelSpec, layout: Layout):
+    """TransformerConfig for `spec` at `layout` (CPU-safe fusions off, dropout off)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = _TORCH_DTYPES[spec.params_dtype]
+    kw: dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.kv_channels,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=spec.is_moe and layout.tp > 1,
+        # full weights are initialised on the CPU then split: the same seed gives the same
+        # model at every TP/EP, which makes layouts comparable
+        use_cpu_initialization=True,
+        gated_linear_unit=spec.swiglu,
+        activation_func=F.silu if spec.swiglu else F.gelu,
+        normalization=spec.normalization,
+        add_bias_linear=spec.add_bias_linear,
+        qk_layernorm=spec.qk_layernorm,
+        init_method_std=spec.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=spec.params_dtype == "bf16",
+        fp16=spec.params_dtype == "fp16",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+    )
+    if spec.is_moe:
+        kw.update(
+            num_moe_experts=spec.num_moe_experts,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+            moe_router_topk=spec.moe_router_topk,
+            moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
+            moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+            moe_grouped_gemm=False,
+            moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+        )
+    return TransformerConfig(**kw)
+
+
+def layer_spec(spec: ModelSpec):
+    """Transformer Engine spec where installed (GPU), megatron's local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as s
+
+    experts = spec.num_moe_experts
+    if transformer_engine_available():
+        return s.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm)
+    return s.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                      qk_layernorm=spec.qk_layernorm,
+                                      normalization=spec.normalization)
+
+
+def seed_rngs(seed: int, groups: ParallelGroups) -> None:
+    """Megatron-LM's `_set_random_seed`: seed + 100*pp_rank, then the TP/EP tracker states.
+
+    Deterministic per rank coordinate, so a switch can re-derive them for the new layout.
+    """
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    c = groups.coords()
+    s = seed + 100 * c.pp
+    random.seed(s)
+    np.random.seed(s)
+    torch.manual_seed(s)
+    model_parallel_cuda_manual_seed(s, tp_rank=c.tp, ep_rank=c.ep, etp_rank=c.etp,
+                                    force_reset_rng=True)
+
+
+def build_model_chunks(spec: ModelSpec, layout: Layout, groups: ParallelGroups, config,
+                       init_weights: bool = True) -> list[torch.nn.Module]:
+    """One GPTModel per virtual pipeline stage on this rank (Float16Module for bf16/fp16)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    c = groups.coords()
+    config.perform_initialization = init_weights
+    chunks = []
+    for v in range(layout.vpp):
+        m = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(spec),
+            vocab_size=spec.padded_vocab_size(layout.tp),
+            max_sequence_length=spec.seq_length,
+            pre_process=(c.pp == 0 and v == 0),
+            post_process=(c.pp == layout.pp - 1 and v == layout.vpp - 1),
+            share_embeddings_and_output_weights=spec.tied,
+            position_embedding_type=spec.position_embedding_type,
+            pg_collection=groups.pg_collection,
+            vp_stage=v if layout.vpp > 1 else None,
+        )
+        if config.bf16 or config.fp16:
+            m = Float16Module(config, m)
+        chunks.append(m)
+    return chunks
+
+
+def wrap_ddp(chunks: list[torch.nn.Module], config, train: TrainConfig, groups: ParallelGroups):
+    """DDP per chunk. Like Megatron-LM, only chunk 0 is bucketed (others: one bucket)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=train.overlap_grad_reduce,
+        overlap_param_gather=train.overlap_param_gather,
+        use_distributed_optimizer=True,
+        check_for_nan_in_grad=False,
+        bucket_size=train.ddp_bucket_size,
+    )
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m,
+                                    disable_bucketing=(i > 0), pg_collection=groups.pg_collection)
+            for i, m in enumerate(chunks)]
+
+
+def build_optimizer(model: list, spec: ModelSpec, train: TrainConfig, groups: ParallelGroups):
+    """ChainedOptimizer of DistributedOptimizers (dense and, for MoE, expert) with Adam."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg = OptimizerConfig(
+        optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
+        adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
+        clip_grad=train.clip_grad, bf16=spec.params_dtype == "bf16",
+        fp16=spec.params_dtype == "fp16", params_dtype=_TORCH_DTYPES[spec.params_dtype],
+        use_distributed_optimizer=True)
+    # megatron refuses gloo twins with an explicit pg_collection; they only serve
+    # checkpoint code paths, which find the gloo globals set by `install` on CPU
+    return get_megatron_optimizer(cfg, model, use_gloo_process_groups=False,
+                                  pg_collection=groups.pg_collection)
+
+
+def build_scheduler(optimizer, train: TrainConfig):
+    """Megatron's OptimizerParamScheduler; steps are counted in samples, as Megatron-LM does."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    gbs = train.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
+        lr_warmup_steps=train.lr_warmup_iters * gbs, lr_decay_steps=train.train_iters * gbs,
+        lr_decay_style=train.lr_decay_style, start_wd=train.weight_decay,
+        end_wd=train.weight_decay, wd_incr_steps=train.train_iters * gbs,
+        wd_incr_style="constant")
+
+
+@dataclass
+class TrainingObjects:
+    """What a builder returns for one layout on this rank (live objects, so not frozen)."""
+
+    layout: Layout
+    groups: ParallelGroups
+    config: Any  # TransformerConfig
+    model: list  # DDP-wrapped chunks
+    optimizer: Any
+    scheduler: Any
+
+
+def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGroups,
+                           train: TrainConfig, init_weights: bool = True) -> TrainingObjects:
+    """Model chunks, DDP, optimizer and scheduler for `layout` on `groups` (a member rank)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    layout.check_model(spec)
+    seed_rngs(train.seed, groups)
+    config = make_transformer_config(spec, layout)
+    chunks = build_model_chunks(spec, layout, groups, config, init_weights=init_weights)
+    model = wrap_ddp(chunks, config, train, groups)
+    optimizer = build_optimizer(model, spec, train, groups)
+    scheduler = build_scheduler(optimizer, train)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    if train.overlap_param_gather:
+        config.param_sync_func = ([m.start_param_sync for m in model] if len(model) > 1
+                                  else model[0].start_param_sync)
+    return TrainingObjects(layout=layout, groups=groups, config=config, model=model,
+                           optimizer=optimizer, scheduler=scheduler)

@@ -1,0 +1,104 @@
+"""Run a function on N spawned torch.distributed ranks (gloo on CPU) and collect results.
+
+Used by the tests and by `dynatrain bench-switch`. Spawning a rank costs ~10 s of imports
+on our 2-core machines, so callers should run many cases inside one spawned group.
+A failing rank's traceback is re-raised in the parent (the first failure wins), and a
+timeout names the ranks that never reported.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    """A spawned rank raised, died, or timed out."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
+           q, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        from .session import init_distributed
+
+        init_distributed(timeout_s=float(env.get("DYNATRAIN_PG_TIMEOUT", "300")))
+        result = fn(*args)
+        q.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - surfaced to the parent verbatim
+        q.put((rank, "error", traceback.format_exc()))
+        os._exit(1)  # do not hang in collectives other ranks will never join
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def run_on_ranks(fn: Callable, nproc: int, *args: Any, timeout: float = 600.0,
+                 env: Optional[dict[str, str]] = None) -> list[Any]:
+    """Run `fn(*args)` on `nproc` gloo ranks; return the per-rank results in rank order."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [ctx.Process(target=_child, args=(r, nproc, port, fn, args, q, child_env), daemon=False)
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failure: Optional[str] = None
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < nproc and failure is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(nproc)) - set(results))
+                failure = f"timeout after {timeout:.0f}s; ranks {missing} did not finish"
+                break
+            try:
+                rank, status, payload = q.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if not p.is_alive() and p.exitcode not in (0, None) and r not in results]
+                if dead:
+                    # give a crashing rank a moment to deliver its traceback
+                    try:
+                        rank, status, payload = q.get(timeout=2.0)
+                    except queue.Empty:
+                        failure = f"ranks {dead} died (exit codes " \
+                                  f"{[procs[r].exitcode for r in dead]}) without a traceback"
+                        break
+                else:
+                    continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                failure = f"rank {rank} failed:\n{payload}"
+    finally:
+        for p in procs:
+            if failure is not None and p.is_alive():
+                p.kill()
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if failure is not None:
+        raise RankFailure(failure)
+    return [results[r] for r in range(nproc)]

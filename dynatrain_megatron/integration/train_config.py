@@ -1,0 +1,35 @@
+"""Training hyper-parameters that do not depend on the layout (plain data)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """What Megatron-LM takes as --micro-batch-size, --global-batch-size, --lr, ... ."""
+
+    micro_batch_size: int = 2
+    global_batch_size: int = 16
+    train_iters: int = 20
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    lr_warmup_iters: int = 2
+    lr_decay_style: str = "cosine"
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+    ddp_bucket_size: Optional[int] = None  # elements; None = one bucket per buffer
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    data_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            raise ValueError("micro/global batch size must be >= 1")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"global_batch_size {self.global_batch_size} % micro_batch_size "
+                             f"{self.micro_batch_size} != 0")

@@ -1,0 +1,143 @@
+"""One training step and the per-iteration bookkeeping of a megatron-core job.
+
+Mirrors Megatron-LM's `train_step`: zero grad buffers, forward/backward through megatron's
+pipeline schedule, `optimizer.step()`, scheduler step by the global batch in samples, then
+`iteration += 1` and `consumed_samples += global_batch_size`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..vps.model_spec import ModelSpec
+from .builders import TrainingObjects
+from .data import SyntheticGPTData, iterators_for_chunks
+from .train_config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    iteration: int
+    loss: float  # mean LM loss over the global batch (same value on every rank)
+    grad_norm: float
+    lr: float
+    seconds: float
+
+
+def num_micro_batches(train: TrainConfig, dp: int) -> int:
+    per = train.micro_batch_size * dp
+    if train.global_batch_size % per:
+        raise ValueError(f"global_batch_size {train.global_batch_size} not divisible by "
+                         f"micro_batch_size*dp = {train.micro_batch_size}*{dp}")
+    return train.global_batch_size // per
+
+
+def set_num_microbatches_calculator(train: TrainConfig, dp: int) -> None:
+    """Keep megatron's global micro-batch calculator in step with the layout's DP."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    rank = dist.get_rank()
+    if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
+        nmc.init_num_microbatches_calculator(rank, None, train.global_batch_size,
+                                             train.micro_batch_size, dp)
+    else:
+        nmc.reconfigure_num_microbatches_calculator(rank, None, train.global_batch_size,
+                                                    train.micro_batch_size, dp)
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float()
+    loss = torch.sum(losses.view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return out, partial(_loss_func, batch["loss_mask"])
+
+
+class Trainer:
+    """Runs steps of one `TrainingObjects`; rebinding to new objects is `rebind()`."""
+
+    def __init__(self, spec: ModelSpec, train: TrainConfig, objs: TrainingObjects,
+                 iteration: int = 0, consumed_samples: int = 0) -> None:
+        self.spec = spec
+        self.train = train
+        self.data = SyntheticGPTData(spec.vocab_size, spec.seq_length, train.data_seed)
+        self.iteration = iteration
+        self.consumed_samples = consumed_samples
+        self.objs: TrainingObjects
+        self.rebind(objs)
+
+    def rebind(self, objs: TrainingObjects) -> None:
+        """Point the loop at (new) model, optimizer, scheduler and schedule function."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        self.objs = objs
+        L = objs.layout
+        self.num_micro = num_micro_batches(self.train, L.dp)
+        set_num_microbatches_calculator(self.train, L.dp)
+        self.forward_backward = get_forward_backward_func(pp_size=L.pp,
+                                                          vp_size=L.vpp if L.vpp > 1 else None)
+        self.p2p = P2PCommunicator(pp_group=objs.groups.pg_collection.pp, config=objs.config)
+        c = objs.groups.coords()
+        self._reporter = c.pp == L.pp - 1 and c.tp == 0 and c.dp_cp == 0
+        self._world = objs.groups.pg_collection.intra_dist_opt
+
+    def step(self) -> StepResult:
+        o, L = self.objs, self.objs.layout
+        t0 = time.perf_counter()
+        c = o.groups.coords()
+        batches = self.data.micro_batches(self.consumed_samples, self.num_micro,
+                                          self.train.micro_batch_size, L.dp, c.dp)
+        for m in o.model:
+            m.zero_grad_buffer()
+        o.optimizer.zero_grad()
+        losses = self.forward_backward(
+            forward_step_func=_forward_step,
+            data_iterator=iterators_for_chunks(batches, L.vpp),
+            model=o.model,
+            num_microbatches=self.num_micro,
+            seq_length=self.spec.seq_length,
+            micro_batch_size=self.train.micro_batch_size,
+            forward_only=False,
+            p2p_communicator=self.p2p,
+            pg_collection=o.groups.pg_collection,
+        )
+        ok, grad_norm, _ = o.optimizer.step()
+        if not ok:
+            raise RuntimeError(f"optimizer step failed at iteration {self.iteration}")
+        o.scheduler.step(increment=self.train.global_batch_size)
+        self.iteration += 1
+        self.consumed_samples += self.train.global_batch_size
+        loss = self._global_loss(losses)
+        lr = o.optimizer.param_groups[0]["lr"]
+        return StepResult(self.iteration, loss, float(grad_norm or 0.0), lr,
+                          time.perf_counter() - t0)
+
+    def _global_loss(self, losses: list[dict[str, Any]]) -> float:
+        """Mean loss over the global batch, identical on every rank (one small all-reduce)."""
+        L = self.objs.layout
+        t = torch.zeros(1, dtype=torch.float64)
+        c = self.objs.groups.coords()
+        if c.pp == L.pp - 1 and c.tp == 0 and c.cp == 0 and losses:
+            # every DP rank of the last stage contributes its micro-batch mean; one TP rank
+            t[0] = sum(float(x["lm loss"]) for x in losses) / len(losses) / L.dp
+        dist.all_reduce(t, group=self._world)
+        return float(t[0])
+
+    def sync_params(self) -> None:
+        """Bring bf16 params in sync with the DistOpt shards (needed with overlap_param_gather)."""
+        if self.train.overlap_param_gather:
+            for m in self.objs.model:
+                m.start_param_sync(force_sync=True)

@@ -1,0 +1,234 @@
+"""Parallel layouts: parsing, printing, validation against a model, and rank coordinates.
+
+A layout is a point in the space of Megatron parallel configurations (TP, PP, VPP, CP, EP,
+ETP, DP). Everything else in the package (analytic fragments, process groups, plans) is a
+deterministic function of it, so it is frozen, hashable, and validated once, here, with
+messages that name the constraint and show every number.
+
+Rank coordinates follow megatron-core's `RankGenerator` with the default order
+`tp-cp-ep-dp-pp` (leftmost varies fastest):
+  dense:  rank = tp + TP*(cp + CP*(dp + DP*pp))
+  expert: rank = etp + ETP*(ep + EP*(edp + EDP*pp))
+These are *virtual* ranks; a `Placement` maps them to devices.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .errors import LayoutError
+from .model_spec import ModelSpec
+
+_TOKEN = re.compile(r"(vpp|etp|tp|pp|cp|ep|dp)(\d+)")
+_AXES = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp")
+
+# axis names of the two megatron rank grids, fastest first
+DENSE_AXES = ("tp", "cp", "dp", "pp")
+EXPERT_AXES = ("etp", "ep", "edp", "pp")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A parallel configuration. `dp` is part of it, so `world_size` is derived."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 0  # 0 means "same as tp" (megatron's default), resolved in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.etp == 0:
+            object.__setattr__(self, "etp", self.tp)
+        for ax in _AXES:
+            v = getattr(self, ax)
+            if not isinstance(v, int) or v < 1:
+                raise LayoutError(f"layout axis {ax} must be a positive int, got {v!r}")
+        if self.vpp > 1 and self.pp == 1:
+            raise LayoutError(f"vpp{self.vpp} needs pp > 1 (interleaved schedule), got pp1")
+        if self.world_size % (self.etp * self.ep * self.pp):
+            raise LayoutError(
+                f"layout {self}: expert grid etp*ep*pp = {self.etp}*{self.ep}*{self.pp} = "
+                f"{self.etp * self.ep * self.pp} does not divide world size {self.world_size} "
+                f"(= tp*cp*dp*pp); choose etp/ep so that it does (etp defaults to tp)")
+
+    # ------------------------------------------------------------------ parse / print
+    @classmethod
+    def parse(cls, text: str, world_size: Optional[int] = None) -> "Layout":
+        """Parse `tp2pp2dp2`, `tp1pp2ep4etp1dp4`, `tp2pp4vpp2`, ... .
+
+        Missing axes are 1 (etp: = tp); a missing dp is derived from `world_size`.
+        """
+        if not isinstance(text, str):
+            raise LayoutError(f"layout must be a string, got {type(text).__name__}")
+        s = text.strip().lower()
+        pos, vals = 0, {}
+        for m in _TOKEN.finditer(s):
+            if m.start() != pos:
+                break
+            ax, num = m.group(1), int(m.group(2))
+            if ax in vals:
+                raise LayoutError(f"layout {text!r}: axis {ax} given twice")
+            vals[ax] = num
+            pos = m.end()
+        if pos != len(s) or not vals:
+            raise LayoutError(
+                f"malformed layout {text!r}: expected tokens like tp2pp2dp2 from "
+                f"{{tp,pp,vpp,cp,ep,etp,dp}}<int>, stopped at {s[pos:]!r}")
+        if any(v < 1 for v in vals.values()):
+            raise LayoutError(f"layout {text!r}: every axis size must be >= 1")
+        mp = vals.get("tp", 1) * vals.get("pp", 1) * vals.get("cp", 1)
+        if world_size is not None:
+            if world_size < 1 or world_size % mp:
+                raise LayoutError(
+                    f"layout {text!r}: tp*pp*cp = {mp} does not divide world size {world_size}")
+            dp = world_size // mp
+            if "dp" in vals and vals["dp"] != dp:
+                raise LayoutError(
+                    f"layout {text!r}: dp{vals['dp']} but world size {world_size} / "
+                    f"(tp*pp*cp = {mp}) gives dp{dp}")
+            vals["dp"] = dp
+        return cls(**vals)
+
+    def __str__(self) -> str:
+        s = f"tp{self.tp}pp{self.pp}"
+        if self.vpp > 1:
+            s += f"vpp{self.vpp}"
+        if self.cp > 1:
+            s += f"cp{self.cp}"
+        if self.ep > 1 or self.etp != self.tp:
+            s += f"ep{self.ep}etp{self.etp}"
+        return s + f"dp{self.dp}"
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size (CP folds into it, as in megatron-core)."""
+        return self.world_size // (self.etp * self.ep * self.pp)
+
+    @property
+    def dp_cp(self) -> int:
+        """Size of the distributed-optimizer shard group of dense parameters."""
+        return self.dp * self.cp
+
+    @property
+    def num_chunks(self) -> int:
+        return self.vpp
+
+    # ------------------------------------------------------------------ validation vs model
+    def check_model(self, spec: ModelSpec) -> None:
+        """Raise LayoutError naming the first constraint the model violates (all listed)."""
+        errs = self.model_errors(spec)
+        if errs:
+            raise LayoutError(f"layout {self} cannot hold model {spec.name!r}: " + "; ".join(errs))
+
+    def model_errors(self, spec: ModelSpec) -> list[str]:
+        e: list[str] = []
+        t = self.tp
+        if spec.num_attention_heads % t:
+            e.append(f"num_attention_heads {spec.num_attention_heads} % tp {t} != 0")
+        if spec.num_query_groups % t:
+            e.append(f"num_query_groups {spec.num_query_groups} % tp {t} != 0")
+        if spec.ffn_hidden_size % t:
+            e.append(f"ffn_hidden_size {spec.ffn_hidden_size} % tp {t} != 0")
+        stages = self.pp * self.vpp
+        if spec.num_layers % stages:
+            e.append(f"num_layers {spec.num_layers} % (pp*vpp = {self.pp}*{self.vpp}) != 0")
+        if self.cp > 1 and spec.seq_length % (2 * self.cp):
+            e.append(f"seq_length {spec.seq_length} % (2*cp = {2 * self.cp}) != 0")
+        if spec.is_moe:
+            E = spec.num_moe_experts
+            if E % self.ep:
+                e.append(f"num_moe_experts {E} % ep {self.ep} != 0")
+            if spec.moe_ffn_hidden_size % self.etp:
+                e.append(f"moe_ffn_hidden_size {spec.moe_ffn_hidden_size} % etp {self.etp} != 0")
+            if t > 1 and spec.seq_length % t:
+                # MoE with TP needs sequence parallelism, which splits the sequence over TP
+                e.append(f"seq_length {spec.seq_length} % tp {t} != 0 (MoE+TP uses sequence parallel)")
+        else:
+            if self.ep > 1:
+                e.append(f"ep{self.ep} needs an MoE model (num_moe_experts is not set)")
+        return e
+
+    # ------------------------------------------------------------------ pipeline layers
+    def stage_layers(self, spec_num_layers: int, pp_rank: int, vp_stage: int) -> range:
+        """Global layer indices of model chunk `vp_stage` on pipeline rank `pp_rank`."""
+        per_chunk = spec_num_layers // (self.pp * self.vpp)
+        start = vp_stage * (spec_num_layers // self.vpp) + pp_rank * per_chunk
+        return range(start, start + per_chunk)
+
+    # ------------------------------------------------------------------ rank grid
+    @property
+    def _dense_grid(self) -> np.ndarray:
+        # index [pp, dp, cp, tp] -> rank (C order, so tp varies fastest)
+        return np.arange(self.world_size).reshape(self.pp, self.dp, self.cp, self.tp)
+
+    @property
+    def _expert_grid(self) -> np.ndarray:
+        return np.arange(self.world_size).reshape(self.pp, self.edp, self.ep, self.etp)
+
+    def coords(self, rank: int) -> "RankCoords":
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} outside world of layout {self} (size {self.world_size})")
+        tp = rank % self.tp
+        r = rank // self.tp
+        cp = r % self.cp
+        r //= self.cp
+        dp = r % self.dp
+        pp = r // self.dp
+        etp = rank % self.etp
+        r = rank // self.etp
+        ep = r % self.ep
+        r //= self.ep
+        edp = r % self.edp
+        return RankCoords(rank=rank, tp=tp, cp=cp, dp=dp, pp=pp, etp=etp, ep=ep, edp=edp,
+                          dp_cp=cp + self.cp * dp)
+
+    def groups(self, axes: Sequence[str]) -> list[list[int]]:
+        """Rank lists of the groups spanning `axes` (e.g. ("tp",), ("dp","cp"), ("etp","ep")).
+
+        Within a list the ranks run over the axes with the grid's fastest axis fastest,
+        exactly as megatron's RankGenerator; the lists are in ascending order of their
+        first rank, which makes group creation order identical on every rank.
+        """
+        axes = tuple(axes)
+        if all(a in DENSE_AXES for a in axes):
+            grid, names = self._dense_grid, DENSE_AXES
+        elif all(a in EXPERT_AXES for a in axes):
+            grid, names = self._expert_grid, EXPERT_AXES
+        else:
+            raise LayoutError(f"axes {axes} mix the dense and expert grids")
+        # grid dims are reversed names (slowest first)
+        dims = [len(names) - 1 - names.index(a) for a in axes]
+        other = [d for d in range(grid.ndim) if d not in dims]
+        size = int(np.prod([grid.shape[d] for d in dims]))
+        rows = grid.transpose(other + sorted(dims)).reshape(-1, size)
+        # ranks are mixed-radix numbers: ascending order within a group makes the fastest
+        # masked axis vary fastest, as megatron's RankGenerator does
+        out = sorted((sorted(map(int, row)) for row in rows), key=lambda r: r[0])
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class RankCoords:
+    """Coordinates of one (virtual) rank in the dense and expert grids."""
+
+    rank: int
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    etp: int
+    ep: int
+    edp: int
+
+    dp_cp: int  # index in the dense DP x CP group (cp fastest): the DistOpt shard index

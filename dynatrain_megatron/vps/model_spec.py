@@ -1,0 +1,137 @@
+"""Layout-independent description of a GPT / MoE model, read from `configs/models/*.yaml`.
+
+Pure data: the analytic layouts (planning 235B models on a laptop) and the megatron-core
+builders both start from it, so the two cannot disagree about a shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from .errors import ModelSpecError
+
+_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Shapes and options of a megatron-core GPTModel (names follow Megatron-LM's flags)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    seq_length: int
+    num_query_groups: Optional[int] = None
+    kv_channels: Optional[int] = None
+    make_vocab_size_divisible_by: int = 128
+    swiglu: bool = True
+    position_embedding_type: str = "rope"
+    untie_embeddings_and_output_weights: bool = True
+    normalization: str = "RMSNorm"
+    add_bias_linear: bool = False
+    qk_layernorm: bool = False
+    num_moe_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_aux_loss_coeff: float = 0.0
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    params_dtype: str = "fp32"
+    init_method_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                  "vocab_size", "seq_length", "make_vocab_size_divisible_by"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ModelSpecError(f"model {self.name!r}: {f} must be a positive int, got {v!r}")
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ModelSpecError(
+                    f"model {self.name!r}: hidden_size {self.hidden_size} not divisible by "
+                    f"num_attention_heads {self.num_attention_heads}; set kv_channels")
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_query_groups:
+            raise ModelSpecError(
+                f"model {self.name!r}: num_attention_heads {self.num_attention_heads} not "
+                f"divisible by num_query_groups {self.num_query_groups}")
+        if self.params_dtype not in _DTYPES:
+            raise ModelSpecError(f"model {self.name!r}: params_dtype must be one of {_DTYPES}")
+        if self.position_embedding_type not in ("rope", "learned_absolute", "none"):
+            raise ModelSpecError(
+                f"model {self.name!r}: unknown position_embedding_type "
+                f"{self.position_embedding_type!r}")
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ModelSpecError(f"model {self.name!r}: unknown normalization {self.normalization!r}")
+        if self.num_moe_experts is not None:
+            if self.num_moe_experts <= 0:
+                raise ModelSpecError(f"model {self.name!r}: num_moe_experts must be positive")
+            if self.moe_ffn_hidden_size is None:
+                object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+            if not 0 < self.moe_router_topk <= self.num_moe_experts:
+                raise ModelSpecError(
+                    f"model {self.name!r}: moe_router_topk {self.moe_router_topk} must be in "
+                    f"[1, num_moe_experts={self.num_moe_experts}]")
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ModelSpecError(f"model config has unknown keys {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**d)
+        except TypeError as e:  # missing required key
+            raise ModelSpecError(f"model config incomplete: {e}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ModelSpec":
+        p = Path(path)
+        if not p.is_file():
+            raise ModelSpecError(f"model config {str(p)!r} not found")
+        data = yaml.safe_load(p.read_text())
+        if not isinstance(data, dict):
+            raise ModelSpecError(f"model config {str(p)!r} is not a mapping")
+        data.setdefault("name", p.stem)
+        return cls.from_dict(data)
+
+    def replace(self, **kw: Any) -> "ModelSpec":
+        return dataclasses.replace(self, **kw)
+
+    # ------------------------------------------------------------------ derived shapes
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts is not None
+
+    @property
+    def tied(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Megatron's rule: ceil(V / (m*TP)) * m*TP; the only shape that depends on layout."""
+        m = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / m) * m)
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
+
+    @property
+    def fc1_rows(self) -> int:
+        return self.ffn_hidden_size * (2 if self.swiglu else 1)
+
+    @property
+    def moe_fc1_rows(self) -> int:
+        assert self.moe_ffn_hidden_size is not None
+        return self.moe_ffn_hidden_size * (2 if self.swiglu else 1)
