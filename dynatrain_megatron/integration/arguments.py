@@ -1,0 +1,98 @@
+"""Command-line arguments: Megatron-LM-style training flags and the `--dynatrain` group.
+
+`add_dynatrain_args(parser)` has the signature of Megatron-LM's `extra_args_provider`, so
+the same function registers our flags in Megatron-LM's own parser (see patches/) and in our
+entry point, `scripts/pretrain_gpt.py`.
+"""
+from __future__ import annotations
+
+import argparse
+
+from ..vps.layout import Layout
+from ..vps.model_spec import ModelSpec
+from .train_config import TrainConfig
+
+
+def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("dynatrain", "online switching of the parallel layout")
+    g.add_argument("--dynatrain", action="store_true", help="enable online layout switching")
+    g.add_argument("--dynatrain-signal-file", default=None,
+                   help="path polled for switch requests (write it with `dynatrain request`)")
+    g.add_argument("--dynatrain-poll-interval", type=int, default=1,
+                   help="poll the signal file every N iterations")
+    g.add_argument("--dynatrain-memory-budget", type=int, default=None,
+                   help="max staging bytes per rank and round during a switch")
+    g.add_argument("--dynatrain-ranks-per-node", type=int, default=8,
+                   help="ranks per node, for placement and source choice")
+    g.add_argument("--dynatrain-schedule", default=None,
+                   help="YAML list of {iteration, layout} switches to run")
+    g.add_argument("--dynatrain-log-dir", default=None, help="where switch reports are written")
+    g.add_argument("--dynatrain-default-placement", action="store_true",
+                   help="pin Megatron's default rank order instead of the chosen placement")
+    g.add_argument("--dynatrain-timeout", type=float, default=300.0,
+                   help="seconds before a switch is aborted and rolled back")
+    return parser
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The Megatron-LM flags our entry point understands (same names and meaning)."""
+    g = parser.add_argument_group("training")
+    g.add_argument("--model-config", required=True, help="configs/models/NAME.yaml")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="accepted for compatibility; the distributed optimizer is always used")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=16)
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=1e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=2)
+    g.add_argument("--lr-decay-style", default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--ddp-bucket-size", type=int, default=None)
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--bf16", action="store_true", help="override the config's params_dtype")
+    g.add_argument("--log-interval", type=int, default=1)
+    return parser
+
+
+def layout_from_args(args: argparse.Namespace, spec: ModelSpec, world_size: int) -> Layout:
+    """Megatron-LM's flags -> Layout (DP from the world size), checked against the model."""
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    vpp = 1
+    if args.num_layers_per_virtual_pipeline_stage:
+        per = args.num_layers_per_virtual_pipeline_stage
+        if spec.num_layers % (pp * per):
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per}: num_layers "
+                             f"{spec.num_layers} % (pp*{per}) != 0")
+        vpp = spec.num_layers // (pp * per)
+    text = f"tp{tp}pp{pp}cp{cp}ep{args.expert_model_parallel_size}"
+    if vpp > 1:
+        text += f"vpp{vpp}"
+    if args.expert_tensor_parallel_size:
+        text += f"etp{args.expert_tensor_parallel_size}"
+    layout = Layout.parse(text, world_size)
+    layout.check_model(spec)
+    return layout
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
+        weight_decay=args.weight_decay, clip_grad=args.clip_grad, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, seed=args.seed, ddp_bucket_size=args.ddp_bucket_size,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather)

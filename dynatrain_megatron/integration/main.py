@@ -1,0 +1,73 @@
+"""The training entry point behind `scripts/pretrain_gpt.py` (runs under torchrun)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import sys
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from ..vps.model_spec import ModelSpec
+from .arguments import add_dynatrain_args, add_training_args, layout_from_args, train_config_from_args
+from .training import StepResult, Trainer
+
+log = logging.getLogger("dynatrain")
+
+
+def setup_logging() -> None:
+    import warnings
+
+    # megatron-core warns about missing apex/TE and CUDA tuning on every rank: noise on CPU
+    for cat in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=cat)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[%(asctime)s r{rank}] %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stdout, force=True)
+
+
+def format_iteration(r: StepResult, train_iters: int, consumed: int, gbs: int, layout) -> str:
+    """Megatron-LM's per-iteration log line (same fields, same order)."""
+    return (f" iteration {r.iteration:8d}/{train_iters:8d} | consumed samples: {consumed:12d} | "
+            f"elapsed time per iteration (ms): {r.seconds * 1000:.1f} | learning rate: "
+            f"{r.lr:.6E} | global batch size: {gbs:5d} | lm loss: {r.loss:.6E} | "
+            f"grad norm: {r.grad_norm:.3f} | layout: {layout}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="megatron-core GPT training with dynatrain")
+    add_training_args(parser)
+    add_dynatrain_args(parser)
+    args = parser.parse_args(argv)
+
+    from .session import init_distributed, start_job
+
+    init_distributed()
+    setup_logging()
+    spec = ModelSpec.from_yaml(args.model_config)
+    if args.bf16:
+        spec = spec.replace(params_dtype="bf16")
+    layout = layout_from_args(args, spec, dist.get_world_size())
+    train = train_config_from_args(args)
+    log.info("model %s (%s), layout %s on %d ranks", spec.name, args.model_config, layout,
+             dist.get_world_size())
+    trainer: Trainer = start_job(spec, layout, train)
+    hook = None
+    if args.dynatrain:
+        from .hook import DynatrainHook
+
+        hook = DynatrainHook.from_args(args, spec, train)
+    while trainer.iteration < train.train_iters:
+        r = trainer.step()
+        if r.iteration % args.log_interval == 0:
+            log.info(format_iteration(r, train.train_iters, trainer.consumed_samples,
+                                      train.global_batch_size, trainer.objs.layout))
+        if hook is not None:
+            hook.after_step(trainer)
+    if hook is not None:
+        hook.finish(trainer)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

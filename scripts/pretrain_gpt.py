@@ -1,0 +1,16 @@
+#!/usr/bin/env python
+"""Train a megatron-core GPT / MoE with Megatron-LM-style flags (the counterpart of
+Megatron-LM's pretrain_gpt.py). Launch with torchrun, e.g.
+
+  torchrun --nproc_per_node 4 scripts/pretrain_gpt.py --model-config configs/models/tiny-gpt.yaml \
+      --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --train-iters 20
+"""
+import argparse
+import logging
+import sys
+import time
+
+from dynatrain_megatron.integration.main import main
+
+if __name__ == "__main__":  # guard needed: dist_checkpointing's helper re-imports __main__
+    sys.exit(main())
