@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from ..vps.layout import Layout
+from ..vps.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -39,31 +40,6 @@ _GROUP_AXES: dict[str, tuple[str, ...]] = {
     "tp_ep_pp": ("etp", "ep", "pp"),
     "expt_dp": ("edp",),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Which device (global rank) hosts each virtual rank of a layout.
-
-    `devices[v]` is the global rank of virtual rank v; megatron's default order is the
-    identity. A switch may choose another permutation to keep state where it is.
-    """
-
-    devices: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if len(set(self.devices)) != len(self.devices) or min(self.devices, default=0) < 0:
-            raise ValueError(f"placement {self.devices} must be distinct non-negative ranks")
-
-    @classmethod
-    def default(cls, world_size: int, offset: int = 0) -> "Placement":
-        return cls(tuple(range(offset, offset + world_size)))
-
-    def virtual_rank(self, device: int) -> Optional[int]:
-        try:
-            return self.devices.index(device)
-        except ValueError:
-            return None
 
 
 @dataclass

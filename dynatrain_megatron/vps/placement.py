@@ -1,0 +1,42 @@
+"""Placement: which device hosts each virtual rank of a layout.
+
+A layout's fragments are computed on *virtual* ranks (megatron's rank order). Which physical
+device takes virtual rank v is a separate choice: a switch picks the permutation that keeps
+the most state where it already is; megatron's default is the identity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import LayoutError
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """`devices[v]` is the global rank (device) of virtual rank v."""
+
+    devices: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise LayoutError("placement needs at least one device")
+        if len(set(self.devices)) != len(self.devices) or min(self.devices) < 0:
+            raise LayoutError(f"placement {self.devices} must list distinct non-negative ranks")
+
+    @classmethod
+    def default(cls, world_size: int, offset: int = 0) -> "Placement":
+        return cls(tuple(range(offset, offset + world_size)))
+
+    @property
+    def is_default(self) -> bool:
+        return self.devices == tuple(range(self.devices[0], self.devices[0] + len(self.devices)))
+
+    def virtual_rank(self, device: int) -> Optional[int]:
+        try:
+            return self.devices.index(device)
+        except ValueError:
+            return None
+
+    def __str__(self) -> str:
+        return "default" if self.is_default and self.devices[0] == 0 else str(list(self.devices))
