@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dynatrain_megatron.integration.builders import bucket_size_of
 from dynatrain_megatron.integration.session import release, start_job
 from dynatrain_megatron.integration.train_config import TrainConfig
 from dynatrain_megatron.vps.model_spec import ModelSpec
@@ -50,4 +51,62 @@ def train_cases(cases: list[tuple[str, str, int, dict]]) -> list[dict]:
         after = len(dist.distributed_c10d._world.pg_map)
         out.append(dict(model=model, layout=str(trainer.objs.layout), losses=losses,
                         dp_identical=same, leaked_groups=after - before))
+    return out
+
+
+def spec_variant(name: str) -> ModelSpec:
+    """`tiny-gpt+tied` = tiny-gpt with tied embeddings, `+bf16` = bf16 params, ..."""
+    base, *mods = name.split("+")
+    s = spec(base)
+    for m in mods:
+        s = {"tied": lambda x: x.replace(untie_embeddings_and_output_weights=False),
+             "bf16": lambda x: x.replace(params_dtype="bf16"),
+             "ln": lambda x: x.replace(normalization="LayerNorm", add_bias_linear=True)}[m](s)
+    return s
+
+
+def ids(frags, main_only=False):
+    return sorted((f.key, f.kind, f.box, f.rank, f.chunk, f.local_name, f.local_offsets)
+                  for f in frags
+                  if not main_only or getattr(f, "main", None) or getattr(f, "replica", 1) == 0)
+
+
+def analytic_vs_live(cases: list[tuple[str, str, dict, bool]]) -> list[dict]:
+    """Per (model, layout, train overrides, round_trip): live fragments vs analytic on this
+    rank; with round_trip, gather -> scatter into a fresh job -> gather, compared exactly."""
+    from dynatrain_megatron.adapters.live import LiveState
+    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.vps import analytic_layout
+
+    out = []
+    for model, layout, overrides, round_trip in cases:
+        kw = dict(global_batch_size=8, micro_batch_size=2)
+        kw.update(overrides)
+        train = TrainConfig(**kw)
+        s = spec_variant(model)
+        trainer = start_job(s, layout, train)
+        trainer.step()  # real Adam state
+        objs = trainer.objs
+        vr = objs.groups.virtual_rank
+        live = LiveState(objs.model, objs.optimizer, vr, s.vocab_size)
+        lf = live.fragments()
+        an = analytic_layout(s, objs.layout, bucket_size_of(train, objs.layout)).fragments(vr)
+        res = dict(model=model, layout=str(objs.layout), n=len(lf),
+                   equal=ids(lf) == ids(an), main_equal=ids(lf, True) == ids(an, True),
+                   only_live=[str(x) for x in sorted(set(ids(lf)) - set(ids(an)))[:3]],
+                   only_analytic=[str(x) for x in sorted(set(ids(an)) - set(ids(lf)))[:3]])
+        if round_trip:
+            world = objs.groups.pg_collection.intra_dist_opt
+            full = G.broadcast_full_state(G.gather_full_state(live, s, world), group=world)
+            fresh = start_job(s, layout, TrainConfig(**{**kw, "seed": 999}))
+            live2 = LiveState(fresh.objs.model, fresh.objs.optimizer, vr, s.vocab_size)
+            res["differs_before"] = len(G.mismatches_against(live2, full)) > 0
+            res["written"] = G.scatter_full_state(live2, full)
+            res["mismatches_after"] = G.mismatches_against(live2, full)
+            again = G.gather_full_state(live2, s, world)
+            res["full_equal"] = None if again is None else G.states_equal(full, again) == []
+            res["n_tensors"] = len(full)
+            release(fresh.objs)
+        out.append(res)
+        release(objs)
     return out

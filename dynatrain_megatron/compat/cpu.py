@@ -13,7 +13,10 @@ smallest set of patches that lets its GPT/MoE models, DDP and DistributedOptimiz
 4. MoE without Transformer Engine: `moe_utils.te_general_gemm` is referenced but undefined
    in 0.16.1; the all-to-all dispatcher expects numpy split sizes from
    `maybe_move_tensor_to_cpu(as_numpy=True)` but gets a tensor on CPU.
-5. MoE with TP>1 requires sequence parallelism, and megatron's torch norm refuses it; we build
+5. gloo has no uneven all-gather / reduce-scatter, which megatron's token dispatcher uses
+   with expert-TP > 1 (`output_split_sizes`): we pad to the largest split and trim, and
+   reduce-scatter unevenly as an all-reduce followed by taking our own slice.
+6. MoE with TP>1 requires sequence parallelism, and megatron's torch norm refuses it; we build
    the norm without it and tag its parameters `sequence_parallel=True`, so their gradients are
    all-reduced over TP by `finalize_model_grads` (same math as the TE/apex norms).
 
@@ -199,6 +202,36 @@ def _patch_torch_norm_sequence_parallel() -> None:
     cls.__new__ = staticmethod(__new__)
 
 
+def _patch_uneven_collectives() -> None:
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    original_gather = mappings._gather_along_first_dim
+    original_reduce_scatter = mappings._reduce_scatter_along_first_dim
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original_gather(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest,) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, output_split_sizes)], dim=0)
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        r = group.rank()
+        start = sum(input_split_sizes[:r])
+        return total[start:start + input_split_sizes[r]].contiguous()
+
+    mappings._gather_along_first_dim = gather
+    mappings._reduce_scatter_along_first_dim = reduce_scatter
+
+
 def is_cpu_runtime() -> bool:
     """True when we run megatron-core on the CPU (no CUDA device)."""
     return _state["applied"] or not torch.cuda.is_available()
@@ -214,6 +247,7 @@ def apply_if_needed() -> bool:
     _patch_rng_tracker()
     _patch_moe()
     _patch_torch_norm_sequence_parallel()
+    _patch_uneven_collectives()
     mode = _CudaToCpuMode()
     mode.__enter__()
     _state.update(applied=True, mode=mode)

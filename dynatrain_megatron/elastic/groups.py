@@ -132,7 +132,14 @@ def install(groups: ParallelGroups) -> None:
 
     p, r = groups.pg_collection, groups.group_ranks
     L = groups.layout
-    ps.destroy_model_parallel()  # clears globals; destroys only megatron-made gloo groups
+    # destroy_model_parallel() resets the globals but also destroys whatever sits in the
+    # gloo globals, which may be groups of ours (of a layout still alive): unhook them first
+    for name in ("_DATA_PARALLEL_GROUP_GLOO", "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+                 "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+                 "_EXPERT_DATA_PARALLEL_GROUP_GLOO",
+                 "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO"):
+        setattr(ps, name, None)
+    ps.destroy_model_parallel()
     ps._TENSOR_MODEL_PARALLEL_GROUP = getattr(p, "tp", None)
     ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = r.get("tp")
     ps._PIPELINE_MODEL_PARALLEL_GROUP = getattr(p, "pp", None)

@@ -146,6 +146,14 @@ def build_model_chunks(spec: ModelSpec, layout: Layout, groups: ParallelGroups, 
     return chunks
 
 
+def bucket_size_of(train: TrainConfig, layout: Layout) -> Optional[int]:
+    """The bucket size megatron's DDP really uses (None: one bucket per buffer); the
+    analytic layout needs this resolved value, not the flag."""
+    from ..vps.distopt import resolve_bucket_size
+
+    return resolve_bucket_size(train.ddp_bucket_size, train.overlap_grad_reduce, layout.dp)
+
+
 def wrap_ddp(chunks: list[torch.nn.Module], config, train: TrainConfig, groups: ParallelGroups):
     """DDP per chunk. Like Megatron-LM, only chunk 0 is bucketed (others: one bucket)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -29,6 +29,9 @@ def free_port() -> int:
 def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
            q, env: dict[str, str]) -> None:
     os.environ.update(env)
+    import warnings
+
+    warnings.simplefilter("ignore")  # megatron warns per rank about apex/TE/CUDA tuning
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import torch
@@ -43,6 +46,8 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
         q.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - surfaced to the parent verbatim
         q.put((rank, "error", traceback.format_exc()))
+        q.close()
+        q.join_thread()  # flush the traceback before the hard exit
         os._exit(1)  # do not hang in collectives other ranks will never join
     try:
         dist.destroy_process_group()
@@ -56,7 +61,7 @@ def run_on_ranks(fn: Callable, nproc: int, *args: Any, timeout: float = 600.0,
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    child_env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     procs = [ctx.Process(target=_child, args=(r, nproc, port, fn, args, q, child_env), daemon=False)
              for r in range(nproc)]
     for p in procs:

@@ -1,0 +1,228 @@
+"""Live binding: this rank's fragments of a running megatron-core job, bound to storage.
+
+Two sources of truth (DESIGN.md): the analytic layout says what *should* be where; this
+module reads what *is* where, from megatron-core's own metadata:
+  - weights: the model's `sharded_state_dict()` (global offsets, shapes, replica ids; the
+    SwiGLU factory applied), each ShardedTensor's data located inside a named parameter;
+  - `main_param`, `exp_avg`, `exp_avg_sq`: each DistributedOptimizer's ownership ranges
+    (`gbuf_ranges[...]["param_map"][p]["param"]`), a flat range of the TP-local parameter,
+    cut into boxes and mapped to global coordinates with the weight's own blocks.
+`LiveState.view(kind, chunk, local_name, local_box)` returns the tensor view that stores a
+box, which is what the executor packs from and unpacks into.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import re
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from ..vps.box import Box
+from ..vps.errors import FragmentMismatchError
+from ..vps.fragment import KINDS, OPT_KINDS
+
+log = logging.getLogger(__name__)
+
+_OPT_STATE_KEY = {"main_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class LiveFragment:
+    """A fragment as read from the live job (`main` = megatron's main replica)."""
+
+    key: str
+    kind: str
+    box: Box
+    rank: int
+    chunk: int
+    local_name: str
+    local_offsets: tuple[int, ...]
+    main: bool
+
+    @property
+    def local_box(self) -> Box:
+        return Box(self.local_offsets, self.box.shape)
+
+    def ident(self) -> tuple:
+        return (self.key, self.kind, self.box, self.rank, self.chunk, self.local_name,
+                self.local_offsets)
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    local: Box
+    logical: Box
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """DDP -> Float16Module -> GPTModel."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def optimizers_of(optimizer) -> list:
+    """The DistributedOptimizers inside a (Chained)Optimizer."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def ensure_optimizer_state(optimizer) -> None:
+    """Create zero Adam states where a fresh optimizer has none (no dummy step: a step with
+    zero grads would still apply weight decay to the parameters)."""
+    for opt in optimizers_of(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if "exp_avg" not in st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+class LiveState:
+    """Fragments and storage of one rank's live model chunks and optimizer."""
+
+    def __init__(self, model: list, optimizer, rank: int, vocab_size: int) -> None:
+        self.rank = rank
+        self.vocab_size = vocab_size
+        self.chunks = [unwrap(m) for m in model]
+        self.params: list[dict[str, torch.nn.Parameter]] = [
+            dict(c.named_parameters()) for c in self.chunks]
+        self._owner = {id(p): (ci, n) for ci, ps in enumerate(self.params) for n, p in ps.items()}
+        self.optimizer = optimizer
+        ensure_optimizer_state(optimizer)
+        self.blocks: dict[tuple[int, str], list[_Block]] = {}
+        self.keys: dict[tuple[int, str], str] = {}
+        self.param_fragments: list[LiveFragment] = []
+        self._read_model_metadata()
+        self.opt_ranges: dict[tuple[int, str], tuple[int, int, dict[str, torch.Tensor]]] = {}
+        self._read_optimizer_ranges()
+
+    # ------------------------------------------------------------------ weights
+    def _locate(self, ci: int, data: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+        """Which parameter of chunk `ci` stores `data`, and at which local offsets."""
+        ptr = data.data_ptr()
+        cands = self._sorted_ptrs[ci]
+        i = bisect.bisect_right([c[0] for c in cands], ptr) - 1
+        if i >= 0:
+            start, name = cands[i]
+            p = self.params[ci][name]
+            es = p.element_size()
+            off = (ptr - start) // es
+            if 0 <= off < p.numel() and (data.stride() == p.stride()[-data.dim():] or data.numel() <= 1):
+                return name, tuple(int(x) for x in np.unravel_index(off, tuple(p.shape)))
+        raise FragmentMismatchError(f"rank {self.rank}: sharded tensor data at {ptr:#x} of chunk "
+                                    f"{ci} is not inside any parameter")
+
+    def _read_model_metadata(self) -> None:
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+        # optimizer shards are distinct across DP, so an optimizer fragment is main when its
+        # weight's replica id is main up to the DP coordinate (no TP / tied-copy duplicate)
+        self._opt_main: dict[tuple[int, str], bool] = {}
+        self._sorted_ptrs = [sorted((p.data_ptr(), n) for n, p in ps.items()) for ps in self.params]
+        for ci, chunk in enumerate(self.chunks):
+            sd = chunk.sharded_state_dict(prefix="")
+            apply_factories(sd)
+            for sh in nested_values(sd):
+                if not isinstance(sh, ShardedTensor) or not torch.is_tensor(sh.data):
+                    continue
+                if sh.data.numel() == 0 or sh.key.endswith("_extra_state"):
+                    continue
+                try:
+                    name, local_off = self._locate(ci, sh.data)
+                except FragmentMismatchError:
+                    continue  # a buffer (e.g. router expert_bias), not a parameter
+                pre = sh.prepend_axis_num
+                key = self._canonical_key(sh.key, name, sh.global_offset[:pre])
+                gbox = Box(tuple(sh.global_offset[pre:]), tuple(sh.local_shape))
+                lbox = Box(local_off, tuple(sh.local_shape))
+                if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    keep = min(gbox.shape[0], self.vocab_size - gbox.offsets[0])
+                    if keep <= 0:
+                        continue  # only vocab padding rows: outside the VPS
+                    gbox = Box(gbox.offsets, (keep,) + gbox.shape[1:])
+                    lbox = Box(lbox.offsets, gbox.shape)
+                self.blocks.setdefault((ci, name), []).append(_Block(lbox, gbox))
+                self.keys[(ci, name)] = key
+                rid = sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,)
+                self._opt_main[(ci, name)] = all(r == 0 for r in rid[:-1])
+                self.param_fragments.append(LiveFragment(
+                    key, "param", gbox, self.rank, ci, name, lbox.offsets,
+                    bool(is_main_replica(sh.replica_id))))
+
+    @staticmethod
+    def _canonical_key(sharded_key: str, local_name: str, prepended: tuple[int, ...]) -> str:
+        """Layout-independent key: the module path with global layer / expert indices."""
+        if not sharded_key.startswith("decoder.layers."):
+            return sharded_key  # embedding, output layer (or its tied copy), final norm
+        key = _LAYER.sub(f"decoder.layers.{prepended[0]}.", local_name, count=1)
+        if len(prepended) > 1:
+            key = _EXPERT.sub(f".mlp.experts.{prepended[1]}.", key, count=1)
+        return key
+
+    # ------------------------------------------------------------------ optimizer
+    def _read_optimizer_ranges(self) -> None:
+        for opt in optimizers_of(self.optimizer):
+            for p, (gbuf_idx, dtype, bucket_idx) in opt.model_param_gbuf_map.items():
+                rng = opt.gbuf_ranges[gbuf_idx][dtype][bucket_idx]["param_map"][p]["param"]
+                ci, name = self._owner[id(p)]
+                states = opt._get_main_param_and_optimizer_states(p)
+                self.opt_ranges[(ci, name)] = (rng.start, rng.end, states)
+
+    def optimizer_fragments(self, kinds: Iterable[str] = OPT_KINDS) -> list[LiveFragment]:
+        out = []
+        for (ci, name), (start, end, _) in sorted(self.opt_ranges.items()):
+            if end <= start or (ci, name) not in self.blocks:
+                continue
+            shape = tuple(self.params[ci][name].shape)
+            main = self._opt_main[(ci, name)]
+            for fb in Box.from_flat_range(shape, start, end):
+                for b in self.blocks[(ci, name)]:
+                    inter = fb.intersect(b.local)
+                    if inter is None:
+                        continue
+                    g = Box(tuple(go + io - lo for go, io, lo in
+                                  zip(b.logical.offsets, inter.offsets, b.local.offsets)), inter.shape)
+                    for kind in kinds:
+                        out.append(LiveFragment(self.keys[(ci, name)], kind, g, self.rank, ci,
+                                                name, inter.offsets, main))
+        return out
+
+    # ------------------------------------------------------------------ storage
+    def view(self, kind: str, chunk: int, local_name: str, local_box: Box) -> torch.Tensor:
+        """The tensor view storing `local_box` of a local parameter for state `kind`."""
+        if kind == "param":
+            return self.params[chunk][local_name].detach()[local_box.slices()]
+        start, end, states = self.opt_ranges[(chunk, local_name)]
+        shape = tuple(self.params[chunk][local_name].shape)
+        flat = int(np.ravel_multi_index(local_box.offsets, shape)) - start
+        if flat < 0 or flat + local_box.numel > end - start:
+            raise FragmentMismatchError(
+                f"rank {self.rank}: {kind} box {local_box} of c{chunk}:{local_name} is outside "
+                f"its owned range [{start}, {end})")
+        # detached: for fp32 models the main shard is a view of the (grad-requiring) weight
+        return states[_OPT_STATE_KEY[kind]].detach()[flat:flat + local_box.numel].view(local_box.shape)
+
+    def write(self, kind: str, chunk: int, local_name: str, local_box: Box,
+              data: torch.Tensor) -> None:
+        """Write a box of data into its place (the reverse of `view`)."""
+        self.view(kind, chunk, local_name, local_box).copy_(data)
+
+    def fragments(self, kinds: Iterable[str] = KINDS) -> list[LiveFragment]:
+        kinds = tuple(kinds)
+        out = [f for f in self.param_fragments if "param" in kinds]
+        opt_kinds = tuple(k for k in kinds if k in OPT_KINDS)
+        if opt_kinds:
+            out += self.optimizer_fragments(opt_kinds)
+        return sorted(out)
