@@ -218,6 +218,12 @@ def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGrou
     from megatron.core.distributed import finalize_model_grads
 
     layout.check_model(spec)
+    if layout.cp > 1 and not transformer_engine_available():
+        from ..vps.errors import LayoutError
+
+        raise LayoutError(f"layout {layout}: context parallelism needs Transformer Engine's "
+                          f"attention; megatron-core's local DotProductAttention refuses "
+                          f"context_parallel_size > 1 (plan and check CP analytically on CPU)")
     seed_rngs(train.seed, groups)
     config = make_transformer_config(spec, layout)
     chunks = build_model_chunks(spec, layout, groups, config, init_weights=init_weights)
@@ -231,3 +237,21 @@ def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGrou
                                   else model[0].start_param_sync)
     return TrainingObjects(layout=layout, groups=groups, config=config, model=model,
                            optimizer=optimizer, scheduler=scheduler)
+
+
+@dataclass(frozen=True)
+class MegatronBuilder:
+    """The builder a switch takes (DESIGN.md): objects for any layout on given groups.
+
+    `transition` calls it through this small interface and never imports megatron
+    builders itself; Megatron-LM users can supply a wrapper of `setup_model_and_optimizer`.
+    """
+
+    spec: ModelSpec
+    train: TrainConfig
+
+    def bucket_size(self, layout: Layout) -> Optional[int]:
+        return bucket_size_of(self.train, layout)
+
+    def build(self, layout: Layout, groups: ParallelGroups, init_weights: bool = True) -> TrainingObjects:
+        return build_training_objects(self.spec, layout, groups, self.train, init_weights=init_weights)

@@ -61,6 +61,14 @@ class KeyIndex:
     ncols: np.ndarray
     numel: np.ndarray
     cols_axis: np.ndarray  # 0: not split along dim 1; 1: split over tp; 2: over etp
+    expert_stride: np.ndarray  # expert keys: id(expert g+1) - id(expert g); else 0
+
+    def expert_ids(self, p, ep: int) -> np.ndarray:
+        """Key ids of ParamSpec `p` on EP ranks 0..ep-1 (arithmetic, no string formatting)."""
+        k0 = self.ids[p.logical_key(0)]
+        if not p.is_expert:
+            return np.array([k0], np.int64)
+        return k0 + self.expert_stride[k0] * p.num_local_experts * np.arange(ep, dtype=np.int64)
 
     def band_width(self, layout: Layout) -> np.ndarray:
         """Column width of each key's bands in `layout` (its TP blocks of dim 1)."""
@@ -88,6 +96,7 @@ def key_index(spec: ModelSpec) -> KeyIndex:
     keys: list[str] = []
     shapes: list[tuple[int, ...]] = []
     cols: list[int] = []
+    stride: list[int] = []
     seen: set[str] = set()
     specs = chunk_param_specs(spec, lay, 0, 0)
     i = 0
@@ -104,6 +113,7 @@ def key_index(spec: ModelSpec) -> KeyIndex:
                     keys.append(q.key.format(e=e))
                     shapes.append(q.logical_shape)
                     cols.append(_cols_axis(q))
+                    stride.append(len(group))
             i = j
             continue
         if p.key not in seen:
@@ -111,6 +121,7 @@ def key_index(spec: ModelSpec) -> KeyIndex:
             keys.append(p.key)
             shapes.append(p.logical_shape)
             cols.append(_cols_axis(p))
+            stride.append(0)
         i += 1
     for k, shp in zip(keys, shapes):
         if len(shp) not in (1, 2):
@@ -122,7 +133,7 @@ def key_index(spec: ModelSpec) -> KeyIndex:
     if len(keys) and nr.max() >= 2 ** _SHIFT:
         raise RoutingError("a logical tensor has more than 2**31 rows")
     return KeyIndex(tuple(keys), {k: i for i, k in enumerate(keys)}, nd, nr, nc, nr * nc,
-                    np.array(cols, np.int64))
+                    np.array(cols, np.int64), np.array(stride, np.int64))
 
 
 def _cols_axis(p) -> int:
@@ -274,6 +285,7 @@ def _key_ids(kidx: KeyIndex, p, ep: int) -> np.ndarray:
 
 def _param_regions(spec: ModelSpec, L: Layout, hs: HolderSets, kidx: KeyIndex) -> _Emitter:
     rows: list[tuple[int, ...]] = []
+    vec: list[tuple] = []
     TP, ETP, EP, EDP, DPCP = L.tp, L.etp, L.ep, L.edp, L.dp_cp
     al = analytic_layout(spec, L)
     ids = kidx.ids
@@ -295,11 +307,10 @@ def _param_regions(spec: ModelSpec, L: Layout, hs: HolderSets, kidx: KeyIndex) -
                             pid, sb = hs.pattern(1, ETP, ETP * EP, EDP), 0
                         else:
                             pid, sb = hs.pattern(ETP * EP, EDP), b
-                        for e in range(EP):
-                            k = ids[p.logical_key(e)]
-                            base = sb + ETP * (e + EP * EDP * pp)
-                            for bx in boxes:
-                                rows.append((k,) + bx + (pid, base, cp))
+                        keys = kidx.expert_ids(p, EP)
+                        base = sb + ETP * (np.arange(EP, dtype=np.int64) + EP * EDP * pp)
+                        for bx in boxes:
+                            vec.append((keys, bx, pid, base, cp))
                         continue
                     if rep:
                         pid, base = hs.pattern(1, TP * DPCP), TP * DPCP * pp
@@ -313,6 +324,12 @@ def _param_regions(spec: ModelSpec, L: Layout, hs: HolderSets, kidx: KeyIndex) -
         a = np.array(rows, np.int64)
         em.add(key=a[:, 0], r0=a[:, 1], r1=a[:, 2], c0=a[:, 3], c1=a[:, 4], pid=a[:, 5],
                base=a[:, 6], copy=a[:, 7])
+    if vec:
+        n = np.array([len(v[0]) for v in vec])
+        bx = np.repeat(np.array([v[1] for v in vec], np.int64), n, axis=0)
+        em.add(key=np.concatenate([v[0] for v in vec]), r0=bx[:, 0], r1=bx[:, 1],
+               c0=bx[:, 2], c1=bx[:, 3], pid=np.repeat([v[2] for v in vec], n),
+               base=np.concatenate([v[3] for v in vec]), copy=np.repeat([v[4] for v in vec], n))
     return em
 
 
@@ -424,8 +441,8 @@ def _buffer_regions(em, buf, specs, kidx, hs, L, pp, single, TP, ETP, EP, EDP, D
         estride = 0
     # every EP rank holds the same expert buffer with its own experts
     ne = EP if buf.is_expert else 1
-    keys2d = np.array([[kidx.ids[p.logical_key(x)] for x in range(ne)] for p in ps],
-                      np.int64).reshape(P, ne)
+    keys2d = np.stack([kidx.expert_ids(p, ne)[:ne] if p.is_expert else
+                       np.full(ne, kidx.ids[p.key], np.int64) for p in ps])
     for sel_rep in (False, True):
         for sel_exp in (False, True):
             m = (rep[pi] == sel_rep) & (expert[pi] == sel_exp)
