@@ -110,3 +110,36 @@ def analytic_vs_live(cases: list[tuple[str, str, dict, bool]]) -> list[dict]:
         out.append(res)
         release(objs)
     return out
+
+
+def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before: int = 2,
+                         steps_after: int = 3, overrides: dict | None = None) -> dict:
+    """Train at A, dist_checkpointing save, build B, load, compare full state, train on."""
+    from dynatrain_megatron.adapters.live import LiveState
+    from dynatrain_megatron.integration import dist_ckpt
+    from dynatrain_megatron.integration.training import Trainer
+    from dynatrain_megatron.transition import gather as G
+
+    kw = dict(global_batch_size=8, micro_batch_size=2, lr=1e-2, min_lr=1e-3, lr_warmup_iters=1,
+              train_iters=steps_before + steps_after)
+    kw.update(overrides or {})
+    train = TrainConfig(**kw)
+    s = spec_variant(model)
+    ta = start_job(s, a, train)
+    for _ in range(steps_before):
+        ta.step()
+    world = ta.objs.groups.pg_collection.intra_dist_opt
+    full_a = G.gather_full_state(LiveState(ta.objs.model, ta.objs.optimizer,
+                                           ta.objs.groups.virtual_rank, s.vocab_size), s, world)
+    dist_ckpt.save(ta.objs, ta.iteration, ta.consumed_samples, ckpt_dir)
+    release(ta.objs)
+    tb = start_job(s, b, train)
+    it, consumed = dist_ckpt.load(tb.objs, ckpt_dir)
+    tb.iteration, tb.consumed_samples = it, consumed
+    world = tb.objs.groups.pg_collection.intra_dist_opt
+    full_b = G.gather_full_state(LiveState(tb.objs.model, tb.objs.optimizer,
+                                           tb.objs.groups.virtual_rank, s.vocab_size), s, world)
+    losses = [tb.step().loss for _ in range(steps_after)]
+    release(tb.objs)
+    diff = None if full_a is None else G.states_equal(full_a, full_b)
+    return dict(losses=losses, state_diff=diff, iteration=it)
