@@ -143,3 +143,57 @@ def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before
     release(tb.objs)
     diff = None if full_a is None else G.states_equal(full_a, full_b)
     return dict(losses=losses, state_diff=diff, iteration=it)
+
+
+def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None) -> list[dict]:
+    """Train at A, switch to B (and back), compare full state bit for bit at each step.
+
+    Each case is (A, B, options) where options may hold placement ("best"/"default"),
+    move_weights, memory_budget, steps_after.
+    """
+    from dynatrain_megatron.adapters.live import LiveState
+    from dynatrain_megatron.integration.builders import MegatronBuilder
+    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.vps import Layout
+
+    kw = dict(global_batch_size=8, micro_batch_size=2, lr=1e-2, min_lr=1e-3, lr_warmup_iters=1,
+              train_iters=20)
+    kw.update(overrides or {})
+    train = TrainConfig(**kw)
+    s = spec_variant(model)
+    builder = MegatronBuilder(s, train)
+    world = dist.get_world_size()
+
+    def full(tr):
+        objs = tr.objs
+        return G.gather_full_state(LiveState(objs.model, objs.optimizer, objs.groups.virtual_rank,
+                                             s.vocab_size), s, objs.groups.pg_collection.intra_dist_opt)
+
+    out = []
+    for a, b, opts in cases:
+        tr = start_job(s, a, train)
+        for _ in range(2):
+            tr.step()
+        la, pa = tr.objs.layout, tr.objs.groups.placement
+        before = full(tr)
+        lb = Layout.parse(b, world)
+        tr, res = switch_trainer(tr, builder, la, pa, lb, placement=opts.get("placement", "best"),
+                                 ranks_per_node=opts.get("ranks_per_node", 4),
+                                 memory_budget=opts.get("memory_budget"),
+                                 move_weights=opts.get("move_weights", False))
+        after = full(tr)
+        r = res.report
+        rec = dict(a=a, b=str(lb), diff=None if before is None else G.states_equal(before, after),
+                   moved=r.bytes_moved, lower=r.lower_bound_bytes, rounds=r.rounds,
+                   peak=r.peak_staging_bytes, sent=r.sent_bytes, recv=r.recv_bytes,
+                   placement=r.placement, phases=r.phases, iteration=tr.iteration)
+        if opts.get("back"):
+            tr, res2 = switch_trainer(tr, builder, tr.objs.layout, tr.objs.groups.placement, la,
+                                      ranks_per_node=opts.get("ranks_per_node", 4))
+            again = full(tr)
+            rec["back_diff"] = None if before is None else G.states_equal(before, again)
+        rec["losses"] = [tr.step().loss for _ in range(opts.get("steps_after", 0))]
+        release(tr.objs)
+        out.append(rec)
+    return out

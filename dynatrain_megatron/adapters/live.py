@@ -206,13 +206,20 @@ class LiveState:
             return self.params[chunk][local_name].detach()[local_box.slices()]
         start, end, states = self.opt_ranges[(chunk, local_name)]
         shape = tuple(self.params[chunk][local_name].shape)
-        flat = int(np.ravel_multi_index(local_box.offsets, shape)) - start
-        if flat < 0 or flat + local_box.numel > end - start:
+        first = int(np.ravel_multi_index(local_box.offsets, shape))
+        last = int(np.ravel_multi_index(tuple(o + n - 1 for o, n in
+                                              zip(local_box.offsets, local_box.shape)), shape))
+        if first < start or last >= end:
             raise FragmentMismatchError(
                 f"rank {self.rank}: {kind} box {local_box} of c{chunk}:{local_name} is outside "
                 f"its owned range [{start}, {end})")
+        # the 1-D shard holds flat elements [start, end) of the local tensor; a box inside it
+        # is a strided view with the local tensor's row-major strides (it need not be
+        # contiguous: a plan may cut columns out of a shard)
+        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
         # detached: for fp32 models the main shard is a view of the (grad-requiring) weight
-        return states[_OPT_STATE_KEY[kind]].detach()[flat:flat + local_box.numel].view(local_box.shape)
+        shard = states[_OPT_STATE_KEY[kind]].detach()
+        return shard.as_strided(local_box.shape, strides, shard.storage_offset() + first - start)
 
     def write(self, kind: str, chunk: int, local_name: str, local_box: Box,
               data: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from ..vps.layout import Layout
-from ..vps.placement import Placement
+from ..vps.placement import Placement, is_rank_ordered
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,9 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     placement = placement or Placement.default(layout.world_size)
+    if not is_rank_ordered(layout, placement):
+        raise ValueError(f"placement {placement} of {layout} is not rank-ordered: torch numbers "
+                         f"group members by sorted rank, so megatron would see other coordinates")
     if len(placement.devices) != layout.world_size:
         raise ValueError(f"placement has {len(placement.devices)} devices, layout {layout} needs "
                          f"{layout.world_size}")

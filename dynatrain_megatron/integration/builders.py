@@ -254,4 +254,10 @@ class MegatronBuilder:
         return bucket_size_of(self.train, layout)
 
     def build(self, layout: Layout, groups: ParallelGroups, init_weights: bool = True) -> TrainingObjects:
+        from ..elastic.groups import install
+
+        # megatron-core 0.16.1 still reads some ranks (e.g. the pipeline layer offset) from
+        # parallel_state globals at construction: point them at B's groups first (A's live
+        # objects keep their own group references)
+        install(groups)
         return build_training_objects(self.spec, layout, groups, self.train, init_weights=init_weights)

@@ -118,7 +118,10 @@ class PlanStats:
     the plan moves nothing twice and nothing that was already in place.
     `balance_bound_bytes` is a lower bound on any plan's largest per-device traffic
     for this placement: max over devices of what it must receive, and of what it must
-    send because it holds the only copy.
+    send because it holds the only copy, and `group_send_bound_bytes`: for every
+    source holder set, the bytes that must leave the set, shared evenly by its members.
+    `group_send_inter_bound_bytes` is the same for the bytes that must leave over NICs
+    (receivers with no holder on their node).
     """
 
     kinds: tuple[str, ...]
@@ -137,6 +140,8 @@ class PlanStats:
     max_recv_inter_bytes: int
     max_traffic_bytes: int  # max over devices of max(send, recv)
     balance_bound_bytes: int
+    group_send_bound_bytes: int
+    group_send_inter_bound_bytes: int
     num_pieces: int
     num_local_pieces: int
     num_src_devices: int
@@ -300,7 +305,6 @@ def validate_plan(plan: Plan, max_errors: int = 50) -> list[str]:
     from collections import defaultdict
 
     from ..vps.analytic import analytic_layout
-    from ..vps.fragment import _overlaps
 
     g = plan.geometry
     al_a = analytic_layout(plan.spec, plan.src_layout, g.bucket_src)
@@ -347,10 +351,9 @@ def validate_plan(plan: Plan, max_errors: int = 50) -> list[str]:
             boxes = [p.box for p in got.get(k, ())]
             vol = sum(b.numel for b in boxes)
             want = sum(f.box.numel for f in frs)
-            ov = _overlaps(boxes)
+            ov = _first_overlap(boxes)
             if ov:
-                errs.append(f"device {d} {k[0]}/{k[1]}: pieces {ov[0][0]} and {ov[0][1]} "
-                            f"overlap")
+                errs.append(f"device {d} {k[0]}/{k[1]}: pieces {ov[0]} and {ov[1]} overlap")
             elif vol != want:
                 errs.append(f"device {d} {k[0]}/{k[1]}: pieces cover {vol} of {want} "
                             f"elements")
@@ -360,6 +363,19 @@ def validate_plan(plan: Plan, max_errors: int = 50) -> list[str]:
         if len(errs) >= max_errors:
             return errs[:max_errors] + ["... (more errors not listed)"]
     return errs
+
+
+def _first_overlap(boxes: list[Box]) -> Optional[tuple[Box, Box]]:
+    """Two overlapping boxes of one tensor, if any (sweep along dim 0)."""
+    active: list[Box] = []
+    for b in sorted(boxes, key=lambda x: x.offsets):
+        o0 = b.offsets[0] if b.ndim else 0
+        active = [a for a in active if not a.ndim or a.offsets[0] + a.shape[0] > o0]
+        for a in active:
+            if a.intersect(b) is not None:
+                return a, b
+        active.append(b)
+    return None
 
 
 __all__ = ["Piece", "PlanStats", "DeviceTraffic", "Plan", "validate_plan"]

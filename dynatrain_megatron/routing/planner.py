@@ -23,7 +23,7 @@ How it works, in two halves (neither loops over ranks or rank pairs):
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -77,6 +77,7 @@ class Geometry:
     rp_c0: np.ndarray
     rp_c1: np.ndarray
     need_numel: tuple[int, ...]  # per class: elements all destination devices hold in B
+    _cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_set_pairs(self) -> int:
@@ -93,6 +94,13 @@ class Geometry:
 
     def p_npairs(self) -> np.ndarray:
         return np.diff(self.p_off)
+
+    def all_members(self, side: str) -> tuple[np.ndarray, np.ndarray]:
+        """`members(side, every set pair)`, computed once."""
+        got = self._cache.get(side)
+        if got is None:
+            got = self._cache[side] = self.members(side, np.arange(self.num_set_pairs))
+        return got
 
     def members(self, side: str, ps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """CSR (offsets, virtual ranks) of the source (`side="src"`) or destination holder
@@ -291,13 +299,26 @@ def _group_rank(keys: np.ndarray) -> np.ndarray:
     return out
 
 
+def _water_fill(load: np.ndarray, v: int, m: int) -> np.ndarray:
+    """Holder index of each of `m` items of size `v`, as the greedy "next item to the
+    least loaded holder (ties: lowest index)" would give, computed at once: the items go
+    to the m smallest values of load[i] + j*v over holders i and counts j."""
+    n = len(load)
+    if v <= 0:
+        return np.arange(m) % n
+    jmax = min(m, -(-m // n) + int((load.max() - load.min()) // v) + 1)
+    lv = load[:, None] + v * np.arange(jmax)[None, :]
+    flat = np.lexsort((np.repeat(np.arange(n), jmax), lv.ravel()))[:m]
+    return flat // jmax
+
+
 def assign(geom: Geometry, dev_a: np.ndarray, dev_b: np.ndarray, rpn: int):
     """Rows (set pair, dst device, src device) for placements `dev_a`/`dev_b` (arrays
     virtual rank -> device), plus the per-row flags needed for statistics."""
     nP = geom.num_set_pairs
     ps = np.arange(nP)
-    s_off, s_mem = geom.members("src", ps)
-    d_off, d_mem = geom.members("dst", ps)
+    s_off, s_mem = geom.all_members("src")
+    d_off, d_mem = geom.all_members("dst")
     s_n, d_n = np.diff(s_off), np.diff(d_off)
     sp = np.repeat(ps, s_n)
     sdev = dev_a[s_mem]
@@ -320,20 +341,41 @@ def assign(geom: Geometry, dev_a: np.ndarray, dev_b: np.ndarray, rpn: int):
     lo = np.searchsorted(kn, qn, "left")
     hi = np.searchsorted(kn, qn, "right")
     same = hi > lo
-    # rotation per source set: remote rows already given to earlier set pairs of the set
-    nrem = np.bincount(p_r, minlength=nP)
-    gkey = geom.p_cls * (int(max(geom.p_sa.max(initial=0), 0)) + 1) + geom.p_sa
-    order = np.lexsort((ps, gkey))
-    cs = np.cumsum(nrem[order]) - nrem[order]
-    gs = np.r_[True, gkey[order][1:] != gkey[order][:-1]] if nP else np.zeros(0, bool)
-    base = np.maximum.accumulate(np.where(gs, cs, 0)) if nP else cs
-    rot = np.empty(nP, np.int64)
-    rot[order] = cs - base
-    j = _group_rank(p_r)
-    jn = _group_rank(qn)
-    rr = rot[p_r]
-    idx = np.where(same, lo + (jn + rr) % np.maximum(hi - lo, 1),
-                   s_off[p_r] + (j + rr) % np.maximum(s_n[p_r], 1))
+    # forced sources (one holder) first; they set the starting loads
+    idx = np.where(s_n[p_r] == 1, s_off[p_r], -1)
+    vb = geom.p_numel * geom.p_bytes_per_element()
+    load = np.zeros((2, M), np.int64)  # [0]: intra-node sends, [1]: inter-node sends
+    f = idx >= 0
+    np.add.at(load, ((snode[idx[f]] != d_r[f] // rpn).astype(np.int64), sdev[idx[f]]),
+              vb[p_r[f]])
+    # several holders: set pairs by decreasing bytes, each spreads its receivers over its
+    # holders in increasing order of their current load (same node first, as NVLink is
+    # ~10x the NIC): a longest-processing-time greedy, vectorised inside a set pair
+    multi = np.flatnonzero(s_n > 1)
+    if len(multi):
+        rows_of = np.argsort(p_r, kind="stable")
+        bounds = np.searchsorted(p_r[rows_of], np.arange(nP + 1))
+        for p in multi[np.lexsort((multi, -vb[multi]))]:
+            rr = rows_of[bounds[p]:bounds[p + 1]]
+            if not len(rr):
+                continue
+            a, b = s_off[p], s_off[p + 1]
+            sd, sn = sdev[a:b], snode[a:b]
+            sm = same[rr]
+            if sm.any():  # receivers with holders on their node: least loaded of those
+                r2 = rr[sm]
+                o = np.lexsort((sd, load[0, sd], sn))  # by node, then load
+                nodes = d_r[r2] // rpn
+                l2 = np.searchsorted(sn[o], nodes, "left")
+                c2 = np.searchsorted(sn[o], nodes, "right") - l2
+                pick = a + o[l2 + _group_rank(nodes) % c2]
+                idx[r2] = pick
+                np.add.at(load[0], sdev[pick], vb[p])
+            r3 = rr[~sm]
+            if len(r3):  # the others: one at a time to the least NIC-loaded holder
+                pick = a + _water_fill(load[1, sd], int(vb[p]), len(r3))
+                idx[r3] = pick
+                np.add.at(load[1], sdev[pick], vb[p])
     rsrc = rdst.copy()
     rsrc[rem] = sdev[idx]
     forced = np.zeros(len(rp), bool)
@@ -369,6 +411,17 @@ def _stats(geom: Geometry, rp, rdst, rsrc, forced, no_same, rpn, src_pl, dst_pl)
     need = sum(n * sum(geom.itemsize[k] for k in ks)
                for n, ks in zip(geom.need_numel, geom.class_kinds))
     local_b = int(byts[local].sum())
+    # bytes that must leave each source set over NICs, shared at best evenly by its members
+    nsa = int(geom.p_sa.max(initial=0)) + 1
+    gk = geom.p_cls * nsa + geom.p_sa
+    m = net & no_same
+    gsum = np.bincount(gk[rp[m]], weights=byts[m], minlength=int(gk.max(initial=0)) + 1)
+    gsize = np.zeros(len(gsum), np.int64)
+    if len(gk):
+        gsize[gk] = np.diff(geom.all_members("src")[0])
+    group = int(np.ceil(gsum / np.maximum(gsize, 1)).max(initial=0))
+    gall = np.bincount(gk[rp[net]], weights=byts[net], minlength=len(gsize))
+    group_all = int(np.ceil(gall / np.maximum(gsize, 1)).max(initial=0))
     npairs, nk = geom.p_npairs(), geom.p_kinds()
     send, recv = tr.send, tr.recv
     force = tr.forced_send_intra + tr.forced_send_inter
@@ -383,7 +436,8 @@ def _stats(geom: Geometry, rp, rdst, rsrc, forced, no_same, rpn, src_pl, dst_pl)
         max_recv_intra_bytes=int(tr.recv_intra.max(initial=0)),
         max_recv_inter_bytes=int(tr.recv_inter.max(initial=0)),
         max_traffic_bytes=int(np.maximum(send, recv).max(initial=0)),
-        balance_bound_bytes=int(np.maximum(recv, force).max(initial=0)),
+        balance_bound_bytes=max(int(np.maximum(recv, force).max(initial=0)), group_all),
+        group_send_bound_bytes=group_all, group_send_inter_bound_bytes=group,
         num_pieces=int((npairs[rp[net]] * nk[rp[net]]).sum()),
         num_local_pieces=int((npairs[rp[local]] * nk[rp[local]]).sum()),
         num_src_devices=len(src_pl.devices), num_dst_devices=len(dst_pl.devices))
@@ -449,4 +503,13 @@ def plan_for(geom: Geometry, pa: Placement, pb: Placement, rpn: int) -> Plan:
                 rp, rdst, rsrc, stats, tr)
 
 
-__all__ = ["Geometry", "geometry", "assign", "build_plan", "plan_for"]
+__all__ = ["Geometry", "geometry", "assign", "build_plan", "plan_for", "clear_caches"]
+
+
+def clear_caches() -> None:
+    """Drop every memoised table and plan (for cold-start timings)."""
+    from ..vps import analytic, naming
+    from . import regions
+    for f in (_build_plan, geometry, _local_map, regions.region_table, regions.key_index,
+              analytic.analytic_layout, naming.chunk_param_specs, naming.logical_tensors):
+        f.cache_clear()

@@ -103,17 +103,14 @@ def key_index(spec: ModelSpec) -> KeyIndex:
     while i < len(specs):
         p = specs[i]
         if p.is_expert:  # the run of one expert's params, repeated for every expert
-            j = i
-            while j < len(specs) and specs[j].is_expert and specs[j].local_expert == 0 \
-                    and specs[j].key.split("{e}")[0] == p.key.split("{e}")[0]:
+            j = i  # the experts of one layer are consecutive (norms separate layers)
+            while j < len(specs) and specs[j].is_expert:
                 j += 1
             group = specs[i:j]
-            for e in range(E):
-                for q in group:
-                    keys.append(q.key.format(e=e))
-                    shapes.append(q.logical_shape)
-                    cols.append(_cols_axis(q))
-                    stride.append(len(group))
+            keys += [q.key.format(e=e) for e in range(E) for q in group]
+            shapes += [q.logical_shape for q in group] * E
+            cols += [_cols_axis(q) for q in group] * E
+            stride += [len(group)] * (len(group) * E)
             i = j
             continue
         if p.key not in seen:
@@ -258,6 +255,8 @@ class RegionTable:
 
 
 class _Emitter:
+    """Columns of regions under construction: (pattern, base) name the holder set."""
+
     def __init__(self) -> None:
         self.cols: dict[str, list[np.ndarray]] = {k: [] for k in
                                                   ("key", "r0", "r1", "c0", "c1", "pid",
@@ -277,15 +276,10 @@ def _fake_coords(b: int, pp: int) -> RankCoords:
     return RankCoords(rank=0, tp=b, cp=0, dp=0, pp=pp, etp=b, ep=0, edp=0, dp_cp=0)
 
 
-def _key_ids(kidx: KeyIndex, p, ep: int) -> np.ndarray:
-    if not p.is_expert:
-        return np.array([kidx.ids[p.key]], np.int64)
-    return np.array([kidx.ids[p.logical_key(e)] for e in range(ep)], np.int64)
-
-
 def _param_regions(spec: ModelSpec, L: Layout, hs: HolderSets, kidx: KeyIndex) -> _Emitter:
     rows: list[tuple[int, ...]] = []
     vec: list[tuple] = []
+    memo: dict[tuple, list[tuple[int, int, int, int]]] = {}
     TP, ETP, EP, EDP, DPCP = L.tp, L.etp, L.ep, L.edp, L.dp_cp
     al = analytic_layout(spec, L)
     ids = kidx.ids
@@ -295,20 +289,20 @@ def _param_regions(spec: ModelSpec, L: Layout, hs: HolderSets, kidx: KeyIndex) -
                 rep = p.rule == "rep"
                 n = 1 if rep else (TP if p.axis == "tp" else ETP)
                 cp = int(p.tied_copy)
+                if p.is_expert:
+                    keys = kidx.expert_ids(p, EP)
+                    erange = np.arange(EP, dtype=np.int64)
                 for b in range(n):
-                    blocks = local_blocks(p, spec, L, _fake_coords(b, pp))
-                    boxes = []
-                    for blk in blocks:
-                        o, sh = blk.logical.offsets, blk.logical.shape
-                        boxes.append((o[0], o[0] + sh[0]) + ((o[1], o[1] + sh[1])
-                                                              if len(o) == 2 else (0, 1)))
+                    mk = (p.rule, p.local_shape, p.logical_shape, b)
+                    boxes = memo.get(mk)
+                    if boxes is None:
+                        boxes = memo[mk] = _block_boxes(p, spec, L, b, pp)
                     if p.is_expert:
                         if rep:
                             pid, sb = hs.pattern(1, ETP, ETP * EP, EDP), 0
                         else:
                             pid, sb = hs.pattern(ETP * EP, EDP), b
-                        keys = kidx.expert_ids(p, EP)
-                        base = sb + ETP * (np.arange(EP, dtype=np.int64) + EP * EDP * pp)
+                        base = sb + ETP * (erange + EP * EDP * pp)
                         for bx in boxes:
                             vec.append((keys, bx, pid, base, cp))
                         continue
@@ -331,6 +325,15 @@ def _param_regions(spec: ModelSpec, L: Layout, hs: HolderSets, kidx: KeyIndex) -
                c0=bx[:, 2], c1=bx[:, 3], pid=np.repeat([v[2] for v in vec], n),
                base=np.concatenate([v[3] for v in vec]), copy=np.repeat([v[4] for v in vec], n))
     return em
+
+
+def _block_boxes(p, spec: ModelSpec, L: Layout, b: int, pp: int) -> list[tuple[int, ...]]:
+    """(r0, r1, c0, c1) of the logical boxes of param `p` on TP/ETP coordinate `b`."""
+    out = []
+    for blk in local_blocks(p, spec, L, _fake_coords(b, pp)):
+        o, sh = blk.logical.offsets, blk.logical.shape
+        out.append((o[0], o[0] + sh[0]) + ((o[1], o[1] + sh[1]) if len(o) == 2 else (0, 1)))
+    return out
 
 
 def _flat_to_boxes(s: np.ndarray, e: np.ndarray, C: np.ndarray):

@@ -40,3 +40,37 @@ class Placement:
 
     def __str__(self) -> str:
         return "default" if self.is_default and self.devices[0] == 0 else str(list(self.devices))
+
+
+def _grids(layout, devices) -> list:
+    import numpy as np
+
+    d = np.asarray(devices)
+    L = layout
+    return [d.reshape(L.pp, L.dp, L.cp, L.tp), d.reshape(L.pp, L.edp, L.ep, L.etp)]
+
+
+def is_rank_ordered(layout, placement: "Placement") -> bool:
+    """True when, in every process group of the layout, devices ascend with the group's
+    coordinate. torch.distributed numbers a group's members by sorted global rank and
+    megatron-core reads TP/PP/DP/EP ranks from the groups, so only such placements make
+    megatron's coordinates equal the layout's virtual ones."""
+    import numpy as np
+
+    for g in _grids(layout, placement.devices):
+        for axis in range(g.ndim):
+            if g.shape[axis] > 1 and not bool((np.diff(g, axis=axis) > 0).all()):
+                return False
+    return True
+
+
+def rank_ordered(layout, placement: "Placement") -> "Placement":
+    """The closest rank-ordered placement on the same devices: sort the dense grid along
+    every axis (sorting along one axis keeps the others sorted), keeping each device's
+    neighbourhood as far as possible. May still fail the expert grid: check the result."""
+    import numpy as np
+
+    g = _grids(layout, placement.devices)[0].copy()
+    for axis in range(g.ndim):
+        g = np.sort(g, axis=axis)
+    return Placement(tuple(int(x) for x in g.reshape(-1)))

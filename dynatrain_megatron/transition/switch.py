@@ -1,0 +1,242 @@
+"""Switch a live training state from layout A to layout B, in memory, at a step boundary.
+
+Order of a switch (every rank of the union of A's and B's devices calls `switch_layout`):
+  1. validate B against the model and the world (nothing has moved yet);
+  2. choose B's placement (which device takes which virtual rank) or take the default;
+  3. B's process groups (prebuilt in the background by the device manager, or built now);
+  4. build B's model/DDP/optimizer on B's groups without initialising weights;
+  5. bind A's and B's live state and check both against the analytic layouts;
+  6. plan (identical on every rank, no metadata exchange) and schedule under the budget;
+  7. execute: local copies, then one batched exchange per round;
+  8. rebuild weights from fp32 masters where we chose not to move them, carry scalars
+     (optimizer step, LR scheduler, grad scaler, iteration, consumed samples);
+  9. release A's objects and groups.
+`transition` never imports `integration`: the caller passes a *builder* and a group factory.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..adapters.live import LiveState, optimizers_of
+from ..adapters.verify import check_live_matches_analytic
+from ..routing.placement import choose_placement
+from ..routing.planner import build_plan
+from ..routing.schedule import schedule
+from ..vps.analytic import analytic_layout
+from ..vps.box import Box
+from ..vps.errors import LayoutError
+from ..vps.fragment import KINDS, OPT_KINDS
+from ..vps.layout import Layout
+from ..vps.model_spec import ModelSpec
+from ..vps.placement import Placement, is_rank_ordered, rank_ordered
+from .executor import Executor
+from .transport import TorchP2PTransport, Transport
+
+log = logging.getLogger(__name__)
+
+
+class Builder(Protocol):
+    spec: ModelSpec
+
+    def bucket_size(self, layout: Layout) -> Optional[int]: ...
+
+    def build(self, layout: Layout, groups: Any, init_weights: bool = True) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Scalars:
+    """Training state that is not a tensor of the VPS."""
+
+    iteration: int
+    consumed_samples: int
+    optimizer_step: Optional[float]
+    scheduler: dict
+    grad_scaler: Optional[dict]
+
+
+@dataclass
+class SwitchReport:
+    """What a switch did, for logs and benchmarks (this rank's view plus plan totals)."""
+
+    src: str
+    dst: str
+    placement: str
+    default_placement_bytes: int = 0
+    bytes_moved: int = 0
+    lower_bound_bytes: int = 0
+    local_bytes: int = 0
+    rounds: int = 0
+    peak_staging_bytes: int = 0
+    sent_bytes: int = 0
+    recv_bytes: int = 0
+    phases: dict = field(default_factory=dict)
+
+    @property
+    def pause_seconds(self) -> float:
+        return sum(v for k, v in self.phases.items() if k != "groups")
+
+
+@dataclass
+class SwitchResult:
+    objs: Any  # the builder's objects at B, or None on a rank that is not in B
+    layout: Layout
+    placement: Placement
+    groups: Any
+    scalars: Scalars
+    report: SwitchReport
+
+
+def _placement_of(objs) -> Placement:
+    return objs.groups.placement
+
+
+def read_scalars(objs, iteration: int, consumed_samples: int) -> Scalars:
+    step = None
+    for opt in optimizers_of(objs.optimizer):
+        for st in opt.optimizer.state.values():
+            if "step" in st:
+                step = float(st["step"])
+                break
+        if step is not None:
+            break
+    scaler = getattr(objs.optimizer, "grad_scaler", None)
+    return Scalars(iteration, consumed_samples, step, objs.scheduler.state_dict(),
+                   scaler.state_dict() if scaler is not None else None)
+
+
+def write_scalars(objs, s: Scalars) -> None:
+    """Optimizer step (one per parameter, for Adam's bias correction), scheduler, scaler."""
+    for opt in optimizers_of(objs.optimizer):
+        for st in opt.optimizer.state.values():
+            if "step" in st and s.optimizer_step is not None:
+                st["step"] = torch.tensor(s.optimizer_step, dtype=torch.float32)
+    objs.scheduler.load_state_dict(dict(s.scheduler))
+    scaler = getattr(objs.optimizer, "grad_scaler", None)
+    if scaler is not None and s.grad_scaler is not None:
+        scaler.load_state_dict(s.grad_scaler)
+
+
+def rebuild_weights_from_masters(objs) -> None:
+    """bf16/fp32 weights from the fp32 masters: copy each owned main shard into the
+    parameter buffer, then all-gather the buffer over DP (megatron's own param sync)."""
+    for opt in optimizers_of(objs.optimizer):
+        opt._copy_main_params_to_model_params()
+    for m in objs.model:
+        m.start_param_sync(force_sync=True)
+
+
+def _best_rank_ordered(spec, src, src_placement, dst, devices, kinds, ranks_per_node,
+                       bucket_size) -> Placement:
+    """The planner's placement, made rank-ordered (see vps.placement.is_rank_ordered); the
+    default order when that moves fewer bytes or cannot be ordered."""
+    default = Placement(tuple(devices))
+    chosen = choose_placement(spec, src, src_placement, dst, devices,
+                              ranks_per_node=ranks_per_node, bucket_size=bucket_size, kinds=kinds)
+    if not is_rank_ordered(dst, chosen):
+        chosen = rank_ordered(dst, chosen)
+        if not is_rank_ordered(dst, chosen):
+            return default
+
+    def moved(pl: Placement) -> int:
+        return build_plan(spec, (src, src_placement), (dst, pl), kinds=kinds,
+                          ranks_per_node=ranks_per_node, bucket_size=bucket_size).stats.moved_bytes
+
+    return chosen if moved(chosen) < moved(default) else default
+
+
+def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
+                  src_placement: Placement, dst: Layout, make_groups: Callable,
+                  scalars: Optional[Scalars], *, dst_devices: Optional[Sequence[int]] = None,
+                  placement: str = "best", ranks_per_node: int = 8,
+                  memory_budget: Optional[int] = None, move_weights: bool = False,
+                  new_groups: Any = None, transport: Optional[Transport] = None,
+                  verify: bool = True) -> SwitchResult:
+    """Switch this rank from `src` to `dst`. Collective over the default (world) group.
+
+    `old_objs` is None on a rank that holds nothing at A (a joining rank). `make_groups(
+    layout, placement)` builds B's groups (collective) unless `new_groups` is given.
+    `move_weights=False` moves only the optimizer kinds and rebuilds the weights from the
+    fp32 masters (fewer bytes: weights are replicated over DP, masters are not).
+    """
+    t = time.perf_counter
+    phases: dict[str, float] = {}
+    t0 = t()
+    me = dist.get_rank()
+    dst.check_model(spec)
+    devices = tuple(dst_devices) if dst_devices is not None else tuple(range(dst.world_size))
+    if len(devices) != dst.world_size:
+        raise LayoutError(f"layout {dst} needs {dst.world_size} devices, got {len(devices)}")
+    if max(devices) >= dist.get_world_size():
+        raise LayoutError(f"devices {devices} exceed the world of {dist.get_world_size()} ranks")
+    bs_a, bs_b = builder.bucket_size(src), builder.bucket_size(dst)
+    kinds = KINDS if move_weights else OPT_KINDS
+    dst_placement = Placement(devices)
+    if placement != "default":
+        dst_placement = _best_rank_ordered(spec, src, src_placement, dst, devices, kinds,
+                                           ranks_per_node, (bs_a, bs_b))
+    phases["placement"] = t() - t0
+
+    t1 = t()
+    groups = new_groups if new_groups is not None else make_groups(dst, dst_placement)
+    phases["groups"] = t() - t1
+
+    t2 = t()
+    vr_b = dst_placement.virtual_rank(me)
+    new_objs = builder.build(dst, groups, init_weights=False) if vr_b is not None else None
+    phases["build"] = t() - t2
+
+    t3 = t()
+    vr_a = src_placement.virtual_rank(me)
+    old_live = (LiveState(old_objs.model, old_objs.optimizer, vr_a, spec.vocab_size)
+                if old_objs is not None and vr_a is not None else None)
+    new_live = (LiveState(new_objs.model, new_objs.optimizer, vr_b, spec.vocab_size)
+                if new_objs is not None else None)
+    if verify:
+        if old_live is not None:
+            check_live_matches_analytic(old_live.fragments(kinds),
+                                        analytic_layout(spec, src, bs_a).fragments(vr_a, kinds), vr_a)
+        if new_live is not None:
+            check_live_matches_analytic(new_live.fragments(kinds),
+                                        analytic_layout(spec, dst, bs_b).fragments(vr_b, kinds), vr_b)
+    phases["bind"] = t() - t3
+
+    t4 = t()
+    plan = build_plan(spec, (src, src_placement), (dst, dst_placement), kinds=kinds,
+                      ranks_per_node=ranks_per_node, bucket_size=(bs_a, bs_b))
+    rounds = schedule(plan, memory_budget)
+    phases["plan"] = t() - t4
+
+    t5 = t()
+    ex = Executor(me, transport or TorchP2PTransport(),
+                  src_view=lambda p: old_live.view(p.kind, p.src_chunk, p.src_local_name, p.src_local_box),
+                  dst_view=lambda p: new_live.view(p.kind, p.dst_chunk, p.dst_local_name, p.dst_local_box))
+    ex.run_local([p for p in plan.pieces_for(me) if p.is_local])
+    for rnd in rounds:
+        ex.run_round(rnd.sends(me) + rnd.recvs(me))
+    phases["transfer"] = t() - t5
+
+    t6 = t()
+    # scalars: every rank of A holds them; the first device of A tells everyone
+    box = [scalars]
+    dist.broadcast_object_list(box, src=src_placement.devices[0])
+    scalars = box[0]
+    if new_objs is not None:
+        if not move_weights:
+            rebuild_weights_from_masters(new_objs)
+        write_scalars(new_objs, scalars)
+    phases["rebuild"] = t() - t6
+
+    stats = plan.stats
+    report = SwitchReport(src=str(src), dst=str(dst), placement=str(dst_placement),
+                          bytes_moved=stats.moved_bytes, lower_bound_bytes=stats.lower_bound_bytes,
+                          local_bytes=stats.local_bytes, rounds=len(rounds),
+                          peak_staging_bytes=ex.stats.peak_staging_bytes,
+                          sent_bytes=ex.stats.sent_bytes, recv_bytes=ex.stats.recv_bytes,
+                          phases=phases)
+    return SwitchResult(new_objs, dst, dst_placement, groups, scalars, report)

@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""Resharding benchmark at 70B / 235B scale: every scenario of configs/scenarios, planned.
+
+For each scenario (cold caches, one core): plan both layouts, choose the placement, plan
+the default placement too, schedule, and estimate the switch under the link model next
+to its bandwidth lower bound and the checkpoint path. Writes docs/bench/reshard.md (the
+table), docs/bench/reshard.json (every figure), and, when matplotlib is importable,
+docs/bench/reshard_times.png (estimate vs lower bound vs checkpoint, per scenario) and
+docs/bench/reshard_heatmap.png (bytes between nodes, default vs chosen placement, for
+one scenario).
+
+    python scripts/bench_reshard.py [--scenarios GLOB] [--out docs/bench]
+        [--heatmap llama70b-pp4-to-pp8] [--repeat 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dynatrain_megatron.routing import clear_caches, placement_choice  # noqa: E402
+from dynatrain_megatron.routing.cost import CheckpointModel, LinkModel  # noqa: E402
+from dynatrain_megatron.routing.plan_cli import (parse_bytes, parse_kinds,  # noqa: E402
+                                                 plan_report, resolve_model)
+from dynatrain_megatron.vps.fragment import KINDS  # noqa: E402
+from dynatrain_megatron.vps.layout import Layout  # noqa: E402
+
+import yaml  # noqa: E402
+
+
+def load(path: Path) -> dict:
+    d = yaml.safe_load(path.read_text())
+    d["file"] = path.stem
+    return d
+
+
+def run(sc: dict, repeat: int) -> dict:
+    spec = resolve_model(sc["model"])
+    wf = sc.get("world_from", sc.get("world"))
+    wt = sc.get("world_to", sc.get("world"))
+    src, dst = Layout.parse(sc["from"], wf), Layout.parse(sc["to"], wt)
+    kinds = parse_kinds(sc["kinds"]) if "kinds" in sc else KINDS
+    budget = parse_bytes(sc["memory_budget"]) if sc.get("memory_budget") else None
+    best = None
+    for _ in range(repeat):
+        clear_caches()
+        r = plan_report(spec, src, dst, kinds=kinds, rpn=int(sc.get("ranks_per_node", 8)),
+                        budget=budget, bucket=sc.get("bucket_size"),
+                        leaving=sc.get("leaving", "planner"))
+        if best is None or r["plan_seconds"] < best["plan_seconds"]:
+            best = r
+    best["scenario"], best["file"] = sc.get("name", sc["file"]), sc["file"]
+    return best
+
+
+def _gb(b: float) -> str:
+    return f"{b / 1e9:,.1f}"
+
+
+def _ms(t: float) -> str:
+    return f"{t * 1e3:,.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    h = ("| scenario | GPUs | kinds | plan (s) | moved (GB) | = lower bound | optimizer state "
+         "moved: chosen / default | max send / recv per GPU (GB) | est. switch (ms) | "
+         "network (ms) | bandwidth LB (ms) | network / LB | est. / LB | checkpoint (s) |")
+    out = [h, "|" + "---|" * (h.count("|") - 1)]
+    for r in rows:
+        gpus = (f"{r['world_from']}" if r["world_from"] == r["world_to"]
+                else f"{r['world_from']}->{r['world_to']}")
+        kinds = "all" if len(r["kinds"]) == 4 else ",".join(r["kinds"])
+        eq = "yes" if r["bytes_moved"] == r["lower_bound_bytes"] else "NO"
+        lb = r["bandwidth_lower_bound_seconds"]
+        out.append(
+            f"| {r['scenario']} | {gpus} | {kinds} | {r['plan_seconds']:.3f} | "
+            f"{_gb(r['bytes_moved'])} | {eq} | {100 * r['moved_fraction_optimizer']:.1f}% / "
+            f"{100 * r['default_moved_fraction_optimizer']:.1f}% | "
+            f"{_gb(r['max_rank_send_bytes'])} / {_gb(r['max_rank_recv_bytes'])} | "
+            f"{_ms(r['estimated_seconds'])} | {_ms(r['network_seconds'])} | {_ms(lb)} | "
+            + (f"{r['network_over_lower_bound']:.2f} | {r['estimated_over_lower_bound']:.2f}"
+               if lb > 0 else "- | -")
+            + f" | {r['checkpoint_estimate_seconds']:.1f} |")
+    return "\n".join(out)
+
+
+def node_matrix(plan) -> np.ndarray:
+    src, dst, kind, el = plan.flows()
+    isz = np.array([plan.itemsize(k) for k in KINDS])[kind]
+    rpn = plan.ranks_per_node
+    n = (max(max(plan.src_devices), max(plan.dst_devices)) // rpn) + 1
+    m = np.zeros((n, n))
+    np.add.at(m, (src // rpn, dst // rpn), el * isz)
+    return m
+
+
+def plots(rows: list[dict], heat: dict, out: Path) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import LogNorm
+    except ImportError:
+        print("matplotlib not importable: no plots (pip install matplotlib)")
+        return []
+    made = []
+    names = [r["scenario"] for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(12, 5.5))
+    w = 0.27
+    # nothing to move over the network: no lower-bound bar (log axis)
+    est = [r["estimated_seconds"] or np.nan for r in rows]
+    lb = [r["bandwidth_lower_bound_seconds"] or np.nan for r in rows]
+    ck = [r["checkpoint_estimate_seconds"] for r in rows]
+    ax.bar(x - w, est, w, label="dynatrain estimate (local copies + rounds)")
+    ax.bar(x, lb, w, label="bandwidth lower bound (network)")
+    ax.bar(x + w, ck, w, label="checkpoint path (write + read + restart)")
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds (log)")
+    ax.set_xticks(x, names, rotation=35, ha="right", fontsize=8)
+    p = rows[0]["parameters"]
+    ax.set_title(f"Layout switch time per scenario (NVLink {p['intra_node_gbps']:g} GB/s, "
+                 f"NIC {p['inter_node_gbps']:g} GB/s per GPU; storage "
+                 f"{p['checkpoint_storage_gbps']:g} GB/s, restart "
+                 f"{p['checkpoint_restart_seconds']:g} s)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    f = out / "reshard_times.png"
+    fig.savefig(f, dpi=110)
+    plt.close(fig)
+    made.append(f.name)
+    if heat:
+        fig, axs = plt.subplots(1, 2, figsize=(12, 5.4))
+        mats = [heat["default"], heat["chosen"]]
+        vmax = max(m.max() for m in mats)
+        vmin = max(min(m[m > 0].min() for m in mats if (m > 0).any()), vmax * 1e-6) \
+            if any((m > 0).any() for m in mats) else 1
+        for a, m, t in zip(axs, mats, ("default placement", "chosen placement")):
+            mm = np.where(m > 0, m, np.nan) / 1e9
+            im = a.imshow(mm, norm=LogNorm(vmin=vmin / 1e9, vmax=vmax / 1e9), cmap="viridis")
+            a.set_title(f"{t}: {np.nansum(mm):,.1f} GB over the network", fontsize=10)
+            a.set_xlabel("destination node")
+            a.set_ylabel("source node")
+        fig.colorbar(im, ax=axs, label="GB from node to node")
+        fig.suptitle(f"Bytes between nodes: {heat['name']}", fontsize=11)
+        f = out / "reshard_heatmap.png"
+        fig.savefig(f, dpi=110)
+        plt.close(fig)
+        made.append(f.name)
+    return made
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenarios", default=str(ROOT / "configs" / "scenarios" / "*.yaml"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
+    ap.add_argument("--heatmap", default="llama70b-pp4-to-pp8",
+                    help="scenario file stem for the node heat map")
+    ap.add_argument("--repeat", type=int, default=1, help="best of N cold runs")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = sorted(Path().glob(a.scenarios) if not Path(a.scenarios).is_absolute()
+                   else Path("/").glob(a.scenarios.lstrip("/")))
+    scs = [load(f) for f in files]
+    scs.sort(key=lambda s: (s["model"], s["file"]))
+    rows = []
+    for sc in scs:
+        r = run(sc, a.repeat)
+        rows.append(r)
+        print(f"{r['scenario']:42s} plan {r['plan_seconds']:.3f} s  est "
+              f"{_ms(r['estimated_seconds'])} ms  LB {_ms(r['bandwidth_lower_bound_seconds'])} "
+              f"ms  opt moved {100 * r['moved_fraction_optimizer']:.1f}% (default "
+              f"{100 * r['default_moved_fraction_optimizer']:.1f}%)", flush=True)
+    heat = {}
+    hs = [s for s in scs if s["file"] == a.heatmap]
+    if hs:
+        sc = hs[0]
+        spec = resolve_model(sc["model"])
+        wf, wt = sc.get("world_from", sc.get("world")), sc.get("world_to", sc.get("world"))
+        ch = placement_choice(spec, Layout.parse(sc["from"], wf), None,
+                              Layout.parse(sc["to"], wt), range(max(wf, wt)))
+        heat = {"name": sc.get("name", sc["file"]), "default": node_matrix(ch.default_plan),
+                "chosen": node_matrix(ch.chosen_plan)}
+    made = plots(rows, heat, out)
+    p = rows[0]["parameters"] if rows else {}
+    lm, cm = LinkModel(), CheckpointModel()
+    md = [
+        "# Resharding benchmark: planned switches at 70B and 235B scale",
+        "",
+        "Generated by `python scripts/bench_reshard.py` (scenarios: `configs/scenarios/`). "
+        "Planning time is measured cold (all caches cleared), on one core of "
+        f"`{platform.processor() or platform.machine()}`, Python {platform.python_version()}; "
+        "it covers both analytic layouts, the placement choice, the plans of the chosen and "
+        "the default placement, and the schedule.",
+        "",
+        f"Link model: NVLink {p.get('intra_node_gbps', lm.intra_node_gbps):g} GB/s and NIC "
+        f"{p.get('inter_node_gbps', lm.inter_node_gbps):g} GB/s per GPU and direction, the two "
+        "links concurrent (a GPU's time is the max over its links of max(send, recv) / "
+        f"bandwidth), a round takes its slowest GPU plus "
+        f"{p.get('round_latency_s', lm.round_latency_s) * 1e6:g} us; local copies first at "
+        f"{p.get('local_copy_gbps', lm.local_copy_gbps):g} GB/s. Checkpoint path: write + "
+        f"read of the full state at {p.get('checkpoint_storage_gbps', cm.storage_gbps):g} GB/s "
+        f"aggregate + {p.get('checkpoint_restart_seconds', cm.restart_seconds):g} s restart. "
+        "The bandwidth lower bound covers the network only (see "
+        "`dynatrain_megatron/routing/cost.py`); `est. / LB` includes the local copies, "
+        "`network / LB` does not. 'moved' counts network bytes; '= lower bound' says whether "
+        "they equal the bytes whose destination GPU does not already hold them. The "
+        "optimizer-state percentage is relative to one copy of main params + Adam moments "
+        "(TP-replicated tensors keep one optimizer copy per TP rank, so it can exceed 100%).",
+        "",
+        table(rows),
+        "",
+    ]
+    md += [f"![{m}]({m})" for m in made]
+    (out / "reshard.md").write_text("\n".join(md) + "\n")
+    (out / "reshard.json").write_text(json.dumps(rows, indent=1, default=float) + "\n")
+    print(f"wrote {out / 'reshard.md'}, {out / 'reshard.json'}"
+          + "".join(f", {out / m}" for m in made))
+
+
+if __name__ == "__main__":
+    main()

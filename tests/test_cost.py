@@ -1,0 +1,150 @@
+"""Cost model, lower bound, checkpoint estimate, and the `dynatrain plan` CLI."""
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from dynatrain_megatron.routing import (CheckpointModel, LinkModel, RoutingError,
+                                        bandwidth_lower_bound, build_plan, build_schedule,
+                                        checkpoint_estimate, estimate)
+from dynatrain_megatron.routing.plan_cli import add_plan_parser, parse_bytes, run_plan
+
+from routing_cases import lay, spec
+
+GB = 1e9
+
+
+def test_round_time_is_its_slowest_device_links_concurrent():
+    m = LinkModel(intra_node_gbps=100, inter_node_gbps=10, round_latency_s=0.001)
+    z = np.zeros(3)
+    si, se = np.array([100e9, 0, 0]), np.array([0, 0, 5e9])
+    ri, re = np.array([0, 50e9, 0]), np.array([0, 0, 20e9])
+    t = m.device_seconds(si, se, ri, re)
+    assert np.allclose(t, [1.0, 0.5, 2.0])  # max(send, recv) per link, max of the links
+    assert m.round_seconds(si, se, ri, re) == pytest.approx(2.001)
+    # NVLink and NIC used together: the max, not the sum
+    assert m.device_seconds(np.array([100e9]), np.array([10e9]), z[:1], z[:1])[0] == 1.0
+
+
+def test_bad_link_model_refused():
+    with pytest.raises(RoutingError):
+        LinkModel(inter_node_gbps=0)
+    with pytest.raises(RoutingError):
+        CheckpointModel(storage_gbps=-1)
+
+
+@pytest.mark.parametrize("pair", [("tp2pp2", "tp1pp4"), ("tp1pp4", "tp1pp1"),
+                                  ("tp2pp2", "tp2pp2")])
+def test_estimate_at_least_the_lower_bound_and_more_rounds_cost_latency(pair):
+    p = build_plan(spec("tiny-gpt"), lay(pair[0], 8), lay(pair[1], 8), ranks_per_node=4)
+    links = LinkModel(intra_node_gbps=1, inter_node_gbps=0.1, round_latency_s=1e-3)
+    one = estimate(build_schedule(p), links)
+    assert one.network_seconds + 1e-12 >= one.bandwidth_lower_bound_seconds
+    assert one.total_seconds == pytest.approx(one.local_copy_seconds + one.network_seconds)
+    if p.stats.moved_bytes:
+        many = estimate(build_schedule(p, 50_000), links)
+        assert many.num_rounds > 1
+        assert many.network_seconds >= one.network_seconds + (many.num_rounds - 2) * 1e-3
+        assert many.peak_staging_bytes <= 50_000
+        # one round, slowest device: recomputed from the plan's per-device bytes
+        t = p.traffic
+        want = links.round_seconds(t.send_intra, t.send_inter, t.recv_intra, t.recv_inter)
+        assert one.rounds_seconds == (pytest.approx(want),)
+    else:
+        assert one.num_rounds == 0 and one.network_seconds == 0
+
+
+def test_checkpoint_estimate_is_full_state_write_read_restart():
+    s = spec("llama3-70b")
+    c = checkpoint_estimate(s, CheckpointModel(storage_gbps=100, restart_seconds=60))
+    n = 70_553_706_496  # Llama-3-70B parameters
+    assert c.state_bytes == n * (2 + 4 + 4 + 4)
+    assert c.write_seconds == pytest.approx(c.state_bytes / 100e9) == c.read_seconds
+    assert c.total_seconds == pytest.approx(2 * c.state_bytes / 100e9 + 60)
+
+
+def test_lower_bound_of_a_forced_inter_node_move():
+    """Disjoint old and new nodes: every byte crosses a NIC; the bound is the busiest
+    receiver's (or only holder's) bytes over the NIC."""
+    from dynatrain_megatron.vps import Placement
+    s = spec("tiny-gpt")
+    p = build_plan(s, (lay("tp2", 2), Placement((0, 1))), (lay("tp2", 2), Placement((8, 9))),
+                   ranks_per_node=8)
+    links = LinkModel(intra_node_gbps=100, inter_node_gbps=1, round_latency_s=0)
+    assert bandwidth_lower_bound(p, links) == pytest.approx(
+        max(p.stats.max_recv_bytes, p.stats.max_send_bytes) / 1e9)
+    assert estimate(build_schedule(p), links).network_ratio_to_lower_bound == pytest.approx(
+        1.0, abs=1e-3)
+
+
+# ---------------------------------------------------------------------------------------
+# the CLI
+# ---------------------------------------------------------------------------------------
+def _args(argv):
+    ap = argparse.ArgumentParser(prog="dynatrain")
+    sub = ap.add_subparsers(dest="command")
+    add_plan_parser(sub)
+    return ap.parse_args(["plan"] + argv)
+
+
+def test_cli_json_has_the_documented_fields(capsys):
+    rc = run_plan(_args(["--model", "tiny-gpt", "--from", "tp1pp2", "--to", "tp1pp4",
+                         "--world", "8", "--json"]))
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    for k in ("plan_seconds", "bytes_moved", "lower_bound_bytes", "max_rank_send_bytes",
+              "max_rank_recv_bytes", "estimated_seconds", "bandwidth_lower_bound_seconds",
+              "checkpoint_estimate_seconds", "peak_extra_bytes_per_rank",
+              "default_bytes_moved", "default_estimated_seconds"):
+        assert k in r, k
+    assert r["bytes_moved"] == r["lower_bound_bytes"] < r["default_bytes_moved"]
+    assert r["parameters"]["inter_node_gbps"] == 50.0
+
+
+def test_cli_text_scale_in_default_placement_and_budget(capsys):
+    rc = run_plan(_args(["--model", "tiny-gpt", "--from", "tp2pp2", "--to", "tp2pp2",
+                         "--world-from", "8", "--world-to", "4", "--memory-budget", "100k",
+                         "--default-placement", "--kinds", "optimizer"]))
+    out = capsys.readouterr().out
+    assert rc == 0 and "planning time" in out and "checkpoint path" in out
+    assert "bandwidth lower bound" in out and "round(s) under a" in out
+
+
+def test_cli_scenario_file(tmp_path, capsys):
+    f = tmp_path / "s.yaml"
+    f.write_text("name: t\nmodel: tiny-moe\nfrom: tp1pp2ep4\nto: tp2pp2ep2etp1\nworld: 8\n"
+                 "kinds: weights\n")
+    assert run_plan(_args(["--scenario", str(f), "--json"])) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["kinds"] == ["param"] and r["scenario"] == "t"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "no-such-model", "--from", "tp1", "--to", "tp2", "--world", "2"],
+     "unknown model"),
+    (["--model", "tiny-gpt", "--from", "tp2pq2", "--to", "tp1", "--world", "4"],
+     "malformed layout"),
+    (["--model", "tiny-gpt", "--from", "tp2pp2", "--to", "tp1", "--world", "6"],
+     "does not divide world size 6"),
+    (["--model", "tiny-gpt", "--from", "tp1", "--to", "tp3", "--world", "3"],
+     "num_attention_heads 8 % tp 3"),
+    (["--model", "tiny-moe", "--from", "tp1", "--to", "tp1ep3", "--world", "3"],
+     "num_moe_experts 8 % ep 3"),
+    (["--model", "tiny-gpt", "--from", "tp1pp3", "--to", "tp1", "--world", "3"],
+     "num_layers 4 % (pp*vpp"),
+    (["--model", "tiny-gpt", "--from", "tp2", "--to", "tp1"], "give its world size"),
+    (["--model", "tiny-gpt", "--from", "tp2", "--to", "tp1", "--world", "8",
+      "--world-to", "4"], "either --world"),
+])
+def test_cli_bad_input_one_line_exit_2(argv, needle, capsys):
+    assert run_plan(_args(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and err.startswith("dynatrain plan: error:")
+
+
+def test_parse_bytes():
+    assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512M") == 512_000_000
+    assert parse_bytes("1000") == 1000 and parse_bytes("1.5GB") == 1_500_000_000
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes("lots")

@@ -1,0 +1,102 @@
+"""Placement: the chosen layout-B placement keeps the most state where it is."""
+import pytest
+
+from dynatrain_megatron.routing import (RoutingError, build_plan, choose_placement,
+                                        placement_choice, validate_plan)
+from dynatrain_megatron.vps import OPT_KINDS, Placement
+
+from routing_cases import brute_lower_bound, lay, spec
+
+
+def test_tiny_pp2_to_pp4_chosen_moves_strictly_fewer_bytes_than_default():
+    """The issue's 8-rank case: tp1pp2dp4 -> tp1pp4dp2."""
+    s = spec("tiny-gpt")
+    A, B = lay("tp1pp2", 8), lay("tp1pp4", 8)
+    ch = placement_choice(s, A, None, B, range(8))
+    assert ch.chosen != ch.default
+    assert ch.chosen_stats.moved_bytes < ch.default_stats.moved_bytes
+    plan = build_plan(s, A, (B, ch.chosen))
+    assert validate_plan(plan) == []
+    assert plan.stats.moved_bytes == brute_lower_bound(s, A, range(8), B, ch.chosen.devices,
+                                                       ("param",) + OPT_KINDS)
+    assert choose_placement(s, A, None, B, range(8)) == ch.chosen
+
+
+@pytest.mark.parametrize("model,text,world", [("tiny-gpt", "tp2pp2", 8),
+                                              ("tiny-moe", "tp2pp2ep2etp1", 8)])
+def test_same_layout_keeps_the_identity(model, text, world):
+    s = spec(model)
+    ch = placement_choice(s, lay(text, world), None, lay(text, world))
+    assert ch.chosen == Placement.default(world) and ch.chosen_stats.moved_bytes == 0
+
+
+def test_same_layout_on_a_permuted_source_placement_follows_the_devices():
+    s = spec("tiny-gpt")
+    L = lay("tp2pp2", 8)
+    pa = Placement((6, 7, 0, 1, 4, 5, 2, 3))
+    ch = placement_choice(s, L, pa, L, range(8), ranks_per_node=2)
+    assert ch.chosen == pa and ch.chosen_stats.moved_bytes == 0
+
+
+def test_llama70b_pp4_to_pp8_moves_at_most_5_percent_of_optimizer_state():
+    s = spec("llama3-70b")
+    ch = placement_choice(s, lay("tp8pp4", 128), None, lay("tp8pp8", 128))
+    assert ch.chosen_stats.moved_fraction(OPT_KINDS) <= 0.05
+    assert ch.default_stats.moved_fraction(OPT_KINDS) >= 0.99
+    assert ch.chosen_stats.moved["param"] == 0  # every device keeps its layers
+    # TP groups stay inside a node, in their TP order
+    d = ch.chosen.devices
+    for u in range(16):
+        grp = d[8 * u:8 * u + 8]
+        assert len({x // 8 for x in grp}) == 1 and list(grp) == sorted(grp)
+
+
+def test_llama70b_scale_in_128_to_96_moves_at_most_35_percent():
+    s = spec("llama3-70b")
+    A, B = lay("tp8pp4", 128), lay("tp8pp4", 96)
+    ch = placement_choice(s, A, None, B, range(128))  # the planner picks who leaves
+    assert ch.chosen_stats.moved_fraction(OPT_KINDS) <= 0.35
+    assert ch.default_stats.moved_fraction(OPT_KINDS) > 0.8
+    assert len(set(ch.chosen.devices)) == 96 and set(ch.chosen.devices) <= set(range(128))
+    pinned = placement_choice(s, A, None, B, range(96))  # the last 32 must leave
+    assert pinned.chosen_stats.moved_bytes <= pinned.default_stats.moved_bytes
+    assert set(pinned.chosen.devices) == set(range(96))
+
+
+def test_scale_out_uses_new_devices_and_validates():
+    s = spec("tiny-gpt")
+    A, B = lay("tp2pp2", 4), lay("tp2pp2", 8)
+    ch = placement_choice(s, A, None, B, range(8), ranks_per_node=4)
+    assert set(ch.chosen.devices) == set(range(8))
+    assert ch.chosen_stats.moved_bytes <= ch.default_stats.moved_bytes
+    assert validate_plan(ch.chosen_plan) == []
+
+
+def test_weights_only_placement_for_rlhf_flip():
+    s = spec("tiny-gpt")
+    ch = placement_choice(s, lay("tp2pp2", 8), None, lay("tp2pp1", 8), kinds=("param",),
+                          ranks_per_node=4)
+    assert ch.chosen_plan.kinds == ("param",)
+    assert validate_plan(ch.chosen_plan) == []
+
+
+def test_deterministic_and_refuses_too_few_devices():
+    s = spec("tiny-moe")
+    A, B = lay("tp1pp2ep4", 8), lay("tp2pp2ep2etp1", 8)
+    assert choose_placement(s, A, None, B) == choose_placement(s, A, None, B)
+    with pytest.raises(RoutingError, match="needs 8 devices"):
+        choose_placement(s, A, None, B, range(6))
+    with pytest.raises(RoutingError, match="unit size 3"):
+        choose_placement(s, A, None, B, unit_size=3)
+
+
+def test_tp_change_refines_ranks_inside_nodes():
+    """tp8 -> tp4: new tp rank j wants the device holding old TP block 2j or 2j+1; the
+    within-node refinement finds it, and TP groups stay inside nodes."""
+    s = spec("llama3-70b")
+    ch = placement_choice(s, lay("tp8pp4", 128), None, lay("tp4pp4", 128))
+    c, d = ch.chosen_stats, ch.default_stats
+    assert c.moved_bytes < 0.6 * d.moved_bytes
+    assert c.moved_fraction(OPT_KINDS) < 0.55 < d.moved_fraction(OPT_KINDS)
+    dev = ch.chosen.devices
+    assert all(len({x // 8 for x in dev[4 * u:4 * u + 4]}) == 1 for u in range(32))
