@@ -112,6 +112,14 @@ def analytic_vs_live(cases: list[tuple[str, str, dict, bool]]) -> list[dict]:
     return out
 
 
+def switch_train_config(overrides: dict | None = None) -> TrainConfig:
+    """One training config for a switch run and its checkpoint-path reference."""
+    kw = dict(global_batch_size=8, micro_batch_size=2, lr=1e-2, min_lr=1e-3, lr_warmup_iters=1,
+              train_iters=20)
+    kw.update(overrides or {})
+    return TrainConfig(**kw)
+
+
 def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before: int = 2,
                          steps_after: int = 3, overrides: dict | None = None) -> dict:
     """Train at A, dist_checkpointing save, build B, load, compare full state, train on."""
@@ -120,10 +128,7 @@ def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before
     from dynatrain_megatron.integration.training import Trainer
     from dynatrain_megatron.transition import gather as G
 
-    kw = dict(global_batch_size=8, micro_batch_size=2, lr=1e-2, min_lr=1e-3, lr_warmup_iters=1,
-              train_iters=steps_before + steps_after)
-    kw.update(overrides or {})
-    train = TrainConfig(**kw)
+    train = switch_train_config(overrides)
     s = spec_variant(model)
     ta = start_job(s, a, train)
     for _ in range(steps_before):
@@ -145,7 +150,8 @@ def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before
     return dict(losses=losses, state_diff=diff, iteration=it)
 
 
-def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None) -> list[dict]:
+def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
+                 ckpt_root: str | None = None) -> list[dict]:
     """Train at A, switch to B (and back), compare full state bit for bit at each step.
 
     Each case is (A, B, options) where options may hold placement ("best"/"default"),
@@ -157,10 +163,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None) 
     from dynatrain_megatron.transition import gather as G
     from dynatrain_megatron.vps import Layout
 
-    kw = dict(global_batch_size=8, micro_batch_size=2, lr=1e-2, min_lr=1e-3, lr_warmup_iters=1,
-              train_iters=20)
-    kw.update(overrides or {})
-    train = TrainConfig(**kw)
+    train = switch_train_config(overrides)
     s = spec_variant(model)
     builder = MegatronBuilder(s, train)
     world = dist.get_world_size()
@@ -195,5 +198,11 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None) 
             rec["back_diff"] = None if before is None else G.states_equal(before, again)
         rec["losses"] = [tr.step().loss for _ in range(opts.get("steps_after", 0))]
         release(tr.objs)
+        if opts.get("ckpt"):
+            import os
+
+            d = os.path.join(ckpt_root, f"{len(out)}-{a}-{b}")
+            ref = checkpoint_path_case(model, a, b, d, 2, opts["steps_after"], overrides)
+            rec["ckpt_losses"] = ref["losses"]
         out.append(rec)
     return out

@@ -40,8 +40,11 @@ def sharded_training_state(objs, iteration: int, consumed_samples: int,
 
 
 def save(objs, iteration: int, consumed_samples: int, ckpt_dir: str) -> None:
+    import os
+
     from megatron.core import dist_checkpointing
 
+    os.makedirs(ckpt_dir, exist_ok=True)
     for m in objs.model:  # bf16 params may lag the DistOpt shards with overlap_param_gather
         if m.ddp_config.overlap_param_gather:
             m.start_param_sync(force_sync=True)

@@ -35,7 +35,7 @@ from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement, is_rank_ordered, rank_ordered
-from .executor import Executor
+from .executor import _ALIGN as _PACK_ALIGN, Executor
 from .transport import TorchP2PTransport, Transport
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     t4 = t()
     plan = build_plan(spec, (src, src_placement), (dst, dst_placement), kinds=kinds,
                       ranks_per_node=ranks_per_node, bucket_size=(bs_a, bs_b))
-    rounds = schedule(plan, memory_budget)
+    rounds = schedule(plan, memory_budget, align=_PACK_ALIGN)
     phases["plan"] = t() - t4
 
     t5 = t()

@@ -1,0 +1,113 @@
+"""Online switch between layouts: bit-exact state, training equal to the checkpoint path,
+bytes at the plan's lower bound, placement, memory budget (issue: Online switch)."""
+import pytest
+
+from dynatrain_megatron.integration.multiproc import run_on_ranks
+from rank_cases import switch_cases
+
+pytestmark = pytest.mark.multirank
+
+# (model, A, B, options)
+DENSE_4 = [
+    ("tp2pp2dp1", "tp1pp4dp1", {"ckpt": True, "steps_after": 5}),  # PP 2->4
+    ("tp2pp2dp1", "tp4pp1dp1", {"move_weights": True}),  # TP 2->4, moving weights too
+    ("tp4pp1dp1", "tp1pp1dp4", {"ckpt": True, "steps_after": 5}),  # TP 4->1, DP 1->4
+    ("tp1pp4dp1", "tp1pp1dp4", {"back": True}),  # PP 4->1
+    ("tp1pp2vpp2dp2", "tp2pp2dp1", {}),  # VPP off
+    ("tp2pp2dp1", "tp1pp2vpp2dp2", {"back": True}),  # VPP on
+    ("tp2pp1dp2", "tp1pp2dp2", {"memory_budget": 64 * 1024}),  # small budget: many rounds
+    ("tp2pp2dp1", "tp2pp2dp1", {}),  # same layout: nothing moves
+]
+MOE_4 = [
+    ("tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4", {"back": True}),  # EP 2->4
+    ("tp2pp1ep2etp1dp2", "tp2pp1ep2etp2dp2", {"ckpt": True, "steps_after": 5}),  # ETP 1->2
+    ("tp2pp1ep2etp1dp2", "tp1pp2ep2etp1dp2", {}),
+]
+DENSE_8 = [
+    ("tp2pp2dp2", "tp1pp4dp2", {"ckpt": True, "steps_after": 5}),
+    ("tp4pp1dp2", "tp2pp2dp2", {}),
+    ("tp1pp2dp4", "tp1pp4dp2", {"placement": "default"}),
+    ("tp1pp2dp4", "tp1pp4dp2", {"placement": "best", "ckpt": True, "steps_after": 5}),
+]
+MOE_8 = [
+    ("tp1pp2ep4etp1dp4", "tp2pp2ep2etp1dp2", {"back": True}),
+]
+
+
+def _run(nproc, model, cases, tmp_path, **kw):
+    res = run_on_ranks(switch_cases, nproc, model, cases, kw or None, str(tmp_path))
+    return {(c["a"], c["b"], i): c for i, c in enumerate(res[0])}
+
+
+@pytest.fixture(scope="module")
+def dense4(tmp_path_factory):
+    return _run(4, "tiny-gpt", DENSE_4, tmp_path_factory.mktemp("d4"))
+
+
+@pytest.fixture(scope="module")
+def moe4(tmp_path_factory):
+    return _run(4, "tiny-moe", MOE_4, tmp_path_factory.mktemp("m4"))
+
+
+@pytest.fixture(scope="module")
+def dense8(tmp_path_factory):
+    return _run(8, "tiny-gpt", DENSE_8, tmp_path_factory.mktemp("d8"))
+
+
+@pytest.fixture(scope="module")
+def moe8(tmp_path_factory):
+    return _run(8, "tiny-moe", MOE_8, tmp_path_factory.mktemp("m8"))
+
+
+def _check(rec, opts):
+    assert not (opts.get("back") and opts.get("ckpt")), "a case checks one or the other"
+    assert rec["diff"] == [], f"state changed by switch {rec['a']}->{rec['b']}: {rec['diff'][:5]}"
+    assert rec["moved"] == rec["lower"], "bytes moved must equal the plan's lower bound"
+    if opts.get("back"):
+        assert rec["back_diff"] == [], f"switch back did not restore the state: {rec['back_diff'][:5]}"
+    if opts.get("ckpt"):
+        # bit-identical to dist_checkpointing save at A + load at B
+        assert rec["losses"] == rec["ckpt_losses"], (rec["losses"], rec["ckpt_losses"])
+    assert rec["iteration"] == 2
+
+
+def _cases(cases):
+    return [pytest.param(i, c, id=f"{c[0]}->{c[1]}") for i, c in enumerate(cases)]
+
+
+@pytest.mark.parametrize("i,case", _cases(DENSE_4))
+def test_switch_dense_4(dense4, i, case):
+    _check(dense4[(case[0], case[1], i)], case[2])
+
+
+@pytest.mark.parametrize("i,case", _cases(MOE_4))
+def test_switch_moe_4(moe4, i, case):
+    _check(moe4[(case[0], case[1], i)], case[2])
+
+
+@pytest.mark.parametrize("i,case", _cases(DENSE_8))
+def test_switch_dense_8(dense8, i, case):
+    _check(dense8[(case[0], case[1], i)], case[2])
+
+
+@pytest.mark.parametrize("i,case", _cases(MOE_8))
+def test_switch_moe_8(moe8, i, case):
+    _check(moe8[(case[0], case[1], i)], case[2])
+
+
+def test_same_layout_moves_nothing(dense4):
+    rec = dense4[("tp2pp2dp1", "tp2pp2dp1", 7)]
+    assert rec["moved"] == 0 and rec["sent"] == 0 and rec["recv"] == 0
+
+
+def test_small_budget_more_rounds_and_peak_under_budget(dense4):
+    rec = dense4[("tp2pp1dp2", "tp1pp2dp2", 6)]
+    assert rec["rounds"] > 1
+    assert rec["peak"] <= 64 * 1024, rec["peak"]
+
+
+def test_chosen_placement_moves_fewer_bytes_than_default(dense8):
+    default = dense8[("tp1pp2dp4", "tp1pp4dp2", 2)]
+    best = dense8[("tp1pp2dp4", "tp1pp4dp2", 3)]
+    assert default["placement"] == "default"
+    assert best["moved"] < default["moved"], (best["moved"], default["moved"], best["placement"])
