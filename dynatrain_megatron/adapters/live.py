@@ -84,6 +84,8 @@ def ensure_optimizer_state(optimizer) -> None:
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
@@ -101,6 +103,8 @@ class LiveState:
         self.optimizer = optimizer
         ensure_optimizer_state(optimizer)
         self.blocks: dict[tuple[int, str], list[_Block]] = {}
+        # vocab padding rows [V, V') of embedding / output layer (not in the VPS)
+        self.pad_blocks: dict[tuple[int, str], _Block] = {}
         self.keys: dict[tuple[int, str], str] = {}
         self.param_fragments: list[LiveFragment] = []
         self._read_model_metadata()
@@ -147,16 +151,21 @@ class LiveState:
                 key = self._canonical_key(sh.key, name, sh.global_offset[:pre])
                 gbox = Box(tuple(sh.global_offset[pre:]), tuple(sh.local_shape))
                 lbox = Box(local_off, tuple(sh.local_shape))
-                if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                    keep = min(gbox.shape[0], self.vocab_size - gbox.offsets[0])
-                    if keep <= 0:
-                        continue  # only vocab padding rows: outside the VPS
+                rid = sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,)
+                self._opt_main[(ci, name)] = all(r == 0 for r in rid[:-1])
+                self.keys[(ci, name)] = key
+                if key in VOCAB_KEYS:
+                    keep = max(0, min(gbox.shape[0], self.vocab_size - gbox.offsets[0]))
+                    if keep < gbox.shape[0]:  # rows >= V: padding, outside the VPS
+                        pad = Box((lbox.offsets[0] + keep,) + lbox.offsets[1:],
+                                  (gbox.shape[0] - keep,) + gbox.shape[1:])
+                        self.pad_blocks[(ci, name)] = _Block(
+                            pad, Box((gbox.offsets[0] + keep,) + gbox.offsets[1:], pad.shape))
+                    if keep == 0:
+                        continue
                     gbox = Box(gbox.offsets, (keep,) + gbox.shape[1:])
                     lbox = Box(lbox.offsets, gbox.shape)
                 self.blocks.setdefault((ci, name), []).append(_Block(lbox, gbox))
-                self.keys[(ci, name)] = key
-                rid = sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,)
-                self._opt_main[(ci, name)] = all(r == 0 for r in rid[:-1])
                 self.param_fragments.append(LiveFragment(
                     key, "param", gbox, self.rank, ci, name, lbox.offsets,
                     bool(is_main_replica(sh.replica_id))))
@@ -180,15 +189,19 @@ class LiveState:
                 states = opt._get_main_param_and_optimizer_states(p)
                 self.opt_ranges[(ci, name)] = (rng.start, rng.end, states)
 
-    def optimizer_fragments(self, kinds: Iterable[str] = OPT_KINDS) -> list[LiveFragment]:
+    def optimizer_fragments(self, kinds: Iterable[str] = OPT_KINDS,
+                            padding: bool = False) -> list[LiveFragment]:
+        """Owned optimizer boxes; with `padding`, those of the vocab padding rows instead."""
         out = []
         for (ci, name), (start, end, _) in sorted(self.opt_ranges.items()):
-            if end <= start or (ci, name) not in self.blocks:
+            blocks = ([self.pad_blocks[(ci, name)]] if (ci, name) in self.pad_blocks else []) \
+                if padding else self.blocks.get((ci, name), [])
+            if end <= start or not blocks:
                 continue
             shape = tuple(self.params[ci][name].shape)
             main = self._opt_main[(ci, name)]
             for fb in Box.from_flat_range(shape, start, end):
-                for b in self.blocks[(ci, name)]:
+                for b in blocks:
                     inter = fb.intersect(b.local)
                     if inter is None:
                         continue
@@ -225,6 +238,19 @@ class LiveState:
               data: torch.Tensor) -> None:
         """Write a box of data into its place (the reverse of `view`)."""
         self.view(kind, chunk, local_name, local_box).copy_(data)
+
+    def padding_fragments(self, kinds: Iterable[str] = KINDS) -> list[LiveFragment]:
+        """Vocab padding rows (global rows >= V) this rank stores, per kind."""
+        kinds = tuple(kinds)
+        out = []
+        if "param" in kinds:
+            for (ci, name), b in sorted(self.pad_blocks.items()):
+                out.append(LiveFragment(self.keys[(ci, name)], "param", b.logical, self.rank, ci,
+                                        name, b.local.offsets, self._opt_main[(ci, name)]))
+        opt_kinds = tuple(k for k in kinds if k in OPT_KINDS)
+        if opt_kinds:
+            out += self.optimizer_fragments(opt_kinds, padding=True)
+        return sorted(out)
 
     def fragments(self, kinds: Iterable[str] = KINDS) -> list[LiveFragment]:
         kinds = tuple(kinds)

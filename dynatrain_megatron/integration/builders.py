@@ -154,6 +154,29 @@ def bucket_size_of(train: TrainConfig, layout: Layout) -> Optional[int]:
     return resolve_bucket_size(train.ddp_bucket_size, train.overlap_grad_reduce, layout.dp)
 
 
+def restore_tensor_parallel_attributes(chunks: list[torch.nn.Module], spec: ModelSpec) -> None:
+    """megatron-core sets `tensor_model_parallel` / `partition_dim` / `partition_stride` on
+    TP-split weights only inside its weight *initialisation*; built without it (a switch
+    fills the weights itself) they would look TP-replicated, and the grad norm would drop
+    them on all TP ranks but one. Set them as the initialiser would have."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding,
+                                                      set_tensor_model_parallel_attributes)
+
+    for chunk in chunks:
+        for name, m in chunk.named_modules():
+            if isinstance(m, VocabParallelEmbedding):
+                set_tensor_model_parallel_attributes(m.weight, True, 0, 1)
+            elif isinstance(m, ColumnParallelLinear):
+                stride = 2 if spec.swiglu and name.endswith("linear_fc1") else 1
+                if m.weight is not None:
+                    set_tensor_model_parallel_attributes(m.weight, True, 0, stride)
+                if getattr(m, "bias", None) is not None:
+                    set_tensor_model_parallel_attributes(m.bias, True, 0, stride)
+            elif isinstance(m, RowParallelLinear):
+                set_tensor_model_parallel_attributes(m.weight, True, 1, 1)
+
+
 def wrap_ddp(chunks: list[torch.nn.Module], config, train: TrainConfig, groups: ParallelGroups):
     """DDP per chunk. Like Megatron-LM, only chunk 0 is bucketed (others: one bucket)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -227,6 +250,8 @@ def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGrou
     seed_rngs(train.seed, groups)
     config = make_transformer_config(spec, layout)
     chunks = build_model_chunks(spec, layout, groups, config, init_weights=init_weights)
+    if not init_weights:
+        restore_tensor_parallel_attributes(chunks, spec)
     model = wrap_ddp(chunks, config, train, groups)
     optimizer = build_optimizer(model, spec, train, groups)
     scheduler = build_scheduler(optimizer, train)

@@ -35,6 +35,7 @@ from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement, is_rank_ordered, rank_ordered
+from .vocab_padding import carry_vocab_padding
 from .executor import _ALIGN as _PACK_ALIGN, Executor
 from .transport import TorchP2PTransport, Transport
 
@@ -219,6 +220,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     ex.run_local([p for p in plan.pieces_for(me) if p.is_local])
     for rnd in rounds:
         ex.run_round(rnd.sends(me) + rnd.recvs(me))
+    carry_vocab_padding(old_live, new_live, kinds)
     phases["transfer"] = t() - t5
 
     t6 = t()

@@ -1,0 +1,51 @@
+"""Vocabulary padding rows: the one piece of state outside the VPS.
+
+The embedding and output layer hold V' = ceil(V/(m*TP))*m*TP rows, so rows [V, V') exist
+or not depending on TP. They are trained (the output layer's padded logits take part in
+the softmax), and megatron's checkpoint path carries them wherever both layouts have them
+(`allow_shape_mismatch`: rows beyond the stored V' are zero-filled). We do the same, so a
+switch stays bit-identical to the checkpoint path: rows [V, min(V'_A, V'_B)) are carried
+(weights and optimizer state), rows beyond V'_A start at zero. They are few (< m*TP rows),
+so one all-gather of the main copies is enough.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..adapters.live import LiveState
+from ..vps.fragment import KINDS
+
+
+@torch.no_grad()
+def carry_vocab_padding(old: Optional[LiveState], new: Optional[LiveState],
+                        kinds: Iterable[str] = KINDS) -> int:
+    """Collective over the world. Returns the number of padding elements written here."""
+    kinds = tuple(kinds)
+    mine = []
+    if old is not None:
+        for f in old.padding_fragments(kinds):
+            if f.main:
+                mine.append((f.kind, f.key, f.box.offsets, f.box.shape,
+                             old.view(f.kind, f.chunk, f.local_name, f.local_box).clone()))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if new is None:
+        return 0
+    have: dict[tuple[str, str], list] = {}
+    for part in everyone:
+        for kind, key, off, shape, data in part:
+            have.setdefault((kind, key), []).append((off, shape, data))
+    written = 0
+    for f in new.padding_fragments(kinds):
+        dst = new.view(f.kind, f.chunk, f.local_name, f.local_box)
+        dst.zero_()
+        for off, shape, data in have.get((f.kind, f.key), []):
+            lo = max(off[0], f.box.offsets[0])
+            hi = min(off[0] + shape[0], f.box.offsets[0] + f.box.shape[0])
+            if lo < hi:
+                dst[lo - f.box.offsets[0]:hi - f.box.offsets[0]] = data[lo - off[0]:hi - off[0]]
+                written += (hi - lo) * (dst[0].numel() if dst.dim() > 1 else 1)
+    return written
