@@ -121,8 +121,15 @@ def switch_train_config(overrides: dict | None = None) -> TrainConfig:
 
 
 def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before: int = 2,
-                         steps_after: int = 3, overrides: dict | None = None) -> dict:
-    """Train at A, dist_checkpointing save, build B, load, compare full state, train on."""
+                         steps_after: int = 3, overrides: dict | None = None,
+                         b_devices: tuple | None = None) -> dict:
+    """Train at A, dist_checkpointing save, build B, load, compare full state, train on.
+
+    `b_devices`: B's placement (which device takes which virtual rank), to restart B on the
+    same device assignment a switch chose (reductions over the world then sum in the same
+    order)."""
+    from dynatrain_megatron.vps import Placement
+
     from dynatrain_megatron.adapters.live import LiveState
     from dynatrain_megatron.integration import dist_ckpt
     from dynatrain_megatron.integration.training import Trainer
@@ -138,7 +145,7 @@ def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before
                                            ta.objs.groups.virtual_rank, s.vocab_size), s, world)
     dist_ckpt.save(ta.objs, ta.iteration, ta.consumed_samples, ckpt_dir)
     release(ta.objs)
-    tb = start_job(s, b, train)
+    tb = start_job(s, b, train, placement=Placement(b_devices) if b_devices else None)
     it, consumed = dist_ckpt.load(tb.objs, ckpt_dir)
     tb.iteration, tb.consumed_samples = it, consumed
     world = tb.objs.groups.pg_collection.intra_dist_opt
@@ -186,11 +193,21 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
                                  memory_budget=opts.get("memory_budget"),
                                  move_weights=opts.get("move_weights", False))
         after = full(tr)
+        # every replica (not only the main ones) must hold the state
+        objs = tr.objs
+        ref = G.broadcast_full_state(after, group=objs.groups.pg_collection.intra_dist_opt,
+                                     src=objs.groups.placement.devices[0])
+        bad = G.mismatches_against(LiveState(objs.model, objs.optimizer, objs.groups.virtual_rank,
+                                             s.vocab_size), ref)
+        bad_all = [None] * dist.get_world_size()
+        dist.all_gather_object(bad_all, bad[:3])
         r = res.report
         rec = dict(a=a, b=str(lb), diff=None if before is None else G.states_equal(before, after),
                    moved=r.bytes_moved, lower=r.lower_bound_bytes, rounds=r.rounds,
                    peak=r.peak_staging_bytes, sent=r.sent_bytes, recv=r.recv_bytes,
-                   placement=r.placement, phases=r.phases, iteration=tr.iteration)
+                   placement=r.placement, phases=r.phases, iteration=tr.iteration,
+                   replica_mismatches=[b for part in bad_all for b in part],
+                   placement_devices=tr.objs.groups.placement.devices)
         if opts.get("back"):
             tr, res2 = switch_trainer(tr, builder, tr.objs.layout, tr.objs.groups.placement, la,
                                       ranks_per_node=opts.get("ranks_per_node", 4))
@@ -202,7 +219,8 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
             import os
 
             d = os.path.join(ckpt_root, f"{len(out)}-{a}-{b}")
-            ref = checkpoint_path_case(model, a, b, d, 2, opts["steps_after"], overrides)
+            ref = checkpoint_path_case(model, a, b, d, 2, opts["steps_after"], overrides,
+                                       rec["placement_devices"])
             rec["ckpt_losses"] = ref["losses"]
         out.append(rec)
     return out

@@ -19,27 +19,11 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from ..vps.layout import Layout
+from ..vps.layout import GROUP_AXES, Layout
 from ..vps.placement import Placement, is_rank_ordered
 
 log = logging.getLogger(__name__)
 
-# ProcessGroupCollection field -> the axes of the (dense or expert) grid it spans
-_GROUP_AXES: dict[str, tuple[str, ...]] = {
-    "tp": ("tp",),
-    "cp": ("cp",),
-    "dp": ("dp",),
-    "pp": ("pp",),
-    "dp_cp": ("cp", "dp"),
-    "mp": ("tp", "pp"),
-    "tp_cp": ("tp", "cp"),
-    "tp_dp_cp": ("tp", "cp", "dp"),
-    "ep": ("ep",),
-    "expt_tp": ("etp",),
-    "tp_ep": ("etp", "ep"),
-    "tp_ep_pp": ("etp", "ep", "pp"),
-    "expt_dp": ("edp",),
-}
 
 
 @dataclass
@@ -110,7 +94,7 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
                 setattr(pgc, name, g)
                 mine[name] = ranks
 
-    for name, axes in _GROUP_AXES.items():
+    for name, axes in GROUP_AXES.items():
         add(name, layout.groups(axes))
     pp_groups = layout.groups(("pp",))
     add("embd", [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups])

@@ -30,6 +30,24 @@ DENSE_AXES = ("tp", "cp", "dp", "pp")
 EXPERT_AXES = ("etp", "ep", "edp", "pp")
 
 
+# ProcessGroupCollection field -> the axes of the (dense or expert) grid it spans
+GROUP_AXES: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "dp": ("dp",),
+    "pp": ("pp",),
+    "dp_cp": ("cp", "dp"),
+    "mp": ("tp", "pp"),
+    "tp_cp": ("tp", "cp"),
+    "tp_dp_cp": ("tp", "cp", "dp"),
+    "ep": ("ep",),
+    "expt_tp": ("etp",),
+    "tp_ep": ("etp", "ep"),
+    "tp_ep_pp": ("etp", "ep", "pp"),
+    "expt_dp": ("edp",),
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
     """A parallel configuration. `dp` is part of it, so `world_size` is derived."""

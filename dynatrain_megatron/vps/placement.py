@@ -51,15 +51,18 @@ def _grids(layout, devices) -> list:
 
 
 def is_rank_ordered(layout, placement: "Placement") -> bool:
-    """True when, in every process group of the layout, devices ascend with the group's
-    coordinate. torch.distributed numbers a group's members by sorted global rank and
-    megatron-core reads TP/PP/DP/EP ranks from the groups, so only such placements make
-    megatron's coordinates equal the layout's virtual ones."""
-    import numpy as np
+    """True when, in every megatron process group of the layout, devices ascend with the
+    member's position. torch.distributed numbers a group's members by sorted global rank and
+    megatron-core reads TP/PP/DP/EP ranks (and all-to-all split positions) from the groups,
+    so only such placements make megatron's coordinates equal the layout's virtual ones.
+    (The world group used for grad-norm sums is exempt: its order changes rounding only.)"""
+    from .layout import GROUP_AXES
 
-    for g in _grids(layout, placement.devices):
-        for axis in range(g.ndim):
-            if g.shape[axis] > 1 and not bool((np.diff(g, axis=axis) > 0).all()):
+    dev = placement.devices
+    for axes in GROUP_AXES.values():
+        for g in layout.groups(axes):
+            ds = [dev[v] for v in g]
+            if any(x >= y for x, y in zip(ds, ds[1:])):
                 return False
     return True
 
