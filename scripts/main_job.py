@@ -1,19 +1,29 @@
 #!/usr/bin/env python
-"""The README's main job: a multi-rank CPU training run of a real megatron-core GPT.
+"""The README's main job: a 4-rank CPU training run of a real megatron-core GPT that is
+asked, through its signal file, to switch layout three times while it trains
+(tp2pp2 -> tp1pp2dp2 -> tp4pp1dp1 -> tp2pp1dp2), plus one impossible request that must be
+refused while training goes on. It ends with the job's summary table of the switches.
 
-Launches `scripts/pretrain_gpt.py` under torchrun on N gloo ranks and streams its log.
+This script plays the operator: it launches `scripts/pretrain_gpt.py` under torchrun with
+`--dynatrain` flags, watches the log, and writes requests with the same atomic helper as
+`dynatrain request`.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from dynatrain_megatron.elastic.signal_file import write_request
 from dynatrain_megatron.integration.multiproc import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+# iteration seen in the log -> layout to request (one of them impossible on purpose)
+REQUESTS = {3: "tp1pp2dp2", 7: "tp3pp1", 9: "tp4pp1dp1", 14: "tp2pp1dp2"}
 
 
 def main() -> int:
@@ -21,16 +31,40 @@ def main() -> int:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--model-config", default=str(ROOT / "configs/models/tiny-gpt.yaml"))
     ap.add_argument("--train-iters", type=int, default=20)
+    ap.add_argument("--run-dir", default=str(ROOT / "runs/main"))
     args = ap.parse_args()
+    run = Path(args.run_dir)
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir(parents=True)
+    signal = run / "switch.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
            "--master_port", str(free_port()), str(ROOT / "scripts/pretrain_gpt.py"),
            "--model-config", args.model_config,
            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
            "--use-distributed-optimizer", "--micro-batch-size", "2", "--global-batch-size", "16",
-           "--train-iters", str(args.train_iters), "--lr", "1e-2", "--min-lr", "1e-3"]
+           "--train-iters", str(args.train_iters), "--lr", "1e-2", "--min-lr", "1e-3",
+           "--dynatrain", "--dynatrain-signal-file", str(signal),
+           "--dynatrain-log-dir", str(run), "--dynatrain-ranks-per-node", "4",
+           "--dynatrain-compare-checkpoint"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     print("+", " ".join(cmd), flush=True)
-    return subprocess.call(cmd, cwd=ROOT, env=env)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    pending = dict(REQUESTS)
+    pat = re.compile(r"iteration\s+(\d+)/")
+    for line in proc.stdout:
+        if line.startswith("W") and "torch/distributed" in line:
+            continue  # torchrun's OMP_NUM_THREADS notice
+        sys.stdout.write(line)
+        m = pat.search(line)
+        if m and int(m.group(1)) in pending:
+            layout = pending.pop(int(m.group(1)))
+            write_request(signal, layout)
+            print(f"[operator] requested layout {layout} via {signal}", flush=True)
+    rc = proc.wait()
+    outcomes = sorted(p.name for p in run.glob("switch.json.*"))
+    print(f"[operator] signal files handled: {outcomes}", flush=True)
+    return rc
 
 
 if __name__ == "__main__":

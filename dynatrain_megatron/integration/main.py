@@ -26,6 +26,7 @@ def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[%(asctime)s r{rank}] %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO dumps configs per build
 
 
 def format_iteration(r: StepResult, train_iters: int, consumed: int, gbs: int, layout) -> str:
@@ -34,6 +35,28 @@ def format_iteration(r: StepResult, train_iters: int, consumed: int, gbs: int, l
             f"elapsed time per iteration (ms): {r.seconds * 1000:.1f} | learning rate: "
             f"{r.lr:.6E} | global batch size: {gbs:5d} | lm loss: {r.loss:.6E} | "
             f"grad norm: {r.grad_norm:.3f} | layout: {layout}")
+
+
+def measure_checkpoint_path(trainer: Trainer) -> float:
+    """Seconds of the checkpoint-based path at the final layout (dist_checkpointing save,
+    rebuild, load), for the summary's comparison column."""
+    import tempfile
+    import time
+
+    from . import dist_ckpt
+    from .builders import MegatronBuilder
+
+    base = "/dev/shm" if __import__("os").path.isdir("/dev/shm") else None
+    box = [tempfile.mkdtemp(prefix="dynatrain-ckpt-", dir=base) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    t0 = time.perf_counter()
+    dist_ckpt.save(trainer.objs, trainer.iteration, trainer.consumed_samples, box[0])
+    objs = MegatronBuilder(trainer.spec, trainer.train).build(trainer.objs.layout, trainer.objs.groups)
+    dist_ckpt.load(objs, box[0])
+    dist.barrier()
+    dt = time.perf_counter() - t0
+    log.info("checkpoint path at %s (save + rebuild + load): %.2f s", trainer.objs.layout, dt)
+    return dt
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -65,9 +88,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             log.info(format_iteration(r, train.train_iters, trainer.consumed_samples,
                                       train.global_batch_size, trainer.objs.layout))
         if hook is not None:
-            hook.after_step(trainer)
+            trainer = hook.after_step(trainer)
     if hook is not None:
-        hook.finish(trainer)
+        ckpt_s = measure_checkpoint_path(trainer) if args.dynatrain_compare_checkpoint else None
+        hook.finish(trainer, ckpt_s)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -132,6 +132,18 @@ def rebuild_weights_from_masters(objs) -> None:
         m.start_param_sync(force_sync=True)
 
 
+def choose_dst_placement(spec: ModelSpec, builder: Builder, src: Layout, src_placement: Placement,
+                         dst: Layout, devices: Sequence[int], policy: str = "best",
+                         ranks_per_node: int = 8, move_weights: bool = False) -> Placement:
+    """B's placement for a switch: megatron's default order, or the planner's best
+    rank-ordered one. Pure and deterministic: every rank gets the same answer alone."""
+    if policy == "default":
+        return Placement(tuple(devices))
+    kinds = KINDS if move_weights else OPT_KINDS
+    return _best_rank_ordered(spec, src, src_placement, dst, devices, kinds, ranks_per_node,
+                              (builder.bucket_size(src), builder.bucket_size(dst)))
+
+
 def _best_rank_ordered(spec, src, src_placement, dst, devices, kinds, ranks_per_node,
                        bucket_size) -> Placement:
     """The planner's placement, made rank-ordered (see vps.placement.is_rank_ordered); the
@@ -177,10 +189,11 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         raise LayoutError(f"devices {devices} exceed the world of {dist.get_world_size()} ranks")
     bs_a, bs_b = builder.bucket_size(src), builder.bucket_size(dst)
     kinds = KINDS if move_weights else OPT_KINDS
-    dst_placement = Placement(devices)
-    if placement != "default":
-        dst_placement = _best_rank_ordered(spec, src, src_placement, dst, devices, kinds,
-                                           ranks_per_node, (bs_a, bs_b))
+    if new_groups is not None:
+        dst_placement = new_groups.placement
+    else:
+        dst_placement = choose_dst_placement(spec, builder, src, src_placement, dst, devices,
+                                             placement, ranks_per_node, move_weights)
     phases["placement"] = t() - t0
 
     t1 = t()

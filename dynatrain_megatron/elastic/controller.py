@@ -1,0 +1,113 @@
+"""Controller: turns signal files and schedules into one agreed switch decision.
+
+Rank 0 reads the signal file (and the scripted schedule), validates the request against
+the model and the world, and all ranks agree with one small broadcast at a step boundary.
+A bad request is rejected with its reason (logged, and the file is moved aside as
+`rejected`); training continues untouched.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch.distributed as dist
+import yaml
+
+from ..vps.errors import DynatrainError
+from ..vps.layout import Layout
+from ..vps.model_spec import ModelSpec
+from . import signal_file as sf
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What all ranks agreed on at a step boundary."""
+
+    target: Optional[str]  # layout string, None: nothing to do
+    world: Optional[int]
+    source: str  # "signal", "schedule"
+    rejected: Optional[str] = None  # the reason, when a request was refused
+
+
+def load_schedule(path: str) -> list[tuple[int, str]]:
+    """YAML: a list of {iteration: N, layout: "tp2pp2"} (switches for scripted runs)."""
+    data = yaml.safe_load(Path(path).read_text())
+    items = data.get("switches", data) if isinstance(data, dict) else data
+    if not isinstance(items, list):
+        raise DynatrainError(f"schedule {path}: expected a list of {{iteration, layout}}")
+    out = []
+    for i, it in enumerate(items):
+        if not isinstance(it, dict) or "iteration" not in it or "layout" not in it:
+            raise DynatrainError(f"schedule {path} entry {i}: needs 'iteration' and 'layout'")
+        out.append((int(it["iteration"]), str(it["layout"])))
+    return sorted(out)
+
+
+class Controller:
+    """Polled once per step boundary by every rank (collective when it polls)."""
+
+    def __init__(self, spec: ModelSpec, signal_path: Optional[str], poll_interval: int = 1,
+                 schedule: Optional[list[tuple[int, str]]] = None,
+                 extra_check: Optional[Callable[[Layout], None]] = None) -> None:
+        self.spec = spec
+        self.signal_path = signal_path
+        self.poll_interval = max(1, poll_interval)
+        self.schedule = list(schedule or [])
+        self.extra_check = extra_check
+
+    def validate(self, text: str, world: int) -> Layout:
+        layout = Layout.parse(text, world)
+        layout.check_model(self.spec)
+        if self.extra_check is not None:
+            self.extra_check(layout)
+        return layout
+
+    def _decide_on_rank0(self, iteration: int, world: int) -> Decision:
+        for it, lay in self.schedule:
+            if it == iteration:
+                try:
+                    return Decision(str(self.validate(lay, world)), world, "schedule")
+                except DynatrainError as e:
+                    log.error("scheduled switch at iteration %d to %r rejected: %s", it, lay, e)
+                    return Decision(None, None, "schedule", rejected=str(e))
+        if not self.signal_path:
+            return Decision(None, None, "signal")
+        try:
+            req = sf.read_request(self.signal_path)
+        except (DynatrainError, OSError, TypeError) as e:
+            sf.archive(self.signal_path, "rejected", str(e))
+            log.error("switch request rejected: %s; training continues", e)
+            return Decision(None, None, "signal", rejected=str(e))
+        if req is None:
+            return Decision(None, None, "signal")
+        target_world = req.world or world
+        try:
+            if target_world != world:
+                raise DynatrainError(f"request for {target_world} ranks, the job has {world} "
+                                     f"(device-count changes need the elastic launcher)")
+            layout = self.validate(req.layout, target_world)
+        except DynatrainError as e:
+            sf.archive(self.signal_path, "rejected", str(e))
+            log.error("switch request %r from %s rejected: %s; training continues",
+                      req.layout, req.origin or "?", e)
+            return Decision(None, None, "signal", rejected=str(e))
+        log.info("switch request to %s from %s accepted", layout, req.origin or "?")
+        return Decision(str(layout), target_world, "signal")
+
+    def poll(self, iteration: int) -> Decision:
+        """Collective: every rank calls it at the same step boundary."""
+        if iteration % self.poll_interval and not any(it == iteration for it, _ in self.schedule):
+            return Decision(None, None, "signal")
+        world = dist.get_world_size()
+        box = [self._decide_on_rank0(iteration, world) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def done(self, decision: Decision, outcome: str, reason: str = "") -> None:
+        if decision.source == "signal" and dist.get_rank() == 0 and self.signal_path \
+                and Path(self.signal_path).exists():
+            sf.archive(self.signal_path, outcome, reason)

@@ -1,0 +1,116 @@
+"""Switch requests through a signal file.
+
+A request is a small JSON object `{"layout": "tp4pp1dp1", "world": 4, "origin": ...}`
+written atomically (write to a temporary file in the same directory, fsync, rename), so the
+job never reads half a request. After it is handled the file is moved aside with its outcome
+(`<file>.applied.<n>` / `<file>.rejected.<n>`, with the reason inside), which tells the
+requester what happened and leaves an audit trail.
+
+A file that is world-writable or owned by another user is refused: it could redirect a
+multi-week run.
+"""
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import socket
+import stat
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..vps.errors import DynatrainError
+
+
+class RequestError(DynatrainError):
+    """A signal file that cannot be turned into a request (corrupt, unsafe, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchRequest:
+    layout: str
+    world: Optional[int] = None
+    origin: str = ""
+    requested_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, str) or not self.layout.strip():
+            raise RequestError(f"request needs a non-empty 'layout' string, got {self.layout!r}")
+        if self.world is not None and (not isinstance(self.world, int) or self.world < 1):
+            raise RequestError(f"request 'world' must be a positive int, got {self.world!r}")
+
+
+def write_request(path: str | Path, layout: str, world: Optional[int] = None) -> SwitchRequest:
+    """Atomically write a request (what `dynatrain request` does)."""
+    path = Path(path)
+    req = SwitchRequest(layout=layout, world=world,
+                        origin=f"{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}",
+                        requested_at=time.time())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(req), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return req
+
+
+def read_request(path: str | Path) -> Optional[SwitchRequest]:
+    """The pending request, None when there is none; RequestError when it is unusable."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    if st.st_mode & stat.S_IWOTH:
+        raise RequestError(f"signal file {path} is world-writable: refused (it could redirect "
+                           f"the job); write it with `dynatrain request`")
+    if st.st_uid != os.getuid():
+        raise RequestError(f"signal file {path} is owned by uid {st.st_uid}, not the job's "
+                           f"uid {os.getuid()}: refused")
+    text = path.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"signal file {path} is not valid JSON ({e.msg} at char {e.pos}): "
+                           f"{text[:80]!r}") from None
+    if not isinstance(data, dict):
+        raise RequestError(f"signal file {path} must hold a JSON object, got {type(data).__name__}")
+    unknown = set(data) - {"layout", "world", "origin", "requested_at"}
+    if unknown:
+        raise RequestError(f"signal file {path} has unknown fields {sorted(unknown)}")
+    if "layout" not in data:
+        raise RequestError(f"signal file {path} has no 'layout'")
+    return SwitchRequest(**data)
+
+
+def archive(path: str | Path, outcome: str, reason: str = "") -> Path:
+    """Move the handled signal file aside as `<path>.<outcome>.<n>` with the reason."""
+    path = Path(path)
+    n = 0
+    while True:
+        dst = path.with_name(f"{path.name}.{outcome}.{n}")
+        if not dst.exists():
+            break
+        n += 1
+    try:
+        body = path.read_text()
+    except OSError:
+        body = ""
+    try:
+        os.replace(path, dst)
+    except FileNotFoundError:
+        pass
+    with open(dst, "w") as f:
+        f.write(json.dumps({"outcome": outcome, "reason": reason, "request": body}))
+    return dst

@@ -1,0 +1,471 @@
+"""`dynatrain bench-switch`: our switch against the checkpoint path and megatron's refit.
+
+Everything runs in ONE spawned group of gloo ranks, on the same live job (layout A, trained
+for a few steps so the Adam state is real), one measurement after the other:
+
+  (d) link: pairwise point-to-point bandwidth between the same ranks (every rank exchanges
+      a buffer with a partner at the same time, `batch_isend_irecv`, like the executor);
+      also a small-message round trip (the cost model's round latency) and a local memcpy
+      (the cost model's local-copy bandwidth);
+  (a) ours: `switch_trainer` A -> B, then B -> A, `repeat` times (the job ends at A). The
+      pause is the report's phases except group construction (built in the background by
+      the device manager in production); the wall time around the call is kept too;
+  (c) megatron-core's weights-only refit `resharding.swap_model_weights(..., "gloo")` from
+      the live A model into a B model built on B's groups (default rank order, as a
+      megatron user gets it): first call (builds and caches its plan), then `repeat`
+      calls with the cached plan;
+  (b) the checkpoint path: `dist_checkpointing` save at A (fully reshardable optimizer
+      format) to /dev/shm (else /tmp), build B's objects, load; save, build and load
+      timed separately. B's group construction is timed but left out of the total, as it
+      is left out of our pause; no process restart is counted (a real restart adds tens
+      of seconds), and B is built without weight initialisation: the figure is a lower
+      bound of what a Megatron user pays.
+
+Every interval is barrier-to-barrier and the max over ranks. Figures of repeated
+measurements are medians.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+MB = 1 << 20
+
+
+# ---------------------------------------------------------------------------- rank helpers
+def _max(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def _sum(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t[0])
+
+
+def _timed(fn, *a, **kw) -> tuple[Any, float]:
+    """Run `fn` on every rank between barriers; (result, max seconds over ranks)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    r = fn(*a, **kw)
+    dt = time.perf_counter() - t0
+    return r, _max(dt)
+
+
+def _median(xs):
+    return float(statistics.median(xs)) if xs else None
+
+
+def _peers(rank: int, world: int) -> tuple[int, int]:
+    """(send-to, receive-from): pairs (0,1), (2,3), ... ; a ring for odd worlds."""
+    if world % 2 == 0:
+        p = rank ^ 1
+        return p, p
+    return (rank + 1) % world, (rank - 1) % world
+
+
+def _exchange_seconds(nbytes: int, iters: int) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    to, frm = _peers(rank, world)
+    n = max(1, nbytes // 4)
+    send = torch.full((n,), float(rank), dtype=torch.float32)
+    recv = torch.empty(n, dtype=torch.float32)
+
+    def once():
+        ops = [dist.P2POp(dist.isend, send, to), dist.P2POp(dist.irecv, recv, frm)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    once()  # warm up the pair's connection
+    out = []
+    for _ in range(iters):
+        out.append(_timed(once)[1])
+    if float(recv[0]) != float(frm):
+        raise RuntimeError(f"bandwidth test: rank {rank} got data of rank {recv[0]}, "
+                           f"expected {frm}")
+    return out
+
+
+def measure_link(nbytes: int = 64 * MB, iters: int = 3) -> dict[str, float]:
+    """Pairwise P2P bandwidth (GB/s per rank and direction), small-message latency, and
+    the local memcpy bandwidth, all ranks at once (module doc, (d))."""
+    bw_t = _median(_exchange_seconds(nbytes, iters))
+    lat = _median(_exchange_seconds(4, 10))
+    a = torch.ones(nbytes // 4, dtype=torch.float32)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    cp = _median([_timed(b.copy_, a)[1] for _ in range(iters)])
+    return dict(link_gbps=nbytes / bw_t / 1e9, link_buffer_bytes=nbytes,
+                link_seconds=bw_t, round_latency_seconds=lat,
+                memcpy_gbps=nbytes / cp / 1e9)
+
+
+def _rss_reset() -> bool:
+    """Reset this process's peak RSS (Linux clear_refs 5); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_bytes() -> tuple[int, int]:
+    """(current RSS, peak RSS since the last reset) of this process, bytes."""
+    cur = hwm = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    cur = int(line.split()[1]) * 1024
+                elif line.startswith("VmHWM:"):
+                    hwm = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return cur, hwm
+
+
+def _refit_bytes(target_model) -> tuple[int, int]:
+    """(bytes this rank receives from other ranks, bytes it copies locally) in the refit's
+    cached plan."""
+    from megatron.core.utils import unwrap_model
+
+    core = unwrap_model(target_model[0])
+    plan = getattr(core, "_cached_reshard_plan", None)
+    if plan is None:
+        return 0, 0
+    params = dict(core.named_parameters())
+    me = dist.get_rank()
+    remote = local = 0
+    for op in plan.recv_ops:
+        p = params[op.param_name]
+        n = p.data[op.my_slice].numel() * p.element_size()
+        if op.peer_rank == me:
+            local += n
+        else:
+            remote += n
+    return remote, local
+
+
+def _ckpt_root() -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return tempfile.mkdtemp(prefix="dynatrain-bench-", dir=base)
+
+
+# ---------------------------------------------------------------------------- the rank side
+def bench_rank(cfg: dict) -> dict:
+    """Runs on every rank of the spawned group (module doc). Returns the same dict on every
+    rank (rank-dependent figures are reduced), plus this rank's own traffic."""
+    from ..elastic.groups import build_groups, install
+    from ..routing.cost import LinkModel, estimate, state_bytes
+    from ..routing.planner import build_plan
+    from ..routing.regions import key_index
+    from ..routing.schedule import build_schedule
+    from ..transition.executor import _ALIGN as PACK_ALIGN
+    from ..vps.fragment import KINDS, OPT_KINDS
+    from ..vps.layout import Layout
+    from ..vps.model_spec import ModelSpec
+    from ..vps.placement import Placement
+    from . import dist_ckpt
+    from .builders import MegatronBuilder
+    from .session import release, start_job
+    from .switching import switch_trainer
+    from .train_config import TrainConfig
+
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    spec = ModelSpec.from_yaml(cfg["model_path"])
+    train = TrainConfig(**cfg["train"])
+    repeat, rpn = cfg["repeat"], cfg["ranks_per_node"]
+    budget, move_weights = cfg["memory_budget"], cfg["move_weights"]
+    skip = set(cfg["skip"])
+    out: dict[str, Any] = {}
+    t_start = time.perf_counter()
+
+    # the job at A, trained so that Adam's moments and step are real
+    tr, t_job = _timed(start_job, spec, cfg["src"], train)
+    out["job_start_seconds"] = t_job
+    losses = []
+    for _ in range(cfg["iters_before"]):
+        losses.append(tr.step().loss)
+    out["losses_before"] = losses
+    la = tr.objs.layout
+    lb = Layout.parse(cfg["dst"], world)
+    builder = MegatronBuilder(spec, train)
+    out["params"] = int(key_index(spec).numel.sum())  # logical, vocab padding excluded
+    out["state_bytes_all_kinds"] = state_bytes(spec)
+
+    # (d) the link between the same ranks
+    out.update(measure_link(cfg["link_bytes"]))
+
+    # (a) ours: A -> B -> A, `repeat` times
+    fwd, back = [], []
+    rss_ok = _rss_reset()
+    for i in range(repeat):
+        for direction in ("fwd", "back"):
+            src_l, src_p = tr.objs.layout, tr.objs.groups.placement
+            dst_l = lb if direction == "fwd" else la
+            _rss_reset()
+            rss0 = _rss_bytes()[0]
+            (tr, res), wall = _timed(switch_trainer, tr, builder, src_l, src_p, dst_l,
+                                     placement=cfg["placement"], ranks_per_node=rpn,
+                                     memory_budget=budget, move_weights=move_weights)
+            r = res.report
+            rec = dict(wall=wall, pause=_max(r.pause_seconds),
+                       phases={k: _max(v) for k, v in sorted(r.phases.items())},
+                       peak_staging=int(_max(r.peak_staging_bytes)),
+                       rss_peak_delta=int(_max(_rss_bytes()[1] - rss0)) if rss_ok else None,
+                       sent=r.sent_bytes, recv=r.recv_bytes, rounds=r.rounds,
+                       bytes_moved=r.bytes_moved, lower_bound=r.lower_bound_bytes,
+                       local=r.local_bytes, placement=r.placement,
+                       src_placement=src_p, dst_placement=res.placement)
+            (fwd if direction == "fwd" else back).append(rec)
+    out["ours_fwd"] = [{k: v for k, v in x.items() if k not in ("src_placement", "dst_placement")}
+                       for x in fwd]
+    out["ours_back"] = [{k: v for k, v in x.items() if k not in ("src_placement", "dst_placement")}
+                        for x in back]
+    first = fwd[0]
+    sent_all = [None] * world
+    dist.all_gather_object(sent_all, (first["sent"], first["recv"]))
+    out["per_rank_sent_recv_bytes"] = sent_all
+
+    # the plan of the A -> B switch as run, for the floor and the cost model
+    kinds = KINDS if move_weights else OPT_KINDS
+    buckets = (builder.bucket_size(la), builder.bucket_size(lb))
+    plan = build_plan(spec, (la, first["src_placement"]), (lb, first["dst_placement"]),
+                      kinds=kinds, ranks_per_node=rpn, bucket_size=buckets)
+    dplan = build_plan(spec, (la, first["src_placement"]), (lb, Placement.default(world)),
+                       kinds=kinds, ranks_per_node=rpn, bucket_size=buckets)
+    st = plan.stats
+    out.update(kinds=list(kinds), max_rank_send_bytes=st.max_send_bytes,
+               max_rank_recv_bytes=st.max_recv_bytes, max_rank_traffic_bytes=st.max_traffic_bytes,
+               default_placement_bytes_moved=dplan.stats.moved_bytes,
+               state_bytes_moved_kinds=sum(v for _, v in st.state_per_kind))
+    g = out["link_gbps"]
+    links = LinkModel(intra_node_gbps=g, inter_node_gbps=g,
+                      round_latency_s=out["round_latency_seconds"],
+                      local_copy_gbps=out["memcpy_gbps"])
+    est = estimate(build_schedule(plan, budget, PACK_ALIGN), links)
+    out.update(cost_model_seconds=est.total_seconds, cost_model_network_seconds=est.network_seconds,
+               cost_model_local_copy_seconds=est.local_copy_seconds,
+               cost_model_lower_bound_seconds=est.bandwidth_lower_bound_seconds,
+               cost_model_rounds=est.num_rounds)
+
+    # (c) megatron-core's weights-only refit, A's live model -> a B model on B's groups
+    if "refit" not in skip:
+        from megatron.core.resharding import swap_model_weights
+
+        gb, t_groups = _timed(build_groups, lb, Placement.default(world))
+        objs_b, t_build = _timed(builder.build, lb, gb, init_weights=False)
+        install(tr.objs.groups)
+        _, t_first = _timed(swap_model_weights, tr.objs.model, objs_b.model, "gloo")
+        cached = [_timed(swap_model_weights, tr.objs.model, objs_b.model, "gloo")[1]
+                  for _ in range(repeat)]
+        remote, local = _refit_bytes(objs_b.model)
+        out.update(refit_first_seconds=t_first, refit_cached_seconds=cached,
+                   refit_seconds=_median(cached), refit_groups_seconds=t_groups,
+                   refit_build_seconds=t_build, refit_bytes_moved=int(_sum(remote)),
+                   refit_max_rank_recv_bytes=int(_max(remote)),
+                   refit_local_bytes=int(_sum(local)))
+        release(objs_b)
+        del objs_b
+        install(tr.objs.groups)
+
+    # (b) the checkpoint path: save at A, build B, load
+    if "checkpoint" not in skip:
+        box = [_ckpt_root() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        root = box[0]
+        runs = []
+        try:
+            for i in range(repeat):
+                d = os.path.join(root, f"run{i}")
+                _, t_save = _timed(dist_ckpt.save, tr.objs, tr.iteration, tr.consumed_samples, d)
+                gb, t_groups = _timed(build_groups, lb, Placement.default(world))
+                objs_b, t_build = _timed(builder.build, lb, gb, init_weights=False)
+                (it, _), t_load = _timed(dist_ckpt.load, objs_b, d)
+                if it != tr.iteration:
+                    raise RuntimeError(f"checkpoint load gave iteration {it}, saved {tr.iteration}")
+                release(objs_b)
+                del objs_b
+                install(tr.objs.groups)
+                dist.barrier()
+                if rank == 0:
+                    size = sum(os.path.getsize(os.path.join(dp, f))
+                               for dp, _, fs in os.walk(d) for f in fs)
+                    shutil.rmtree(d, ignore_errors=True)
+                else:
+                    size = 0
+                runs.append(dict(save=t_save, groups=t_groups, build=t_build, load=t_load,
+                                 total=t_save + t_build + t_load, bytes=int(_sum(size))))
+        finally:
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(root, ignore_errors=True)
+        out["checkpoint_runs"] = runs
+        out["checkpoint_dir"] = os.path.dirname(root)
+        for k in ("save", "groups", "build", "load", "total"):
+            out[f"dist_checkpoint_{k}_seconds"] = _median([x[k] for x in runs])
+        out["dist_checkpoint_seconds"] = out.pop("dist_checkpoint_total_seconds")
+        out["checkpoint_bytes"] = runs[0]["bytes"]
+
+    out["iteration"] = tr.iteration
+    out["layout_at_end"] = str(tr.objs.layout)
+    release(tr.objs)
+    out["bench_seconds"] = _max(time.perf_counter() - t_start)
+    return out
+
+
+# ---------------------------------------------------------------------------- summary
+def summarize(r: dict, cfg: dict) -> dict:
+    """The JSON object of `bench-switch --json`, from rank 0's result."""
+    fwd, back = r["ours_fwd"], r["ours_back"]
+    phases = {k: _median([x["phases"][k] for x in fwd]) for k in fwd[0]["phases"]}
+    ours = _median([x["pause"] for x in fwd])
+    floor = r["max_rank_traffic_bytes"] / (r["link_gbps"] * 1e9)
+    transfer = phases.get("transfer")
+    s: dict[str, Any] = dict(
+        model=cfg["model_name"], nproc=cfg["nproc"], src=str(cfg["src"]), dst=str(cfg["dst"]),
+        params=r["params"], kinds=r["kinds"], placement=fwd[0]["placement"],
+        iters_before=cfg["iters_before"], repeat=cfg["repeat"],
+        memory_budget_bytes=cfg["memory_budget"],
+        dynatrain_seconds=ours,
+        dynatrain_first_seconds=fwd[0]["pause"],
+        dynatrain_wall_seconds=_median([x["wall"] for x in fwd]),
+        dynatrain_back_seconds=_median([x["pause"] for x in back]),
+        dynatrain_phases=phases,
+        dynatrain_transfer_seconds=transfer,
+        dynatrain_pause_runs=[x["pause"] for x in fwd],
+        bytes_moved=fwd[0]["bytes_moved"], lower_bound_bytes=fwd[0]["lower_bound"],
+        local_copy_bytes=fwd[0]["local"],
+        default_placement_bytes_moved=r["default_placement_bytes_moved"],
+        state_bytes_moved_kinds=r["state_bytes_moved_kinds"],
+        state_bytes_all_kinds=r["state_bytes_all_kinds"],
+        max_rank_send_bytes=r["max_rank_send_bytes"], max_rank_recv_bytes=r["max_rank_recv_bytes"],
+        per_rank_sent_recv_bytes=r["per_rank_sent_recv_bytes"],
+        rounds=fwd[0]["rounds"],
+        peak_extra_bytes=max(x["peak_staging"] for x in fwd + back),
+        rss_peak_delta_bytes=(max(x["rss_peak_delta"] for x in fwd)
+                              if fwd[0]["rss_peak_delta"] is not None else None),
+        link_gbps=r["link_gbps"], link_buffer_bytes=r["link_buffer_bytes"],
+        round_latency_seconds=r["round_latency_seconds"], memcpy_gbps=r["memcpy_gbps"],
+        floor_seconds=floor,
+        transfer_over_floor=_ratio(transfer, floor),
+        pause_over_floor=_ratio(ours, floor),
+        cost_model_seconds=r["cost_model_seconds"],
+        cost_model_network_seconds=r["cost_model_network_seconds"],
+        cost_model_lower_bound_seconds=r["cost_model_lower_bound_seconds"],
+        dist_checkpoint_seconds=r.get("dist_checkpoint_seconds"),
+        dist_checkpoint_save_seconds=r.get("dist_checkpoint_save_seconds"),
+        dist_checkpoint_build_seconds=r.get("dist_checkpoint_build_seconds"),
+        dist_checkpoint_load_seconds=r.get("dist_checkpoint_load_seconds"),
+        dist_checkpoint_groups_seconds=r.get("dist_checkpoint_groups_seconds"),
+        dist_checkpoint_bytes=r.get("checkpoint_bytes"),
+        dist_checkpoint_dir=r.get("checkpoint_dir"),
+        refit_seconds=r.get("refit_seconds"),
+        refit_first_seconds=r.get("refit_first_seconds"),
+        refit_bytes_moved=r.get("refit_bytes_moved"),
+        refit_max_rank_recv_bytes=r.get("refit_max_rank_recv_bytes"),
+        losses_before=r["losses_before"], iteration=r["iteration"],
+        job_start_seconds=r["job_start_seconds"], bench_seconds=r["bench_seconds"],
+    )
+    s["checkpoint_over_dynatrain"] = _ratio(s["dist_checkpoint_seconds"], ours)
+    s["refit_over_dynatrain"] = _ratio(s["refit_seconds"], ours)
+    if s["refit_max_rank_recv_bytes"] is not None:
+        s["refit_floor_seconds"] = s["refit_max_rank_recv_bytes"] / (r["link_gbps"] * 1e9)
+    return s
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    if a is None or b is None:
+        return None
+    if b <= 0:
+        return math.inf if a > 0 else 1.0
+    return a / b
+
+
+def _gb(b) -> str:
+    if b is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:,.2f} {unit}"
+    return f"{int(b)} B"
+
+
+def _s(t) -> str:
+    if t is None:
+        return "-"
+    if t < 1e-3:
+        return f"{t * 1e6:,.0f} us"
+    return f"{t * 1e3:,.1f} ms" if t < 1 else f"{t:,.2f} s"
+
+
+def _x(r) -> str:
+    return "-" if r is None else f"{r:,.1f}x"
+
+
+def format_summary(s: dict) -> str:
+    ph = s["dynatrain_phases"]
+    L = [f"dynatrain bench-switch: {s['model']} ({s['params'] / 1e6:,.1f}M params), "
+         f"{s['src']} -> {s['dst']} on {s['nproc']} gloo ranks; median of {s['repeat']}; "
+         f"kinds moved {','.join(s['kinds'])}",
+         f"link (pairwise P2P)     {s['link_gbps']:.2f} GB/s per rank ({_gb(s['link_buffer_bytes'])} "
+         f"buffers); small-message round {_s(s['round_latency_seconds'])}; memcpy "
+         f"{s['memcpy_gbps']:.2f} GB/s",
+         f"(a) dynatrain switch    {_s(s['dynatrain_seconds'])} pause (first "
+         f"{_s(s['dynatrain_first_seconds'])}; back B->A {_s(s['dynatrain_back_seconds'])}; wall "
+         f"incl. groups + release of A {_s(s['dynatrain_wall_seconds'])})",
+         "    phases              " + ", ".join(f"{k} {_s(v)}" for k, v in ph.items())
+         + "  (groups: background, not in the pause)",
+         f"    bytes moved         {_gb(s['bytes_moved'])} (lower bound {_gb(s['lower_bound_bytes'])}; "
+         f"default placement {_gb(s['default_placement_bytes_moved'])}; local copies "
+         f"{_gb(s['local_copy_bytes'])}; placement {s['placement']})",
+         f"    max per rank        send {_gb(s['max_rank_send_bytes'])}, recv "
+         f"{_gb(s['max_rank_recv_bytes'])}; {s['rounds']} round(s); peak extra (staging) "
+         f"{_gb(s['peak_extra_bytes'])}"
+         + (f" under a {_gb(s['memory_budget_bytes'])} budget" if s["memory_budget_bytes"] else "")
+         + (f"; RSS peak delta {_gb(s['rss_peak_delta_bytes'])}"
+            if s["rss_peak_delta_bytes"] is not None else ""),
+         f"    floor               {_s(s['floor_seconds'])} (max per-rank bytes / link); transfer "
+         f"{_s(s['dynatrain_transfer_seconds'])} = {_x(s['transfer_over_floor'])} the floor, "
+         f"pause {_x(s['pause_over_floor'])}",
+         f"    cost model          {_s(s['cost_model_seconds'])} predicted for the transfer "
+         f"(link {s['link_gbps']:.2f} GB/s, round {_s(s['round_latency_seconds'])}, memcpy "
+         f"{s['memcpy_gbps']:.2f} GB/s; its lower bound {_s(s['cost_model_lower_bound_seconds'])})"]
+    if s["dist_checkpoint_seconds"] is not None:
+        L.append(f"(b) dist_checkpointing  {_s(s['dist_checkpoint_seconds'])} = save "
+                 f"{_s(s['dist_checkpoint_save_seconds'])} + build B "
+                 f"{_s(s['dist_checkpoint_build_seconds'])} + load "
+                 f"{_s(s['dist_checkpoint_load_seconds'])} ({_gb(s['dist_checkpoint_bytes'])} in "
+                 f"{s['dist_checkpoint_dir']}; B's groups {_s(s['dist_checkpoint_groups_seconds'])} "
+                 f"and process restart not counted)  = {_x(s['checkpoint_over_dynatrain'])} ours")
+    else:
+        L.append("(b) dist_checkpointing  skipped")
+    if s["refit_seconds"] is not None:
+        L.append(f"(c) megatron refit      {_s(s['refit_seconds'])} weights only, cached plan "
+                 f"(first call with planning {_s(s['refit_first_seconds'])}); "
+                 f"{_gb(s['refit_bytes_moved'])} moved, max {_gb(s['refit_max_rank_recv_bytes'])} "
+                 f"per rank (floor {_s(s.get('refit_floor_seconds'))})  = "
+                 f"{_x(s['refit_over_dynatrain'])} ours")
+    else:
+        L.append("(c) megatron refit      skipped")
+    return "\n".join(L)
+
+
+def run_bench(cfg: dict, timeout: float = 1800.0) -> dict:
+    """Spawn `cfg['nproc']` gloo ranks, run `bench_rank`, return the summary."""
+    from .multiproc import run_on_ranks
+
+    results = run_on_ranks(bench_rank, cfg["nproc"], cfg, timeout=timeout)
+    return summarize(results[0], cfg)

@@ -1,0 +1,24 @@
+"""`dynatrain request --signal-file F --layout tp4pp1dp1 [--world N]`: ask a running job to
+switch (atomic write-then-rename of the signal file)."""
+from __future__ import annotations
+
+import argparse
+
+from ..elastic.signal_file import write_request
+from ..vps.layout import Layout
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("request", help="ask a running job to switch layout")
+    p.add_argument("--signal-file", required=True)
+    p.add_argument("--layout", required=True)
+    p.add_argument("--world", type=int, default=None)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    Layout.parse(args.layout, args.world)  # malformed layouts fail here, with the reason
+    req = write_request(args.signal_file, args.layout, args.world)
+    print(f"requested {req.layout}" + (f" on {req.world} ranks" if req.world else "")
+          + f" via {args.signal_file}")
+    return 0

@@ -1,0 +1,159 @@
+"""The training-step hook: one call after the optimizer step and iteration accounting
+(where Megatron-LM calls `checkpoint_and_decide_exit`).
+
+It polls the controller, starts building the target layout's groups in the background,
+and at a later step boundary, once every rank has them, switches the training state and
+rebinds the trainer (model, optimizer, scheduler, data position, forward-backward function,
+micro-batch count). Importing it needs megatron-core only, not Megatron-LM.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+from ..elastic.controller import Controller, Decision, load_schedule
+from ..elastic.device_manager import DeviceManager
+from ..transition.switch import choose_dst_placement
+from ..vps.errors import DynatrainError
+from ..vps.layout import Layout
+from ..vps.model_spec import ModelSpec
+from .builders import MegatronBuilder
+from .switching import switch_trainer
+from .train_config import TrainConfig
+from .training import Trainer
+
+log = logging.getLogger("dynatrain")
+
+
+@dataclass
+class SwitchRecord:
+    """One row of the end-of-run summary."""
+
+    iteration: int
+    src: str
+    dst: str
+    placement: str
+    bytes_moved: int
+    lower_bound_bytes: int
+    pause_s: float
+    groups_s: float  # built in the background, not part of the pause
+    phases: dict = field(default_factory=dict)
+
+
+class DynatrainHook:
+    def __init__(self, spec: ModelSpec, train: TrainConfig, controller: Controller, *,
+                 ranks_per_node: int = 8, memory_budget: Optional[int] = None,
+                 placement: str = "best", log_dir: Optional[str] = None,
+                 background_groups: bool = True) -> None:
+        self.spec = spec
+        self.builder = MegatronBuilder(spec, train)
+        self.controller = controller
+        self.ranks_per_node = ranks_per_node
+        self.memory_budget = memory_budget
+        self.placement = placement
+        self.log_dir = log_dir
+        self.background_groups = background_groups
+        self.devices = DeviceManager()
+        self.decision: Optional[Decision] = None
+        self.history: list[SwitchRecord] = []
+        self.rejected: list[str] = []
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig) -> "DynatrainHook":
+        schedule = load_schedule(args.dynatrain_schedule) if args.dynatrain_schedule else None
+        ctl = Controller(spec, args.dynatrain_signal_file, args.dynatrain_poll_interval, schedule,
+                         extra_check=lambda lay: _check_batch(train, lay))
+        return cls(spec, train, ctl, ranks_per_node=args.dynatrain_ranks_per_node,
+                   memory_budget=args.dynatrain_memory_budget,
+                   placement="default" if args.dynatrain_default_placement else "best",
+                   log_dir=args.dynatrain_log_dir)
+
+    def after_step(self, trainer: Trainer) -> Trainer:
+        """Call after every optimizer step, on every rank. Returns the (rebound) trainer."""
+        if self.devices.pending:
+            if self.devices.ready():
+                return self._switch(trainer)
+            return trainer
+        d = self.controller.poll(trainer.iteration)
+        if d.rejected:
+            self.rejected.append(d.rejected)
+        if d.target is None:
+            return trainer
+        src = trainer.objs.layout
+        if d.target == str(src):
+            log.info("already at layout %s: nothing to do", src)
+            self.controller.done(d, "applied", "already at this layout")
+            return trainer
+        dst = Layout.parse(d.target, d.world)
+        placement = choose_dst_placement(self.spec, self.builder, src, trainer.objs.groups.placement,
+                                         dst, tuple(range(dst.world_size)), self.placement,
+                                         self.ranks_per_node)
+        self.decision = d
+        self._t_prepare = time.perf_counter()
+        log.info("iteration %d: switch %s -> %s requested; building groups in the background",
+                 trainer.iteration, src, dst)
+        self.devices.prepare(dst, placement, background=self.background_groups)
+        return trainer
+
+    def _switch(self, trainer: Trainer) -> Trainer:
+        src = trainer.objs.layout
+        dst, _ = self.devices.target
+        groups = self.devices.take()
+        t0 = time.perf_counter()
+        try:
+            trainer, res = switch_trainer(trainer, self.builder, src, trainer.objs.groups.placement,
+                                          dst, ranks_per_node=self.ranks_per_node,
+                                          memory_budget=self.memory_budget, new_groups=groups)
+        except Exception:
+            self.controller.done(self.decision, "failed", "switch raised; see the job log")
+            raise
+        pause = time.perf_counter() - t0
+        r = res.report
+        rec = SwitchRecord(trainer.iteration, str(src), str(dst), r.placement, r.bytes_moved,
+                           r.lower_bound_bytes, pause, self.devices.build_seconds,
+                           {k: round(v, 4) for k, v in r.phases.items()})
+        self.history.append(rec)
+        self.controller.done(self.decision, "applied", f"switched at iteration {trainer.iteration}")
+        log.info("iteration %d: switched %s -> %s (placement %s): %.2f MB moved (lower bound "
+                 "%.2f MB), pause %.3f s [bind %.3f, plan %.3f, transfer %.3f, rebuild %.3f], "
+                 "groups %.3f s in the background", trainer.iteration, src, dst, r.placement,
+                 r.bytes_moved / 1e6, r.lower_bound_bytes / 1e6, pause, r.phases.get("bind", 0),
+                 r.phases.get("plan", 0), r.phases.get("transfer", 0), r.phases.get("rebuild", 0),
+                 self.devices.build_seconds)
+        if self.log_dir and dist.get_rank() == 0:
+            os.makedirs(self.log_dir, exist_ok=True)
+            with open(os.path.join(self.log_dir, "switches.jsonl"), "a") as f:
+                f.write(json.dumps(asdict(rec)) + "\n")
+        return trainer
+
+    def finish(self, trainer: Trainer, checkpoint_seconds: Optional[float] = None) -> str:
+        """The summary table of all switches (logged on rank 0, returned)."""
+        lines = ["", "dynatrain switches:",
+                 f"{'iter':>5} {'from':>18} {'to':>18} {'moved MB':>9} {'pause s':>8} "
+                 f"{'transfer s':>10} {'groups s (bg)':>13}"
+                 + (f" {'ckpt path s':>11} {'speedup':>8}" if checkpoint_seconds else "")]
+        for h in self.history:
+            row = (f"{h.iteration:>5} {h.src:>18} {h.dst:>18} {h.bytes_moved / 1e6:>9.2f} "
+                   f"{h.pause_s:>8.3f} {h.phases.get('transfer', 0):>10.3f} {h.groups_s:>13.3f}")
+            if checkpoint_seconds:
+                row += f" {checkpoint_seconds:>11.2f} {checkpoint_seconds / h.pause_s:>7.1f}x"
+            lines.append(row)
+        if self.rejected:
+            lines.append(f"rejected requests: {len(self.rejected)}")
+            lines += [f"  - {r}" for r in self.rejected]
+        text = "\n".join(lines)
+        log.info(text)
+        return text
+
+
+def _check_batch(train: TrainConfig, layout: Layout) -> None:
+    if train.global_batch_size % (train.micro_batch_size * layout.dp):
+        raise DynatrainError(f"global batch {train.global_batch_size} is not divisible by "
+                             f"micro batch {train.micro_batch_size} * dp {layout.dp} of {layout}")
