@@ -224,3 +224,55 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
             rec["ckpt_losses"] = ref["losses"]
         out.append(rec)
     return out
+
+
+def hook_cases(root: str) -> dict:
+    """The training-step hook driven by a signal file: one switch, and three bad requests."""
+    import os
+    from pathlib import Path
+
+    from dynatrain_megatron.elastic.controller import Controller
+    from dynatrain_megatron.elastic.signal_file import write_request
+    from dynatrain_megatron.integration.hook import DynatrainHook
+
+    s = spec_variant("tiny-gpt")
+    train = switch_train_config()
+    out: dict = {}
+
+    def run(signal: str, writes: dict, steps: int):
+        tr = start_job(s, "tp2pp2dp1", train)
+        hook = DynatrainHook(s, train, Controller(s, signal), ranks_per_node=4)
+        losses = []
+        for _ in range(steps):
+            losses.append(tr.step().loss)
+            if dist.get_rank() == 0 and tr.iteration in writes:
+                w = writes[tr.iteration]
+                if w.startswith("RAW:"):
+                    Path(signal).write_text(w[4:])
+                    os.chmod(signal, 0o600)
+                else:
+                    write_request(signal, w)
+            tr = hook.after_step(tr)
+        layout = str(tr.objs.layout)
+        release(tr.objs)
+        return losses, hook, layout
+
+    sig = os.path.join(root, "a.json")
+    losses, hook, layout = run(sig, {2: "tp1pp2dp2"}, 6)
+    h = hook.history[0] if hook.history else None
+    out["switch"] = dict(losses=losses, layout=layout, iteration=h.iteration if h else None,
+                         groups_in_pause=h.phases.get("groups") if h else None,
+                         groups_bg=h.groups_s if h else None, pause=h.pause_s if h else None,
+                         files=sorted(p.name for p in Path(root).glob("a.json.*")))
+    ref = checkpoint_path_case("tiny-gpt", "tp2pp2dp1", "tp1pp2dp2", os.path.join(root, "ck"),
+                               steps_before=3, steps_after=3)
+    out["switch"]["ckpt_losses"] = ref["losses"]
+
+    sig = os.path.join(root, "b.json")
+    losses, hook, layout = run(sig, {1: "RAW:{corrupt", 2: "tp2xx", 3: "tp8pp1"}, 5)
+    out["rejects"] = dict(losses=losses, layout=layout, rejected=hook.rejected,
+                          files=sorted(p.name for p in Path(root).glob("b.json.*")))
+    tr = start_job(s, "tp2pp2dp1", train)
+    out["rejects"]["plain_losses"] = [tr.step().loss for _ in range(5)]
+    release(tr.objs)
+    return out

@@ -157,6 +157,48 @@ def _refit_bytes(target_model) -> tuple[int, int]:
     return remote, local
 
 
+class _TransferProbe:
+    """Splits our transfer phase into local copies, packing, the wire and unpacking, by
+    wrapping the executor's and the transport's methods in this (benchmark) process only.
+    The rest of the phase (staging allocation, view lookup, vocab padding) is `other`."""
+
+    def __init__(self) -> None:
+        from ..transition.executor import Executor
+        from ..transition.transport import TorchP2PTransport
+
+        self.totals: dict[str, float] = {}
+        self._saved = []
+        for cls, name, key, static in ((Executor, "run_local", "local_copy", False),
+                                       (Executor, "_pack", "pack", False),
+                                       (Executor, "_unpack", "unpack", True),
+                                       (TorchP2PTransport, "exchange", "wire", False)):
+            raw = cls.__dict__[name]
+            fn = raw.__func__ if static else raw
+            self._saved.append((cls, name, raw))
+            wrapped = self._wrap(fn, key)
+            setattr(cls, name, staticmethod(wrapped) if static else wrapped)
+
+    def _wrap(self, fn, key):
+        import functools
+
+        @functools.wraps(fn)
+        def w(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.totals[key] = self.totals.get(key, 0.0) + time.perf_counter() - t0
+        return w
+
+    def take(self) -> dict[str, float]:
+        t, self.totals = self.totals, {}
+        return t
+
+    def close(self) -> None:
+        for cls, name, raw in self._saved:
+            setattr(cls, name, raw)
+
+
 def _ckpt_root() -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     return tempfile.mkdtemp(prefix="dynatrain-bench-", dir=base)
@@ -211,6 +253,7 @@ def bench_rank(cfg: dict) -> dict:
     # (a) ours: A -> B -> A, `repeat` times
     fwd, back = [], []
     rss_ok = _rss_reset()
+    probe = _TransferProbe()
     for i in range(repeat):
         for direction in ("fwd", "back"):
             src_l, src_p = tr.objs.layout, tr.objs.groups.placement
@@ -221,7 +264,11 @@ def bench_rank(cfg: dict) -> dict:
                                      placement=cfg["placement"], ranks_per_node=rpn,
                                      memory_budget=budget, move_weights=move_weights)
             r = res.report
+            parts = probe.take()
+            parts["other"] = r.phases.get("transfer", 0.0) - sum(parts.values())
             rec = dict(wall=wall, pause=_max(r.pause_seconds),
+                       transfer_parts={k: _max(parts.get(k, 0.0)) for k in
+                                       ("local_copy", "pack", "wire", "unpack", "other")},
                        phases={k: _max(v) for k, v in sorted(r.phases.items())},
                        peak_staging=int(_max(r.peak_staging_bytes)),
                        rss_peak_delta=int(_max(_rss_bytes()[1] - rss0)) if rss_ok else None,
@@ -230,6 +277,7 @@ def bench_rank(cfg: dict) -> dict:
                        local=r.local_bytes, placement=r.placement,
                        src_placement=src_p, dst_placement=res.placement)
             (fwd if direction == "fwd" else back).append(rec)
+    probe.close()
     out["ours_fwd"] = [{k: v for k, v in x.items() if k not in ("src_placement", "dst_placement")}
                        for x in fwd]
     out["ours_back"] = [{k: v for k, v in x.items() if k not in ("src_placement", "dst_placement")}
@@ -331,6 +379,7 @@ def summarize(r: dict, cfg: dict) -> dict:
     """The JSON object of `bench-switch --json`, from rank 0's result."""
     fwd, back = r["ours_fwd"], r["ours_back"]
     phases = {k: _median([x["phases"][k] for x in fwd]) for k in fwd[0]["phases"]}
+    parts = {k: _median([x["transfer_parts"][k] for x in fwd]) for k in fwd[0]["transfer_parts"]}
     ours = _median([x["pause"] for x in fwd])
     floor = r["max_rank_traffic_bytes"] / (r["link_gbps"] * 1e9)
     transfer = phases.get("transfer")
@@ -345,6 +394,7 @@ def summarize(r: dict, cfg: dict) -> dict:
         dynatrain_back_seconds=_median([x["pause"] for x in back]),
         dynatrain_phases=phases,
         dynatrain_transfer_seconds=transfer,
+        dynatrain_transfer_parts=parts,
         dynatrain_pause_runs=[x["pause"] for x in fwd],
         bytes_moved=fwd[0]["bytes_moved"], lower_bound_bytes=fwd[0]["lower_bound"],
         local_copy_bytes=fwd[0]["local"],
@@ -378,12 +428,21 @@ def summarize(r: dict, cfg: dict) -> dict:
         refit_max_rank_recv_bytes=r.get("refit_max_rank_recv_bytes"),
         losses_before=r["losses_before"], iteration=r["iteration"],
         job_start_seconds=r["job_start_seconds"], bench_seconds=r["bench_seconds"],
+        load_average_start=cfg.get("load_average_start"), load_average_end=_loadavg(),
+        cpu_count=os.cpu_count(),
     )
     s["checkpoint_over_dynatrain"] = _ratio(s["dist_checkpoint_seconds"], ours)
     s["refit_over_dynatrain"] = _ratio(s["refit_seconds"], ours)
     if s["refit_max_rank_recv_bytes"] is not None:
         s["refit_floor_seconds"] = s["refit_max_rank_recv_bytes"] / (r["link_gbps"] * 1e9)
     return s
+
+
+def _loadavg() -> Optional[list[float]]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -417,9 +476,12 @@ def _x(r) -> str:
 
 def format_summary(s: dict) -> str:
     ph = s["dynatrain_phases"]
+    la = s.get("load_average_start"), s.get("load_average_end")
     L = [f"dynatrain bench-switch: {s['model']} ({s['params'] / 1e6:,.1f}M params), "
          f"{s['src']} -> {s['dst']} on {s['nproc']} gloo ranks; median of {s['repeat']}; "
          f"kinds moved {','.join(s['kinds'])}",
+         f"machine                 {s.get('cpu_count')} CPUs; 1-min load average "
+         f"{la[0][0] if la[0] else '-'} at start, {la[1][0] if la[1] else '-'} at end",
          f"link (pairwise P2P)     {s['link_gbps']:.2f} GB/s per rank ({_gb(s['link_buffer_bytes'])} "
          f"buffers); small-message round {_s(s['round_latency_seconds'])}; memcpy "
          f"{s['memcpy_gbps']:.2f} GB/s",
@@ -428,6 +490,9 @@ def format_summary(s: dict) -> str:
          f"incl. groups + release of A {_s(s['dynatrain_wall_seconds'])})",
          "    phases              " + ", ".join(f"{k} {_s(v)}" for k, v in ph.items())
          + "  (groups: background, not in the pause)",
+         "    transfer split      " + ", ".join(f"{k} {_s(v)}" for k, v in
+                                                s["dynatrain_transfer_parts"].items())
+         + "  (each: max over ranks)",
          f"    bytes moved         {_gb(s['bytes_moved'])} (lower bound {_gb(s['lower_bound_bytes'])}; "
          f"default placement {_gb(s['default_placement_bytes_moved'])}; local copies "
          f"{_gb(s['local_copy_bytes'])}; placement {s['placement']})",
@@ -467,5 +532,6 @@ def run_bench(cfg: dict, timeout: float = 1800.0) -> dict:
     """Spawn `cfg['nproc']` gloo ranks, run `bench_rank`, return the summary."""
     from .multiproc import run_on_ranks
 
+    cfg = dict(cfg, load_average_start=_loadavg())
     results = run_on_ranks(bench_rank, cfg["nproc"], cfg, timeout=timeout)
     return summarize(results[0], cfg)

@@ -1,0 +1,65 @@
+"""Signal-file requests: atomic write, refusal of unsafe or corrupt files (pure)."""
+import json
+import os
+
+import pytest
+
+from dynatrain_megatron.cli import main as cli
+from dynatrain_megatron.elastic.signal_file import RequestError, archive, read_request, write_request
+
+
+def test_write_then_read_roundtrip(tmp_path):
+    p = tmp_path / "switch.json"
+    write_request(p, "tp4pp1dp1", 4)
+    req = read_request(p)
+    assert (req.layout, req.world) == ("tp4pp1dp1", 4)
+    assert oct(p.stat().st_mode & 0o777) == oct(0o600)
+    assert [x.name for x in tmp_path.iterdir()] == ["switch.json"]  # no temp file left
+
+
+def test_no_file_no_request(tmp_path):
+    assert read_request(tmp_path / "missing.json") is None
+
+
+@pytest.mark.parametrize("text,match", [
+    ("{not json", "not valid JSON"),
+    ('["tp2"]', "JSON object"),
+    ('{"world": 4}', "no 'layout'"),
+    ('{"layout": "tp2", "evil": 1}', "unknown fields"),
+    ('{"layout": ""}', "non-empty"),
+    ('{"layout": "tp2", "world": -1}', "positive int"),
+])
+def test_corrupt_requests_are_refused(tmp_path, text, match):
+    p = tmp_path / "s.json"
+    p.write_text(text)
+    os.chmod(p, 0o600)
+    with pytest.raises(RequestError, match=match):
+        read_request(p)
+
+
+def test_world_writable_file_is_refused(tmp_path):
+    p = tmp_path / "s.json"
+    write_request(p, "tp2pp2")
+    os.chmod(p, 0o666)
+    with pytest.raises(RequestError, match="world-writable"):
+        read_request(p)
+
+
+def test_archive_keeps_outcome_and_reason(tmp_path):
+    p = tmp_path / "s.json"
+    write_request(p, "tp2pp2")
+    a = archive(p, "rejected", "bad layout")
+    b = (write_request(p, "tp2pp2"), archive(p, "rejected", "again"))[1]
+    assert not p.exists() and a.name == "s.json.rejected.0" and b.name == "s.json.rejected.1"
+    rec = json.loads(a.read_text())
+    assert rec["outcome"] == "rejected" and rec["reason"] == "bad layout"
+    assert json.loads(rec["request"])["layout"] == "tp2pp2"
+
+
+def test_request_cli_writes_and_rejects_malformed(tmp_path, capsys):
+    p = tmp_path / "s.json"
+    assert cli(["request", "--signal-file", str(p), "--layout", "tp2pp2", "--world", "8"]) == 0
+    assert read_request(p).layout == "tp2pp2"
+    assert cli(["request", "--signal-file", str(tmp_path / "t.json"), "--layout", "tpX"]) == 2
+    assert "malformed layout" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()
