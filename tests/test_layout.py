@@ -1,0 +1,62 @@
+"""Layouts: parsing, printing, rank grids, and one clear error per impossible layout."""
+import pytest
+
+from dynatrain_megatron.adapters.verify import check_live_matches_analytic
+from dynatrain_megatron.vps import Box, Fragment, FragmentMismatchError, Layout, LayoutError, ModelSpec
+
+TINY = dict(name="t", num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+            ffn_hidden_size=128, vocab_size=1000, seq_length=32)
+
+
+def test_parse_and_print():
+    assert str(Layout.parse("tp2pp2", 8)) == "tp2pp2dp2"
+    assert str(Layout.parse("tp1pp2ep4etp1dp4")) == "tp1pp2ep4etp1dp4"
+    assert Layout.parse("tp2pp2vpp2dp1").vpp == 2
+    assert Layout.parse("tp4", 4).etp == 4  # megatron's default: etp = tp
+
+
+def test_megatron_rank_grid():
+    L = Layout.parse("tp2pp2", 16)  # the ref doc's verified example
+    assert L.groups(["tp"])[:2] == [[0, 1], [2, 3]]
+    assert L.groups(["dp"])[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert L.groups(["pp"])[:2] == [[0, 8], [1, 9]]
+    E = Layout.parse("tp2pp2ep4etp1", 16)
+    assert E.groups(["ep"])[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert E.groups(["edp"])[:2] == [[0, 4], [1, 5]]
+
+
+@pytest.mark.parametrize("text,world,match", [
+    ("tp2xx", 4, "malformed layout"),
+    ("tp2tp2", 4, "axis tp given twice"),
+    ("tp3", 4, "tp\\*pp\\*cp = 3 does not divide world size 4"),
+    ("tp2dp4", 4, "dp4 but world size 4"),
+    ("tp1pp1vpp2", 4, "vpp2 needs pp > 1"),
+    ("tp2pp2ep2", 4, "expert grid etp\\*ep\\*pp = 2\\*2\\*2 = 8 does not divide world size 4"),
+])
+def test_malformed_or_impossible_layouts(text, world, match):
+    with pytest.raises(LayoutError, match=match):
+        Layout.parse(text, world)
+
+
+@pytest.mark.parametrize("text,world,moe,match", [
+    ("tp8", 8, False, "num_query_groups 4 % tp 8"),
+    ("tp1pp3", 3, False, "num_layers 4 % \\(pp\\*vpp = 3\\*1\\)"),
+    ("tp1pp1ep3etp1", 3, True, "num_moe_experts 8 % ep 3"),
+    ("tp1ep2etp1", 2, False, "ep2 needs an MoE model"),
+])
+def test_layouts_the_model_cannot_take(text, world, moe, match):
+    spec = ModelSpec(**TINY, **(dict(num_moe_experts=8) if moe else {}))
+    with pytest.raises(LayoutError, match=match):
+        Layout.parse(text, world).check_model(spec)
+
+
+def test_live_mismatch_names_tensor_and_rank():
+    box = Box((0, 0), (4, 4))
+    good = Fragment("decoder.layers.0.mlp.linear_fc1.weight", "param", box, 3, 0, 0,
+                    "decoder.layers.0.mlp.linear_fc1.weight", (0, 0))
+    moved = Fragment("decoder.layers.0.mlp.linear_fc1.weight", "param", Box((4, 0), (4, 4)), 3,
+                     0, 0, "decoder.layers.0.mlp.linear_fc1.weight", (0, 0))
+    check_live_matches_analytic([good], [good], 3)
+    with pytest.raises(FragmentMismatchError,
+                       match="rank 3: .*decoder.layers.0.mlp.linear_fc1.weight/param"):
+        check_live_matches_analytic([moved], [good], 3)
