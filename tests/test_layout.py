@@ -60,3 +60,17 @@ def test_live_mismatch_names_tensor_and_rank():
     with pytest.raises(FragmentMismatchError,
                        match="rank 3: .*decoder.layers.0.mlp.linear_fc1.weight/param"):
         check_live_matches_analytic([moved], [good], 3)
+
+
+def test_memory_fit_refuses_a_layout_that_does_not_fit():
+    from dynatrain_megatron.vps.memory import check_memory_fit, estimate_state_memory
+
+    spec = ModelSpec.from_yaml("configs/models/llama3-70b.yaml")
+    tp8pp4 = Layout.parse("tp8pp4", 128)
+    est = estimate_state_memory(spec, tp8pp4)
+    # 70.5B / 32 model-parallel ranks = 2.2B params each: bf16 weights + fp32 grads
+    # (6 B/param) + fp32 master and Adam moments sharded over dp4 (12/4 B/param) ~ 19.8 GB
+    assert 19e9 < est.max_bytes < 21e9
+    check_memory_fit(spec, tp8pp4, 141 * 2**30)
+    with pytest.raises(LayoutError, match="layout tp1pp1dp128 does not fit: rank 0 needs"):
+        check_memory_fit(spec, Layout.parse("tp1pp1", 128), 141 * 2**30)

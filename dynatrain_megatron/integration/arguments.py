@@ -29,6 +29,8 @@ def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--dynatrain-log-dir", default=None, help="where switch reports are written")
     g.add_argument("--dynatrain-default-placement", action="store_true",
                    help="pin Megatron's default rank order instead of the chosen placement")
+    g.add_argument("--dynatrain-device-memory", type=int, default=None,
+                   help="bytes per device; a target whose state would not fit is refused")
     g.add_argument("--dynatrain-compare-checkpoint", action="store_true",
                    help="at the end, time the dist_checkpointing save+load path for the summary")
     g.add_argument("--dynatrain-timeout", type=float, default=300.0,

@@ -24,7 +24,8 @@ from ..transition.switch import choose_dst_placement
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
-from .builders import MegatronBuilder
+from ..vps.memory import check_memory_fit
+from .builders import MegatronBuilder, bucket_size_of
 from .switching import switch_trainer
 from .train_config import TrainConfig
 from .training import Trainer
@@ -68,8 +69,14 @@ class DynatrainHook:
     @classmethod
     def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig) -> "DynatrainHook":
         schedule = load_schedule(args.dynatrain_schedule) if args.dynatrain_schedule else None
+        def check(lay: Layout) -> None:
+            _check_batch(train, lay)
+            if args.dynatrain_device_memory:
+                check_memory_fit(spec, lay, args.dynatrain_device_memory,
+                                 bucket_size=bucket_size_of(train, lay))
+
         ctl = Controller(spec, args.dynatrain_signal_file, args.dynatrain_poll_interval, schedule,
-                         extra_check=lambda lay: _check_batch(train, lay))
+                         extra_check=check)
         return cls(spec, train, ctl, ranks_per_node=args.dynatrain_ranks_per_node,
                    memory_budget=args.dynatrain_memory_budget,
                    placement="default" if args.dynatrain_default_placement else "best",
