@@ -74,3 +74,22 @@ def test_memory_fit_refuses_a_layout_that_does_not_fit():
     check_memory_fit(spec, tp8pp4, 141 * 2**30)
     with pytest.raises(LayoutError, match="layout tp1pp1dp128 does not fit: rank 0 needs"):
         check_memory_fit(spec, Layout.parse("tp1pp1", 128), 141 * 2**30)
+
+
+@pytest.mark.parametrize("text,layers,expect", [
+    # megatron-core's layer assignment (ref doc, verified by running megatron)
+    ("tp1pp4", 8, [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]),
+    ("tp1pp2vpp2", 8, [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]),
+    ("tp1pp4ppf1ppl3", 10, [[[0]], [[1, 2, 3]], [[4, 5, 6]], [[7, 8, 9]]]),
+    ("tp1pp3vpp2ppf2ppl2", 12, [[[0], [6]], [[1, 2, 3, 4], [7, 8, 9, 10]], [[5], [11]]]),
+])
+def test_pipeline_layer_assignment(text, layers, expect):
+    L = Layout.parse(text)
+    got = [[list(L.stage_layers(layers, p, v)) for v in range(L.vpp)] for p in range(L.pp)]
+    assert got == expect
+
+
+def test_uneven_pipeline_that_does_not_split():
+    spec = ModelSpec(**{**TINY, "num_layers": 9})
+    with pytest.raises(LayoutError, match="= 5 does not split evenly over the 2 middle stage"):
+        Layout.parse("tp1pp4ppf1ppl3", 4).check_model(spec)

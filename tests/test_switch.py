@@ -17,6 +17,7 @@ DENSE_4 = [
     ("tp2pp2dp1", "tp1pp2vpp2dp2", {"back": True}),  # VPP on
     ("tp2pp1dp2", "tp1pp2dp2", {"memory_budget": 64 * 1024}),  # small budget: many rounds
     ("tp2pp2dp1", "tp2pp2dp1", {}),  # same layout: nothing moves
+    ("tp2pp2dp1", "tp1pp2ppf1ppl3dp2", {"ckpt": True, "steps_after": 3}),  # uneven PP
 ]
 MOE_4 = [
     ("tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4", {"back": True}),  # EP 2->4

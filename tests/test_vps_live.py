@@ -14,6 +14,7 @@ CASES_4 = [
     ("tiny-gpt", "tp1pp4dp1", {}, False),
     ("tiny-gpt", "tp1pp1dp4", B, True),
     ("tiny-gpt", "tp1pp2vpp2dp2", B, False),
+    ("tiny-gpt", "tp2pp2ppf1ppl3dp1", {}, False),  # uneven first/last stages
     ("tiny-gpt+tied", "tp1pp2dp2", {}, True),
     ("tiny-gpt+bf16+ln", "tp2pp1dp2", B, True),
     ("tiny-moe", "tp2pp1ep2etp1dp2", {}, True),

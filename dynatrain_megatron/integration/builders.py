@@ -47,6 +47,8 @@ def make_transformer_config(spec: ModelSpec, layout: Layout):
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        num_layers_in_first_pipeline_stage=layout.ppf or None,
+        num_layers_in_last_pipeline_stage=layout.ppl or None,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,

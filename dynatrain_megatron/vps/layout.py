@@ -22,7 +22,7 @@ import numpy as np
 from .errors import LayoutError
 from .model_spec import ModelSpec
 
-_TOKEN = re.compile(r"(vpp|etp|tp|pp|cp|ep|dp)(\d+)")
+_TOKEN = re.compile(r"(vpp|etp|ppf|ppl|tp|pp|cp|ep|dp)(\d+)")
 _AXES = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp")
 
 # axis names of the two megatron rank grids, fastest first
@@ -59,8 +59,16 @@ class Layout:
     cp: int = 1
     ep: int = 1
     etp: int = 0  # 0 means "same as tp" (megatron's default), resolved in __post_init__
+    # uneven pipeline: layers of the first / last stage (0 = even split), megatron's
+    # --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers
+    ppf: int = 0
+    ppl: int = 0
 
     def __post_init__(self) -> None:
+        if self.ppf < 0 or self.ppl < 0:
+            raise LayoutError(f"ppf/ppl must be >= 0, got ppf{self.ppf} ppl{self.ppl}")
+        if (self.ppf or self.ppl) and self.pp < 2:
+            raise LayoutError(f"uneven first/last stages (ppf{self.ppf} ppl{self.ppl}) need pp > 1")
         if self.etp == 0:
             object.__setattr__(self, "etp", self.tp)
         for ax in _AXES:
@@ -121,6 +129,10 @@ class Layout:
             s += f"cp{self.cp}"
         if self.ep > 1 or self.etp != self.tp:
             s += f"ep{self.ep}etp{self.etp}"
+        if self.ppf:
+            s += f"ppf{self.ppf}"
+        if self.ppl:
+            s += f"ppl{self.ppl}"
         return s + f"dp{self.dp}"
 
     # ------------------------------------------------------------------ sizes
@@ -158,9 +170,7 @@ class Layout:
             e.append(f"num_query_groups {spec.num_query_groups} % tp {t} != 0")
         if spec.ffn_hidden_size % t:
             e.append(f"ffn_hidden_size {spec.ffn_hidden_size} % tp {t} != 0")
-        stages = self.pp * self.vpp
-        if spec.num_layers % stages:
-            e.append(f"num_layers {spec.num_layers} % (pp*vpp = {self.pp}*{self.vpp}) != 0")
+        e += self._pipeline_errors(spec.num_layers)
         if self.cp > 1 and spec.seq_length % (2 * self.cp):
             e.append(f"seq_length {spec.seq_length} % (2*cp = {2 * self.cp}) != 0")
         if spec.is_moe:
@@ -178,11 +188,46 @@ class Layout:
         return e
 
     # ------------------------------------------------------------------ pipeline layers
+    def stage_num_layers(self, num_layers: int) -> list[int]:
+        """Layers of each pipeline stage (megatron-core's rules: uneven first/last, the rest
+        split evenly over the middle stages)."""
+        if not (self.ppf or self.ppl):
+            return [num_layers // self.pp] * self.pp
+        n_mid = self.pp - (1 if self.ppf else 0) - (1 if self.ppl else 0)
+        rest = num_layers - self.ppf - self.ppl
+        mid = rest // n_mid if n_mid else 0
+        out = [mid] * self.pp
+        if self.ppf:
+            out[0] = self.ppf
+        if self.ppl:
+            out[-1] = self.ppl
+        return out
+
+    def _pipeline_errors(self, num_layers: int) -> list[str]:
+        if not (self.ppf or self.ppl):
+            stages = self.pp * self.vpp
+            if num_layers % stages:
+                return [f"num_layers {num_layers} % (pp*vpp = {self.pp}*{self.vpp}) != 0"]
+            return []
+        e = []
+        n_mid = self.pp - (1 if self.ppf else 0) - (1 if self.ppl else 0)
+        rest = num_layers - self.ppf - self.ppl
+        if rest < 0 or (n_mid == 0 and rest != 0) or (n_mid and rest % n_mid):
+            e.append(f"num_layers {num_layers} - ppf {self.ppf} - ppl {self.ppl} = {rest} does "
+                     f"not split evenly over the {n_mid} middle stage(s)")
+        elif any(n % self.vpp for n in self.stage_num_layers(num_layers)):
+            e.append(f"stage layer counts {self.stage_num_layers(num_layers)} are not all "
+                     f"divisible by vpp {self.vpp}")
+        return e
+
     def stage_layers(self, spec_num_layers: int, pp_rank: int, vp_stage: int) -> range:
-        """Global layer indices of model chunk `vp_stage` on pipeline rank `pp_rank`."""
-        per_chunk = spec_num_layers // (self.pp * self.vpp)
-        start = vp_stage * (spec_num_layers // self.vpp) + pp_rank * per_chunk
-        return range(start, start + per_chunk)
+        """Global layer indices of model chunk `vp_stage` on pipeline rank `pp_rank`.
+
+        Chunks are numbered (vp_stage, pp_rank) in vp-major order, each stage's layers split
+        evenly over its chunks, as megatron-core's get_transformer_layer_offset does."""
+        counts = [n // self.vpp for n in self.stage_num_layers(spec_num_layers)]
+        start = vp_stage * sum(counts) + sum(counts[:pp_rank])
+        return range(start, start + counts[pp_rank])
 
     # ------------------------------------------------------------------ rank grid
     @property
