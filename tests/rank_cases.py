@@ -186,6 +186,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
         for _ in range(2):
             tr.step()
         la, pa = tr.objs.layout, tr.objs.groups.placement
+        tr.sync_params()  # with overlap_param_gather the weights lag until the next forward
         before = full(tr)
         lb = Layout.parse(b, world)
         tr, res = switch_trainer(tr, builder, la, pa, lb, placement=opts.get("placement", "best"),

@@ -298,6 +298,7 @@ def bench_rank(cfg: dict) -> dict:
     out.update(kinds=list(kinds), max_rank_send_bytes=st.max_send_bytes,
                max_rank_recv_bytes=st.max_recv_bytes, max_rank_traffic_bytes=st.max_traffic_bytes,
                default_placement_bytes_moved=dplan.stats.moved_bytes,
+               num_pieces=st.num_pieces, num_local_pieces=st.num_local_pieces,
                state_bytes_moved_kinds=sum(v for _, v in st.state_per_kind))
     g = out["link_gbps"]
     links = LinkModel(intra_node_gbps=g, inter_node_gbps=g,
@@ -403,7 +404,7 @@ def summarize(r: dict, cfg: dict) -> dict:
         state_bytes_all_kinds=r["state_bytes_all_kinds"],
         max_rank_send_bytes=r["max_rank_send_bytes"], max_rank_recv_bytes=r["max_rank_recv_bytes"],
         per_rank_sent_recv_bytes=r["per_rank_sent_recv_bytes"],
-        rounds=fwd[0]["rounds"],
+        rounds=fwd[0]["rounds"], num_pieces=r["num_pieces"], num_local_pieces=r["num_local_pieces"],
         peak_extra_bytes=max(x["peak_staging"] for x in fwd + back),
         rss_peak_delta_bytes=(max(x["rss_peak_delta"] for x in fwd)
                               if fwd[0]["rss_peak_delta"] is not None else None),
@@ -497,7 +498,8 @@ def format_summary(s: dict) -> str:
          f"default placement {_gb(s['default_placement_bytes_moved'])}; local copies "
          f"{_gb(s['local_copy_bytes'])}; placement {s['placement']})",
          f"    max per rank        send {_gb(s['max_rank_send_bytes'])}, recv "
-         f"{_gb(s['max_rank_recv_bytes'])}; {s['rounds']} round(s); peak extra (staging) "
+         f"{_gb(s['max_rank_recv_bytes'])}; {s['num_pieces']:,} network + "
+         f"{s['num_local_pieces']:,} local pieces in {s['rounds']} round(s); peak extra (staging) "
          f"{_gb(s['peak_extra_bytes'])}"
          + (f" under a {_gb(s['memory_budget_bytes'])} budget" if s["memory_budget_bytes"] else "")
          + (f"; RSS peak delta {_gb(s['rss_peak_delta_bytes'])}"

@@ -207,6 +207,12 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
 
     t3 = t()
     vr_a = src_placement.virtual_rank(me)
+    if move_weights and old_objs is not None:
+        # with overlap_param_gather the weights lag the DistOpt shards until the next forward:
+        # bring them up to date before reading them
+        for m in old_objs.model:
+            if getattr(m, "ddp_config", None) is not None and m.ddp_config.overlap_param_gather:
+                m.start_param_sync(force_sync=True)
     old_live = (LiveState(old_objs.model, old_objs.optimizer, vr_a, spec.vocab_size)
                 if old_objs is not None and vr_a is not None else None)
     new_live = (LiveState(new_objs.model, new_objs.optimizer, vr_b, spec.vocab_size)
