@@ -45,11 +45,14 @@ def train_cases(cases: list[tuple[str, str, int, dict]]) -> list[dict]:
         kw.update(overrides)
         before = len(dist.distributed_c10d._world.pg_map)
         trainer = start_job(spec(model), layout, TrainConfig(**kw))
+        eval_before = trainer.evaluate()
         losses = [trainer.step().loss for _ in range(steps)]
+        eval_after = trainer.evaluate()
         same = dp_replicas_identical(trainer)
         release(trainer.objs)
         after = len(dist.distributed_c10d._world.pg_map)
         out.append(dict(model=model, layout=str(trainer.objs.layout), losses=losses,
+                        eval_before=eval_before, eval_after=eval_after,
                         dp_identical=same, leaked_groups=after - before))
     return out
 

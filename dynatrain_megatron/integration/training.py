@@ -125,6 +125,20 @@ class Trainer:
         return StepResult(self.iteration, loss, float(grad_norm or 0.0), lr,
                           time.perf_counter() - t0)
 
+    def evaluate(self, first_sample: int = 10**7) -> float:
+        """Forward-only LM loss of one fixed global batch (samples from `first_sample`, which
+        training never reaches): comparable across steps, unlike the training loss."""
+        o, L = self.objs, self.objs.layout
+        c = o.groups.coords()
+        batches = self.data.micro_batches(first_sample, self.num_micro,
+                                          self.train.micro_batch_size, L.dp, c.dp)
+        losses = self.forward_backward(
+            forward_step_func=_forward_step, data_iterator=iterators_for_chunks(batches, L.vpp),
+            model=o.model, num_microbatches=self.num_micro, seq_length=self.spec.seq_length,
+            micro_batch_size=self.train.micro_batch_size, forward_only=True,
+            p2p_communicator=self.p2p, pg_collection=o.groups.pg_collection)
+        return self._global_loss(losses)
+
     def _global_loss(self, losses: list[dict[str, Any]]) -> float:
         """Mean loss over the global batch, identical on every rank (one small all-reduce)."""
         L = self.objs.layout
