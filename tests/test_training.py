@@ -42,7 +42,7 @@ def _check(case):
     assert all(math.isfinite(x) for x in losses), case
     # the synthetic arithmetic sequences are learnable: the loss on a fixed held-out batch
     # must drop clearly (training losses are per-batch and noisy)
-    assert case["eval_after"] < case["eval_before"] - 0.01, f"loss did not go down: {case}"
+    assert case["eval_after"] < case["eval_before"] - 0.2, f"loss did not go down: {case}"
     assert case["dp_identical"], f"DP replicas differ after training: {case}"
     assert case["leaked_groups"] == 0, f"process groups leaked: {case}"
 

@@ -1,8 +1,9 @@
 """A deterministic, learnable synthetic GPT dataset whose position is `consumed_samples`.
 
-Sample i is an arithmetic token sequence `(start + step*t) mod V` with (start, step) drawn
-from a generator seeded by (data_seed, i): the model can learn it (the loss goes down in a
-few steps), and it costs nothing to read. Like Megatron-LM's `MegatronPretrainingSampler`,
+Sample i is an arithmetic token sequence `(start + step*t) mod A` over the first
+A = min(V, 64) token ids, with (start, step) drawn from a generator seeded by (data_seed, i):
+the model learns it quickly (first which tokens occur, then the progressions), so a few steps
+show the loss going down, and it costs nothing to read. Like Megatron-LM's `MegatronPretrainingSampler`,
 the global sample stream is cut into blocks of `mbs*DP` and DP rank d takes slice
 [d*mbs, (d+1)*mbs) of each block, so the stream survives any change of DP: after a switch
 at `consumed_samples`, the next global batch holds exactly the same samples.
@@ -20,13 +21,15 @@ class SyntheticGPTData:
     vocab_size: int
     seq_length: int
     data_seed: int = 0
+    active_vocab: int = 64
 
     def sample(self, index: int) -> torch.Tensor:
+        a = min(self.vocab_size, self.active_vocab)
         g = torch.Generator().manual_seed(self.data_seed * 1_000_003 + index)
-        start = int(torch.randint(0, self.vocab_size, (1,), generator=g))
+        start = int(torch.randint(0, a, (1,), generator=g))
         step = int(torch.randint(1, 5, (1,), generator=g))
         t = torch.arange(self.seq_length + 1)
-        return (start + step * t) % self.vocab_size
+        return (start + step * t) % a
 
     def micro_batches(self, consumed_samples: int, num_micro_batches: int, micro_batch_size: int,
                       dp_size: int, dp_rank: int) -> list[dict[str, torch.Tensor]]:
