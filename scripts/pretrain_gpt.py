@@ -5,10 +5,7 @@ Megatron-LM's pretrain_gpt.py). Launch with torchrun, e.g.
   torchrun --nproc_per_node 4 scripts/pretrain_gpt.py --model-config configs/models/tiny-gpt.yaml \
       --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --train-iters 20
 """
-import argparse
-import logging
 import sys
-import time
 
 from dynatrain_megatron.integration.main import main
 

@@ -135,7 +135,6 @@ def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before
 
     from dynatrain_megatron.adapters.live import LiveState
     from dynatrain_megatron.integration import dist_ckpt
-    from dynatrain_megatron.integration.training import Trainer
     from dynatrain_megatron.transition import gather as G
 
     train = switch_train_config(overrides)

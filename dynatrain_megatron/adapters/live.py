@@ -16,7 +16,7 @@ import bisect
 import logging
 import re
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Iterable
 
 import numpy as np
 import torch

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
 
 log = logging.getLogger(__name__)
 

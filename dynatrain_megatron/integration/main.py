@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import sys
 from typing import Optional, Sequence
@@ -40,13 +39,14 @@ def format_iteration(r: StepResult, train_iters: int, consumed: int, gbs: int, l
 def measure_checkpoint_path(trainer: Trainer) -> float:
     """Seconds of the checkpoint-based path at the final layout (dist_checkpointing save,
     rebuild, load), for the summary's comparison column."""
+    import os
     import tempfile
     import time
 
     from . import dist_ckpt
     from .builders import MegatronBuilder
 
-    base = "/dev/shm" if __import__("os").path.isdir("/dev/shm") else None
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     box = [tempfile.mkdtemp(prefix="dynatrain-ckpt-", dir=base) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     t0 = time.perf_counter()

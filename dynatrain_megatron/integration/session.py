@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat import prepare_runtime
-from ..elastic.groups import ParallelGroups, Placement, build_groups, install
+from ..elastic.groups import Placement, build_groups, install
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from .builders import TrainingObjects, build_training_objects

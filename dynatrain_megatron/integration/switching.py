@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
-import torch.distributed as dist
 
 from ..elastic.groups import ParallelGroups, build_groups, install
 from ..transition.switch import SwitchResult, read_scalars, switch_layout

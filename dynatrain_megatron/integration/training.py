@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -20,8 +20,6 @@ from .transport import Transport
 
 log = logging.getLogger(__name__)
 
-# (kind, chunk, local_name, local_box) -> tensor view
-ViewFn = Callable[[object, str], torch.Tensor]
 
 _ALIGN = 8
 

@@ -29,7 +29,6 @@ from ..routing.placement import choose_placement
 from ..routing.planner import build_plan
 from ..routing.schedule import schedule
 from ..vps.analytic import analytic_layout
-from ..vps.box import Box
 from ..vps.errors import LayoutError
 from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
