@@ -44,6 +44,7 @@ def _replace(flag: str, value: str) -> list[str]:
     (BASE + ["--memory-budget", "0"], "--memory-budget must be positive"),
     (BASE + ["--skip", "everything"], "can skip only"),
     (_replace("--to", "tp1pp2cp2"), "context parallelism"),
+    (BASE + ["--ckpt-dir", "/nonexistent/dir"], "is not a writable directory"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
     assert cli.main(argv) == 2

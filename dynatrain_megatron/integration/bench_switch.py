@@ -26,6 +26,7 @@ measurements are medians.
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 import shutil
@@ -199,9 +200,34 @@ class _TransferProbe:
             setattr(cls, name, raw)
 
 
-def _ckpt_root() -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="dynatrain-bench-", dir=base)
+def default_ckpt_dir() -> Optional[str]:
+    """/dev/shm where writable (memory-backed: the checkpoint path at its fastest), else the
+    system temp dir."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return "/dev/shm"
+    return None
+
+
+def _ckpt_root(base: Optional[str]) -> str:
+    return tempfile.mkdtemp(prefix="dynatrain-bench-", dir=base or default_ckpt_dir())
+
+
+class _Progress:
+    """One stderr line per stage from rank 0: elapsed time and the largest RSS of any rank
+    (a collective: every rank passes the same stages)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on, self.t0 = on, time.perf_counter()
+
+    def __call__(self, stage: str) -> None:
+        if not self.on:
+            return
+        rss = _max(_rss_bytes()[0])
+        if dist.get_rank() == 0:
+            import sys
+
+            print(f"bench-switch: [{time.perf_counter() - self.t0:7.1f} s] {stage}; largest rank "
+                  f"RSS {rss / 1e9:.2f} GB", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------- the rank side
@@ -233,6 +259,7 @@ def bench_rank(cfg: dict) -> dict:
     skip = set(cfg["skip"])
     out: dict[str, Any] = {}
     t_start = time.perf_counter()
+    progress = _Progress(cfg.get("progress", True))
 
     # the job at A, trained so that Adam's moments and step are real
     tr, t_job = _timed(start_job, spec, cfg["src"], train)
@@ -241,6 +268,7 @@ def bench_rank(cfg: dict) -> dict:
     for _ in range(cfg["iters_before"]):
         losses.append(tr.step().loss)
     out["losses_before"] = losses
+    out["rss_after_steps_bytes"] = int(_max(_rss_bytes()[0]))
     la = tr.objs.layout
     lb = Layout.parse(cfg["dst"], world)
     builder = MegatronBuilder(spec, train)
@@ -248,7 +276,9 @@ def bench_rank(cfg: dict) -> dict:
     out["state_bytes_all_kinds"] = state_bytes(spec)
 
     # (d) the link between the same ranks
+    progress(f"job at {la} started, {cfg['iters_before']} step(s) trained")
     out.update(measure_link(cfg["link_bytes"]))
+    progress(f"link measured: {out['link_gbps']:.2f} GB/s per rank")
 
     # (a) ours: A -> B -> A, `repeat` times
     fwd, back = [], []
@@ -263,7 +293,14 @@ def bench_rank(cfg: dict) -> dict:
             (tr, res), wall = _timed(switch_trainer, tr, builder, src_l, src_p, dst_l,
                                      placement=cfg["placement"], ranks_per_node=rpn,
                                      memory_budget=budget, move_weights=move_weights)
-            r = res.report
+            r, dst_p = res.report, res.placement
+            del res
+            # A's model/DDP/optimizer are left in reference cycles (DDP hooks, bound methods
+            # in the TransformerConfig); without a collection here each switch keeps the
+            # previous layout's state alive until Python's GC happens to run (measured: the
+            # RSS of gpt-200m grew ~0.8 GB per switch until the machine ran out of memory)
+            rss_kept = _rss_bytes()[0]
+            _, t_gc = _timed(gc.collect)
             parts = probe.take()
             parts["other"] = r.phases.get("transfer", 0.0) - sum(parts.values())
             rec = dict(wall=wall, pause=_max(r.pause_seconds),
@@ -272,11 +309,18 @@ def bench_rank(cfg: dict) -> dict:
                        phases={k: _max(v) for k, v in sorted(r.phases.items())},
                        peak_staging=int(_max(r.peak_staging_bytes)),
                        rss_peak_delta=int(_max(_rss_bytes()[1] - rss0)) if rss_ok else None,
+                       rss_before=int(_max(rss0)), rss_peak=int(_max(_rss_bytes()[1])),
+                       rss_before_gc=int(_max(rss_kept)), rss_after_gc=int(_max(_rss_bytes()[0])),
+                       gc_seconds=t_gc,
                        sent=r.sent_bytes, recv=r.recv_bytes, rounds=r.rounds,
                        bytes_moved=r.bytes_moved, lower_bound=r.lower_bound_bytes,
                        local=r.local_bytes, placement=r.placement,
-                       src_placement=src_p, dst_placement=res.placement)
+                       src_placement=src_p, dst_placement=dst_p)
             (fwd if direction == "fwd" else back).append(rec)
+            progress(f"switch {src_l} -> {dst_l} ({i + 1}/{repeat}): pause {rec['pause']:.2f} s, "
+                     f"peak RSS {rec['rss_peak'] / 1e9:.2f} GB, {rec['rss_before_gc'] / 1e9:.2f} GB "
+                     f"after it, {rec['rss_after_gc'] / 1e9:.2f} GB after gc.collect() "
+                     f"({t_gc:.2f} s)")
     probe.close()
     out["ours_fwd"] = [{k: v for k, v in x.items() if k not in ("src_placement", "dst_placement")}
                        for x in fwd]
@@ -314,40 +358,67 @@ def bench_rank(cfg: dict) -> dict:
     if "refit" not in skip:
         from megatron.core.resharding import swap_model_weights
 
+        from .builders import (build_model_chunks, make_transformer_config,
+                               restore_tensor_parallel_attributes)
+
+        def build_b_model(groups):
+            # what a refit target is (an inference/rollout model): model chunks only, no
+            # DDP/optimizer; megatron reads some ranks from parallel_state while building
+            install(groups)
+            chunks = build_model_chunks(spec, lb, groups, make_transformer_config(spec, lb),
+                                        init_weights=False)
+            restore_tensor_parallel_attributes(chunks, spec)  # the refit plans from them
+            return chunks
+
         gb, t_groups = _timed(build_groups, lb, Placement.default(world))
-        objs_b, t_build = _timed(builder.build, lb, gb, init_weights=False)
+        model_b, t_build = _timed(build_b_model, gb)
         install(tr.objs.groups)
-        _, t_first = _timed(swap_model_weights, tr.objs.model, objs_b.model, "gloo")
-        cached = [_timed(swap_model_weights, tr.objs.model, objs_b.model, "gloo")[1]
+        _, t_first = _timed(swap_model_weights, tr.objs.model, model_b, "gloo")
+        cached = [_timed(swap_model_weights, tr.objs.model, model_b, "gloo")[1]
                   for _ in range(repeat)]
-        remote, local = _refit_bytes(objs_b.model)
+        remote, local = _refit_bytes(model_b)
         out.update(refit_first_seconds=t_first, refit_cached_seconds=cached,
                    refit_seconds=_median(cached), refit_groups_seconds=t_groups,
                    refit_build_seconds=t_build, refit_bytes_moved=int(_sum(remote)),
                    refit_max_rank_recv_bytes=int(_max(remote)),
                    refit_local_bytes=int(_sum(local)))
-        release(objs_b)
-        del objs_b
-        install(tr.objs.groups)
+        gb.destroy()
+        del model_b
+        gc.collect()
+        progress(f"refit measured: {out['refit_seconds']:.2f} s")
 
-    # (b) the checkpoint path: save at A, build B, load
+    out["iteration"] = tr.iteration
+    out["layout_at_end"] = str(tr.objs.layout)
+
+    # (b) the checkpoint path, as a restart does it: save at A, A goes away, build B, load.
+    # Between repeats A is rebuilt and reloaded from the same checkpoint (not timed).
     if "checkpoint" not in skip:
-        box = [_ckpt_root() if rank == 0 else None]
+        box = [_ckpt_root(cfg.get("ckpt_dir")) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         root = box[0]
         runs = []
+        objs_a, iteration, consumed = tr.objs, tr.iteration, tr.consumed_samples
+        pa = objs_a.groups.placement
+        del tr
         try:
             for i in range(repeat):
                 d = os.path.join(root, f"run{i}")
-                _, t_save = _timed(dist_ckpt.save, tr.objs, tr.iteration, tr.consumed_samples, d)
+                _, t_save = _timed(dist_ckpt.save, objs_a, iteration, consumed, d)
+                progress(f"checkpoint {i + 1}/{repeat} saved in {t_save:.2f} s")
+                release(objs_a)
+                del objs_a
+                gc.collect()
                 gb, t_groups = _timed(build_groups, lb, Placement.default(world))
                 objs_b, t_build = _timed(builder.build, lb, gb, init_weights=False)
                 (it, _), t_load = _timed(dist_ckpt.load, objs_b, d)
-                if it != tr.iteration:
-                    raise RuntimeError(f"checkpoint load gave iteration {it}, saved {tr.iteration}")
+                progress(f"checkpoint {i + 1}/{repeat} loaded at {lb} in {t_load:.2f} s")
+                if it != iteration:
+                    raise RuntimeError(f"checkpoint load gave iteration {it}, saved {iteration}")
                 release(objs_b)
                 del objs_b
-                install(tr.objs.groups)
+                gc.collect()
+                objs_a = builder.build(la, build_groups(la, pa), init_weights=False)
+                dist_ckpt.load(objs_a, d)
                 dist.barrier()
                 if rank == 0:
                     size = sum(os.path.getsize(os.path.join(dp, f))
@@ -367,10 +438,9 @@ def bench_rank(cfg: dict) -> dict:
             out[f"dist_checkpoint_{k}_seconds"] = _median([x[k] for x in runs])
         out["dist_checkpoint_seconds"] = out.pop("dist_checkpoint_total_seconds")
         out["checkpoint_bytes"] = runs[0]["bytes"]
-
-    out["iteration"] = tr.iteration
-    out["layout_at_end"] = str(tr.objs.layout)
-    release(tr.objs)
+        release(objs_a)
+    else:
+        release(tr.objs)
     out["bench_seconds"] = _max(time.perf_counter() - t_start)
     return out
 
@@ -408,6 +478,10 @@ def summarize(r: dict, cfg: dict) -> dict:
         peak_extra_bytes=max(x["peak_staging"] for x in fwd + back),
         rss_peak_delta_bytes=(max(x["rss_peak_delta"] for x in fwd)
                               if fwd[0]["rss_peak_delta"] is not None else None),
+        rss_after_steps_bytes=r["rss_after_steps_bytes"],
+        rss_switch_peak_bytes=max(x["rss_peak"] for x in fwd + back),
+        rss_left_by_switch_bytes=max(x["rss_before_gc"] - x["rss_after_gc"] for x in fwd + back),
+        gc_after_switch_seconds=_median([x["gc_seconds"] for x in fwd + back]),
         link_gbps=r["link_gbps"], link_buffer_bytes=r["link_buffer_bytes"],
         round_latency_seconds=r["round_latency_seconds"], memcpy_gbps=r["memcpy_gbps"],
         floor_seconds=floor,
@@ -472,7 +546,9 @@ def _s(t) -> str:
 
 
 def _x(r) -> str:
-    return "-" if r is None else f"{r:,.1f}x"
+    if r is None:
+        return "-"
+    return f"{r:,.2f}x" if r < 1 else f"{r:,.1f}x"
 
 
 def format_summary(s: dict) -> str:
@@ -502,8 +578,12 @@ def format_summary(s: dict) -> str:
          f"{s['num_local_pieces']:,} local pieces in {s['rounds']} round(s); peak extra (staging) "
          f"{_gb(s['peak_extra_bytes'])}"
          + (f" under a {_gb(s['memory_budget_bytes'])} budget" if s["memory_budget_bytes"] else "")
-         + (f"; RSS peak delta {_gb(s['rss_peak_delta_bytes'])}"
+         + (f"; RSS per rank {_gb(s['rss_after_steps_bytes'])} before, peak delta "
+            f"{_gb(s['rss_peak_delta_bytes'])} (B's state + staging)"
             if s["rss_peak_delta_bytes"] is not None else ""),
+         f"    memory              largest rank RSS {_gb(s['rss_switch_peak_bytes'])} at peak; "
+         f"{_gb(s['rss_left_by_switch_bytes'])} of the old layout still held after a switch until "
+         f"gc.collect() ({_s(s['gc_after_switch_seconds'])}, outside the pause)",
          f"    floor               {_s(s['floor_seconds'])} (max per-rank bytes / link); transfer "
          f"{_s(s['dynatrain_transfer_seconds'])} = {_x(s['transfer_over_floor'])} the floor, "
          f"pause {_x(s['pause_over_floor'])}",

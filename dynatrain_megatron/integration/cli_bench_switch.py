@@ -47,6 +47,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--link-bytes", default="64M", help="buffer size of the bandwidth test (64M)")
     p.add_argument("--skip", default="", help="comma list of measurements to skip: "
                    + ", ".join(_SKIPPABLE))
+    p.add_argument("--ckpt-dir", default=None, help="where the checkpoint path writes "
+                   "(default /dev/shm where writable, else the system temp dir)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -97,6 +100,11 @@ def validate(args: argparse.Namespace) -> dict:
         raise DynatrainError(f"--link-bytes: {e}") from None
     if link < 4:
         raise DynatrainError(f"--link-bytes must be >= 4, got {args.link_bytes!r}")
+    if args.ckpt_dir is not None:
+        import os
+
+        if not os.path.isdir(args.ckpt_dir) or not os.access(args.ckpt_dir, os.W_OK):
+            raise DynatrainError(f"--ckpt-dir {args.ckpt_dir!r} is not a writable directory")
     spec = resolve_model(args.model)
     layouts = []
     for flag, text in (("--from", args.src), ("--to", args.dst)):
@@ -124,7 +132,8 @@ def validate(args: argparse.Namespace) -> dict:
     return dict(model_path=str(path.resolve()), model_name=spec.name, nproc=args.nproc,
                 src=str(a), dst=str(b), iters_before=args.iters_before, repeat=args.repeat,
                 memory_budget=budget, placement=args.placement, move_weights=args.move_weights,
-                ranks_per_node=rpn, link_bytes=link, skip=skip,
+                ranks_per_node=rpn, link_bytes=link, skip=skip, ckpt_dir=args.ckpt_dir,
+                progress=not args.quiet,
                 train=_train_overrides(a.dp, b.dp))
 
 

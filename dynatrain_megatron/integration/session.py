@@ -54,8 +54,21 @@ def start_job(spec: ModelSpec, layout: Layout | str, train: TrainConfig,
 
 
 def release(objs: TrainingObjects) -> None:
-    """Drop a layout's objects and destroy its process groups."""
+    """Drop a layout's objects, free their memory now, and destroy their process groups.
+
+    megatron's objects reference each other in cycles (the TransformerConfig holds bound
+    methods of the DDP wrappers, which hold the config), so dropping references is not
+    enough: without a collection the old layout's weights, grads and optimizer state stay
+    allocated until Python's GC happens to run (measured: +0.8 GB per switch at 267M params).
+    """
+    import gc
+
+    cfg = objs.config
+    for name in ("finalize_model_grads_func", "no_sync_func", "param_sync_func", "grad_sync_func"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, None)
     objs.groups.destroy()
     objs.model.clear()
     objs.optimizer = None
     objs.scheduler = None
+    gc.collect()
