@@ -232,11 +232,6 @@ def _patch_uneven_collectives() -> None:
     mappings._reduce_scatter_along_first_dim = reduce_scatter
 
 
-def is_cpu_runtime() -> bool:
-    """True when we run megatron-core on the CPU (no CUDA device)."""
-    return _state["applied"] or not torch.cuda.is_available()
-
-
 def apply_if_needed() -> bool:
     """Apply the CPU runtime when no CUDA device is present. Returns True if active."""
     if _state["applied"]:

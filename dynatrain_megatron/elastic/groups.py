@@ -38,10 +38,6 @@ class ParallelGroups:
     created: list = field(default_factory=list)
 
     @property
-    def member(self) -> bool:
-        return self.virtual_rank is not None
-
-    @property
     def virtual_rank(self) -> Optional[int]:
         return self.placement.virtual_rank(self.rank)
 

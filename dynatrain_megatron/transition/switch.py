@@ -67,7 +67,6 @@ class SwitchReport:
     src: str
     dst: str
     placement: str
-    default_placement_bytes: int = 0
     bytes_moved: int = 0
     lower_bound_bytes: int = 0
     local_bytes: int = 0

@@ -150,10 +150,6 @@ class Layout:
         """Size of the distributed-optimizer shard group of dense parameters."""
         return self.dp * self.cp
 
-    @property
-    def num_chunks(self) -> int:
-        return self.vpp
-
     # ------------------------------------------------------------------ validation vs model
     def check_model(self, spec: ModelSpec) -> None:
         """Raise LayoutError naming the first constraint the model violates (all listed)."""
