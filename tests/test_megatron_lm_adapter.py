@@ -1,0 +1,237 @@
+"""The Megatron-LM adapter's pure parts: Megatron-LM `args` -> ModelSpec / TrainConfig /
+Layout, the options it refuses, the chained `extra_args_provider`, and the patch calling
+only functions that exist. No process group, no Megatron-LM install (issue 5, item 5)."""
+import argparse
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from dynatrain_megatron.integration import megatron_lm as mlm
+from dynatrain_megatron.vps.errors import DynatrainError
+from dynatrain_megatron.vps.layout import Layout
+
+PATCH = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm-001b00c" / "dynatrain.patch"
+
+
+def megatron_args(**over) -> argparse.Namespace:
+    """What Megatron-LM's validated args hold for a small Llama-style job we can switch."""
+    a = dict(
+        num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8,
+        group_query_attention=True, num_query_groups=4, kv_channels=8, seq_length=32,
+        max_position_embeddings=32, vocab_size=1000, padded_vocab_size=1024,
+        make_vocab_size_divisible_by=128, swiglu=True, position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True, normalization="RMSNorm",
+        add_bias_linear=False, qk_layernorm=False, init_method_std=0.02, bf16=True, fp16=False,
+        num_experts=None, hidden_dropout=0.0, attention_dropout=0.0, transformer_impl="local",
+        use_distributed_optimizer=True, optimizer="adam", micro_batch_size=2,
+        global_batch_size=16, train_iters=100, lr=3e-4, min_lr=3e-5, lr_warmup_iters=10,
+        lr_decay_style="cosine", weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
+        adam_eps=1e-8, clip_grad=1.0, seed=1234, ddp_bucket_size=None,
+        overlap_grad_reduce=False, overlap_param_gather=False, tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
+        context_parallel_size=1, expert_model_parallel_size=1, expert_tensor_parallel_size=2,
+        decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+        rampup_batch_size=None, cuda_graph_impl="none", rotary_base=10000, rotary_percent=1.0,
+        norm_epsilon=1e-5,
+    )
+    a.update(over)
+    return argparse.Namespace(**a)
+
+
+def test_module_imports_without_megatron_lm(monkeypatch):
+    # `import megatron.training` fails as on a machine with megatron-core only
+    monkeypatch.setitem(sys.modules, "megatron.training", None)
+    monkeypatch.delitem(sys.modules, "dynatrain_megatron.integration.megatron_lm")
+    mod = importlib.import_module("dynatrain_megatron.integration.megatron_lm")
+    assert callable(mod.dynatrain_step) and callable(mod.chain_extra_args_providers)
+    assert sys.modules["megatron.training"] is None  # nothing tried to replace it
+
+
+def test_dense_gqa_spec():
+    s = mlm.spec_from_megatron_args(megatron_args())
+    assert (s.num_layers, s.hidden_size, s.ffn_hidden_size) == (4, 64, 128)
+    assert (s.num_attention_heads, s.num_query_groups, s.kv_channels) == (8, 4, 8)
+    assert s.swiglu and s.position_embedding_type == "rope" and s.normalization == "RMSNorm"
+    assert not s.tied and not s.add_bias_linear and not s.is_moe
+    assert s.params_dtype == "bf16" and s.seq_length == 32
+    # no tokenizer size given: the padded rows count as vocabulary (always consistent)
+    assert s.vocab_size == 1024 and s.padded_vocab_size(2) == 1024
+
+
+def test_query_groups_only_with_group_query_attention():
+    s = mlm.spec_from_megatron_args(megatron_args(group_query_attention=False, num_query_groups=1))
+    assert s.num_query_groups == 8
+
+
+def test_tokenizer_vocab_and_padding_check():
+    # NullTokenizer of --vocab-size 1000 has 1001 ids; 1001 pads to 1024 at tp2 (m=128)
+    assert mlm.spec_from_megatron_args(megatron_args(), vocab_size=1001).vocab_size == 1001
+    with pytest.raises(DynatrainError, match="padded_vocab_size=1280"):
+        mlm.spec_from_megatron_args(megatron_args(padded_vocab_size=1280), vocab_size=1001)
+
+
+def test_fp32_and_fp16_dtypes():
+    assert mlm.spec_from_megatron_args(megatron_args(bf16=False)).params_dtype == "fp32"
+    assert mlm.spec_from_megatron_args(megatron_args(bf16=False, fp16=True)).params_dtype == "fp16"
+
+
+def test_moe_spec():
+    a = megatron_args(num_experts=8, moe_ffn_hidden_size=32, moe_router_topk=2,
+                      moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=[0.01],
+                      moe_shared_expert_intermediate_size=None, expert_model_parallel_size=2)
+    s = mlm.spec_from_megatron_args(a)
+    assert s.is_moe and s.num_moe_experts == 8 and s.moe_ffn_hidden_size == 32
+    assert s.moe_aux_loss_coeff == 0.01 and s.moe_token_dispatcher_type == "alltoall"
+    with pytest.raises(DynatrainError, match="2 values"):
+        mlm.spec_from_megatron_args(megatron_args(num_experts=8, moe_aux_loss_coeff=[0.01, 0.1]))
+
+
+def test_train_config():
+    t = mlm.train_config_from_megatron_args(megatron_args())
+    assert (t.micro_batch_size, t.global_batch_size, t.train_iters) == (2, 16, 100)
+    assert (t.lr, t.min_lr, t.lr_warmup_iters, t.lr_decay_style) == (3e-4, 3e-5, 10, "cosine")
+    assert (t.weight_decay, t.adam_beta2, t.clip_grad, t.seed) == (0.1, 0.95, 1.0, 1234)
+    # sample-based training: iterations from the samples
+    t = mlm.train_config_from_megatron_args(megatron_args(train_iters=None, train_samples=320))
+    assert t.train_iters == 20
+
+
+def test_layout_from_args():
+    spec = mlm.spec_from_megatron_args(megatron_args())
+    assert str(mlm.layout_from_megatron_args(megatron_args(), spec, 8)) == "tp2pp2dp2"
+    a = megatron_args(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    lay = mlm.layout_from_megatron_args(a, spec, 4)
+    assert (lay.tp, lay.pp, lay.vpp, lay.dp) == (2, 2, 2, 1)
+    a = megatron_args(tensor_model_parallel_size=1, expert_tensor_parallel_size=1,
+                      pipeline_model_parallel_size=3, decoder_first_pipeline_num_layers=1,
+                      decoder_last_pipeline_num_layers=1)
+    lay = mlm.layout_from_megatron_args(a, mlm.spec_from_megatron_args(a), 3)
+    assert (lay.ppf, lay.ppl) == (1, 1)
+    with pytest.raises(DynatrainError, match="not a multiple"):
+        mlm.layout_from_megatron_args(megatron_args(), spec, 6)
+
+
+@pytest.mark.parametrize("text,world", [("tp2pp2dp2", 8), ("tp1pp2vpp2dp4", 8),
+                                        ("tp4pp1dp2", 8), ("tp1pp4ppf1ppl1dp1", 4)])
+def test_args_for_layout_round_trip(text, world):
+    spec = mlm.spec_from_megatron_args(megatron_args(num_layers=8))
+    lay = Layout.parse(text, world)
+    a = megatron_args(num_layers=8, **mlm.args_for_layout(lay, spec))
+    assert mlm.layout_from_megatron_args(a, spec, world) == lay
+    assert a.padded_vocab_size == spec.padded_vocab_size(lay.tp)
+    assert a.data_parallel_size == lay.dp
+
+
+def test_supported_job_has_no_objection():
+    assert mlm.unsupported_args(megatron_args(), te_available=False) == []
+    assert mlm.unsupported_args(megatron_args(transformer_impl="transformer_engine"),
+                                te_available=True) == []
+
+
+def test_megatron_lm_defaults_are_refused_with_reasons():
+    a = megatron_args(hidden_dropout=0.1, attention_dropout=0.1, use_distributed_optimizer=False,
+                      transformer_impl="transformer_engine", rampup_batch_size=["16", "16", "1000"],
+                      lr_decay_style="WSD", cuda_graph_impl="local")
+    why = "\n".join(mlm.unsupported_args(a, te_available=False))
+    for s in ("--transformer-impl transformer_engine", "--hidden-dropout 0.1",
+              "--attention-dropout 0.1", "--use-distributed-optimizer", "--rampup-batch-size",
+              "WSD", "--cuda-graph-impl local"):
+        assert s in why
+
+
+@pytest.mark.parametrize("over,needle", [
+    (dict(rotary_base=500000), "--rotary-base"),
+    (dict(position_embedding_type="learned_absolute", max_position_embeddings=64),
+     "--max-position-embeddings"),
+    (dict(num_experts=8, moe_grouped_gemm=True), "--moe-grouped-gemm"),
+    (dict(num_experts=8, moe_layer_freq=[0, 1, 1, 1]), "--moe-layer-freq"),
+    (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
+    (dict(optimizer="sgd"), "--optimizer sgd"),
+    (dict(use_tp_pp_dp_mapping=True), "rank order"),
+    (dict(multi_latent_attention=True), "--multi-latent-attention"),
+    (dict(lr_warmup_init=1e-6), "--lr-warmup-init"),
+    (dict(squared_relu=True), "--squared-relu"),
+])
+def test_each_unreproducible_option_is_named(over, needle):
+    assert any(needle in w for w in mlm.unsupported_args(megatron_args(**over), te_available=False))
+
+
+def test_moe_layer_freq_all_moe_is_fine():
+    a = megatron_args(num_experts=8, moe_layer_freq=[1, 1, 1, 1], moe_grouped_gemm=False)
+    assert mlm.unsupported_args(a, te_available=False) == []
+
+
+def test_performance_only_differences_are_warnings():
+    a = megatron_args(recompute_granularity="full", gradient_accumulation_fusion=True,
+                      sequence_parallel=True)
+    notes = mlm.performance_differences(a)
+    assert any("recompute" in n for n in notes) and any("sequence parallel" in n for n in notes)
+    assert mlm.unsupported_args(a, te_available=False) == []
+
+
+def test_chained_extra_args_provider():
+    def theirs(parser):
+        parser.add_argument("--modelopt-thing", type=int, default=0)
+        return parser
+
+    parser = mlm.chain_extra_args_providers(theirs, None)(argparse.ArgumentParser())
+    a = parser.parse_args(["--modelopt-thing", "3", "--dynatrain",
+                           "--dynatrain-signal-file", "/tmp/s.json"])
+    assert a.modelopt_thing == 3 and a.dynatrain and a.dynatrain_signal_file == "/tmp/s.json"
+    # with nothing to chain it is our provider alone
+    a = mlm.chain_extra_args_providers(None)(argparse.ArgumentParser()).parse_args([])
+    assert a.dynatrain is False
+
+
+def test_finish_training_without_a_session_returns_its_inputs():
+    mlm.reset_session()
+    objs = (["m"], "opt", "sched", "train_it", "valid_it", "test_it", "cfg")
+    assert mlm.finish_training(*objs) == objs
+
+
+def test_config_callbacks_as_megatron_lm_train_sets_them():
+    class Chunk:
+        def no_sync(self): ...
+        def start_grad_sync(self): ...
+        def start_param_sync(self): ...
+
+    class Opt:
+        def scale_loss(self, x): return x
+
+    class Cfg:
+        timers = "old-timers"
+
+    chunk, new = Chunk(), Cfg()
+    new.timers = None
+    mlm._prepare_config(megatron_args(overlap_grad_reduce=True, overlap_param_gather=True),
+                        [chunk], Opt(), new, Cfg())
+    assert new.timers == "old-timers" and new.grad_scale_func.__name__ == "scale_loss"
+    assert new.no_sync_func == chunk.no_sync and new.grad_sync_func == chunk.start_grad_sync
+    assert new.param_sync_func == chunk.start_param_sync  # align_param_gather defaults on
+    assert new.finalize_model_grads_func.__name__ == "finalize_model_grads"
+    two = [Chunk(), Chunk()]
+    mlm._prepare_config(megatron_args(), two, Opt(), new, Cfg())
+    assert new.no_sync_func is None and new.grad_sync_func is None and new.param_sync_func is None
+
+
+def test_patch_is_well_formed_and_calls_only_what_exists():
+    text = PATCH.read_text()
+    # every hunk's line counts agree with its body (a hand-edited patch would not apply)
+    files = re.findall(r"^\+\+\+ b/(\S+)$", text, re.M)
+    assert files == ["megatron/training/training.py", "pretrain_gpt.py"]
+    for m in re.finditer(r"^@@ -\d+,(\d+) \+\d+,(\d+) @@.*\n((?:[ +\-].*\n|\n)*)", text, re.M):
+        old_n, new_n = int(m.group(1)), int(m.group(2))
+        body = m.group(3).split("\n")[:-1]
+        old = sum(1 for ln in body if ln[:1] in (" ", "-", ""))
+        new = sum(1 for ln in body if ln[:1] in (" ", "+", ""))
+        assert (old, new) == (old_n, new_n), m.group(0)[:80]
+    called = set(re.findall(r"dynatrain_lm\.(\w+)\(", text))
+    assert called == {"register_dataset_provider", "dynatrain_step", "finish_training"}
+    for name in called | {"chain_extra_args_providers"}:
+        assert callable(getattr(mlm, name))
+    # the fields the patch reads from dynatrain_step's result
+    fields = set(re.findall(r"\bdt\.(\w+)", text))
+    assert fields <= set(mlm.LoopObjects.__dataclass_fields__)
