@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dynatrain_megatron import process_env
 from dynatrain_megatron.elastic.signal_file import write_request
 from dynatrain_megatron.integration.multiproc import free_port
 
@@ -46,7 +47,7 @@ def main() -> int:
            "--dynatrain", "--dynatrain-signal-file", str(signal),
            "--dynatrain-log-dir", str(run), "--dynatrain-ranks-per-node", "4",
            "--dynatrain-compare-checkpoint"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = process_env.apply(dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)

@@ -159,19 +159,27 @@ def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before
     return dict(losses=losses, state_diff=diff, iteration=it)
 
 
+def _sum_over_ranks(x: int) -> int:
+    t = torch.tensor([x], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
 def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
                  ckpt_root: str | None = None) -> list[dict]:
     """Train at A, switch to B (and back), compare full state bit for bit at each step.
 
     Each case is (A, B, options) where options may hold placement ("best"/"default"),
-    move_weights, memory_budget, steps_after.
+    move_weights, memory_budget, steps_after, small_piece_bytes.
     """
     from dynatrain_megatron.adapters.live import LiveState
     from dynatrain_megatron.integration.builders import MegatronBuilder
     from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.transition import executor
     from dynatrain_megatron.transition import gather as G
     from dynatrain_megatron.vps import Layout
 
+    small_default = executor.SMALL_PIECE_BYTES
     train = switch_train_config(overrides)
     s = spec_variant(model)
     builder = MegatronBuilder(s, train)
@@ -191,6 +199,8 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
         tr.sync_params()  # with overlap_param_gather the weights lag until the next forward
         before = full(tr)
         lb = Layout.parse(b, world)
+        # 0: every piece travels on its own, straight from/into live storage where contiguous
+        executor.SMALL_PIECE_BYTES = opts.get("small_piece_bytes", small_default)
         tr, res = switch_trainer(tr, builder, la, pa, lb, placement=opts.get("placement", "best"),
                                  ranks_per_node=opts.get("ranks_per_node", 4),
                                  memory_budget=opts.get("memory_budget"),
@@ -209,6 +219,8 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
                    moved=r.bytes_moved, lower=r.lower_bound_bytes, rounds=r.rounds,
                    peak=r.peak_staging_bytes, sent=r.sent_bytes, recv=r.recv_bytes,
                    placement=r.placement, phases=r.phases, iteration=tr.iteration,
+                   zero_copy=_sum_over_ranks(r.zero_copy_bytes),
+                   net_all=_sum_over_ranks(r.sent_bytes + r.recv_bytes),
                    replica_mismatches=[b for part in bad_all for b in part],
                    placement_devices=tr.objs.groups.placement.devices)
         if opts.get("back"):

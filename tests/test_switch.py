@@ -10,6 +10,8 @@ pytestmark = pytest.mark.multirank
 # (model, A, B, options)
 DENSE_4 = [
     ("tp2pp2dp1", "tp1pp4dp1", {"ckpt": True, "steps_after": 5}),  # PP 2->4
+    # the same with every piece its own message: zero-copy and staged (strided) pieces
+    ("tp2pp2dp1", "tp1pp4dp1", {"ckpt": True, "steps_after": 5, "small_piece_bytes": 0}),
     ("tp2pp2dp1", "tp4pp1dp1", {"move_weights": True}),  # TP 2->4, moving weights too
     ("tp4pp1dp1", "tp1pp1dp4", {"ckpt": True, "steps_after": 5}),  # TP 4->1, DP 1->4
     ("tp1pp4dp1", "tp1pp1dp4", {"back": True}),  # PP 4->1
@@ -22,11 +24,11 @@ DENSE_4 = [
 MOE_4 = [
     ("tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4", {"back": True}),  # EP 2->4
     ("tp2pp1ep2etp1dp2", "tp2pp1ep2etp2dp2", {"ckpt": True, "steps_after": 5}),  # ETP 1->2
-    ("tp2pp1ep2etp1dp2", "tp1pp2ep2etp1dp2", {}),
+    ("tp2pp1ep2etp1dp2", "tp1pp2ep2etp1dp2", {"small_piece_bytes": 0, "back": True}),
 ]
 DENSE_8 = [
     ("tp2pp2dp2", "tp1pp4dp2", {"ckpt": True, "steps_after": 5}),
-    ("tp4pp1dp2", "tp2pp2dp2", {}),
+    ("tp4pp1dp2", "tp2pp2dp2", {"small_piece_bytes": 0, "move_weights": True}),
     ("tp1pp2dp4", "tp1pp4dp2", {"placement": "default"}),
     ("tp1pp2dp4", "tp1pp4dp2", {"placement": "best", "ckpt": True, "steps_after": 5}),
 ]
@@ -84,6 +86,9 @@ def _check(rec, opts):
         # bit-identical to dist_checkpointing save at A + load at B
         assert rec["losses"] == rec["ckpt_losses"], (rec["losses"], rec["ckpt_losses"])
     assert rec["iteration"] == 2
+    if opts.get("small_piece_bytes") == 0 and rec["moved"]:
+        # pieces went straight from/into live storage (the contiguous ones), the rest staged
+        assert 0 < rec["zero_copy"] < rec["net_all"], rec
 
 
 def _cases(cases):
@@ -115,19 +120,26 @@ def test_switch_moe_8(moe8, i, case):
     _check(moe8[(case[0], case[1], i)], case[2])
 
 
+def _rec(results, cases, a, b, **opts):
+    """The result of the one case A -> B whose options include `opts`."""
+    (i,) = [i for i, c in enumerate(cases)
+            if c[0] == a and c[1] == b and all(c[2].get(k) == v for k, v in opts.items())]
+    return results[(a, b, i)]
+
+
 def test_same_layout_moves_nothing(dense4):
-    rec = dense4[("tp2pp2dp1", "tp2pp2dp1", 7)]
+    rec = _rec(dense4, DENSE_4, "tp2pp2dp1", "tp2pp2dp1")
     assert rec["moved"] == 0 and rec["sent"] == 0 and rec["recv"] == 0
 
 
 def test_small_budget_more_rounds_and_peak_under_budget(dense4):
-    rec = dense4[("tp2pp1dp2", "tp1pp2dp2", 6)]
+    rec = _rec(dense4, DENSE_4, "tp2pp1dp2", "tp1pp2dp2", memory_budget=64 * 1024)
     assert rec["rounds"] > 1
     assert rec["peak"] <= 64 * 1024, rec["peak"]
 
 
 def test_chosen_placement_moves_fewer_bytes_than_default(dense8):
-    default = dense8[("tp1pp2dp4", "tp1pp4dp2", 2)]
-    best = dense8[("tp1pp2dp4", "tp1pp4dp2", 3)]
+    default = _rec(dense8, DENSE_8, "tp1pp2dp4", "tp1pp4dp2", placement="default")
+    best = _rec(dense8, DENSE_8, "tp1pp2dp4", "tp1pp4dp2", placement="best")
     assert default["placement"] == "default"
     assert best["moved"] < default["moved"], (best["moved"], default["moved"], best["placement"])

@@ -159,20 +159,23 @@ def _refit_bytes(target_model) -> tuple[int, int]:
 
 
 class _TransferProbe:
-    """Splits our transfer phase into local copies, packing, the wire and unpacking, by
-    wrapping the executor's and the transport's methods in this (benchmark) process only.
-    The rest of the phase (staging allocation, view lookup, vocab padding) is `other`."""
+    """Splits our transfer phase into local copies, packing (staging copies of small or
+    strided source pieces), the wire and unpacking, by wrapping the executor's methods in
+    this (benchmark) process only. `wire` is the time spent *waiting* for a round after the
+    local copies ran during it (overlapped). The rest of the phase (staging allocation,
+    view lookup, posting, vocab padding) is `other`."""
 
     def __init__(self) -> None:
         from ..transition.executor import Executor
-        from ..transition.transport import TorchP2PTransport
 
         self.totals: dict[str, float] = {}
         self._saved = []
         for cls, name, key, static in ((Executor, "run_local", "local_copy", False),
                                        (Executor, "_pack", "pack", False),
+                                       (Executor, "_stage", "pack", False),
                                        (Executor, "_unpack", "unpack", True),
-                                       (TorchP2PTransport, "exchange", "wire", False)):
+                                       (Executor, "_unpack_staged", "unpack", True),
+                                       (Executor, "_wait", "wire", True)):
             raw = cls.__dict__[name]
             fn = raw.__func__ if static else raw
             self._saved.append((cls, name, raw))

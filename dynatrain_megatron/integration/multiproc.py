@@ -58,6 +58,9 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
 def run_on_ranks(fn: Callable, nproc: int, *args: Any, timeout: float = 600.0,
                  env: Optional[dict[str, str]] = None) -> list[Any]:
     """Run `fn(*args)` on `nproc` gloo ranks; return the per-rank results in rank order."""
+    from .. import process_env
+
+    process_env.apply()  # spawned children inherit it before they import torch
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()

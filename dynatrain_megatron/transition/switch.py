@@ -7,7 +7,7 @@ Order of a switch (every rank of the union of A's and B's devices calls `switch_
   4. build B's model/DDP/optimizer on B's groups without initialising weights;
   5. bind A's and B's live state and check both against the analytic layouts;
   6. plan (identical on every rank, no metadata exchange) and schedule under the budget;
-  7. execute: local copies, then one batched exchange per round;
+  7. execute: one batched exchange per round, local copies while the first is on the wire;
   8. rebuild weights from fp32 masters where we chose not to move them, carry scalars
      (optimizer step, LR scheduler, grad scaler, iteration, consumed samples);
   9. release A's objects and groups.
@@ -74,6 +74,7 @@ class SwitchReport:
     peak_staging_bytes: int = 0
     sent_bytes: int = 0
     recv_bytes: int = 0
+    zero_copy_bytes: int = 0  # network bytes sent from / received into live storage directly
     phases: dict = field(default_factory=dict)
 
     @property
@@ -123,11 +124,18 @@ def write_scalars(objs, s: Scalars) -> None:
 
 def rebuild_weights_from_masters(objs) -> None:
     """bf16/fp32 weights from the fp32 masters: copy each owned main shard into the
-    parameter buffer, then all-gather the buffer over DP (megatron's own param sync)."""
+    parameter buffer, then all-gather the buffer over DP (megatron's own param sync).
+
+    For fp32 parameters megatron's "main" shard *is* a view of the parameter buffer, so
+    the transfer already wrote the weights: only optimizers with a separate fp32 copy of
+    low-precision weights need the copy (a self-copy of the whole model otherwise)."""
     for opt in optimizers_of(objs.optimizer):
-        opt._copy_main_params_to_model_params()
+        if any(len(g) for g in getattr(opt, "shard_fp32_from_float16_groups", [[0]])):
+            opt._copy_main_params_to_model_params()
     for m in objs.model:
-        m.start_param_sync(force_sync=True)
+        if any(bg.intra_distributed_optimizer_instance_size > 1
+               for bg in m.bucket_groups + m.expert_parallel_bucket_groups):
+            m.start_param_sync(force_sync=True)  # nothing to gather where DP is 1
 
 
 def choose_dst_placement(spec: ModelSpec, builder: Builder, src: Layout, src_placement: Placement,
@@ -213,8 +221,12 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                 m.start_param_sync(force_sync=True)
     old_live = (LiveState(old_objs.model, old_objs.optimizer, vr_a, spec.vocab_size)
                 if old_objs is not None and vr_a is not None else None)
-    new_live = (LiveState(new_objs.model, new_objs.optimizer, vr_b, spec.vocab_size)
+    # B's Adam moments are written in full by the transfer (OPT_KINDS always move)
+    new_live = (LiveState(new_objs.model, new_objs.optimizer, vr_b, spec.vocab_size,
+                          zero_missing_state=False)
                 if new_objs is not None else None)
+    phases["bind"] = t() - t3
+    t3 = t()
     if verify:
         if old_live is not None:
             check_live_matches_analytic(old_live.fragments(kinds),
@@ -222,7 +234,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         if new_live is not None:
             check_live_matches_analytic(new_live.fragments(kinds),
                                         analytic_layout(spec, dst, bs_b).fragments(vr_b, kinds), vr_b)
-    phases["bind"] = t() - t3
+    phases["verify"] = t() - t3
 
     t4 = t()
     plan = build_plan(spec, (src, src_placement), (dst, dst_placement), kinds=kinds,
@@ -234,9 +246,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     ex = Executor(me, transport or TorchP2PTransport(),
                   src_view=lambda p: old_live.view(p.kind, p.src_chunk, p.src_local_name, p.src_local_box),
                   dst_view=lambda p: new_live.view(p.kind, p.dst_chunk, p.dst_local_name, p.dst_local_box))
-    ex.run_local([p for p in plan.pieces_for(me) if p.is_local])
-    for rnd in rounds:
-        ex.run_round(rnd.sends(me) + rnd.recvs(me))
+    ex.run([p for p in plan.pieces_for(me) if p.is_local],
+           (rnd.sends(me) + rnd.recvs(me) for rnd in rounds))
     carry_vocab_padding(old_live, new_live, kinds)
     phases["transfer"] = t() - t5
 
@@ -245,6 +256,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     box = [scalars]
     dist.broadcast_object_list(box, src=src_placement.devices[0])
     scalars = box[0]
+    phases["sync"] = t() - t6  # also absorbs waiting for the slowest rank's transfer
+    t6 = t()
     if new_objs is not None:
         if not move_weights:
             rebuild_weights_from_masters(new_objs)
@@ -257,5 +270,6 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                           local_bytes=stats.local_bytes, rounds=len(rounds),
                           peak_staging_bytes=ex.stats.peak_staging_bytes,
                           sent_bytes=ex.stats.sent_bytes, recv_bytes=ex.stats.recv_bytes,
+                          zero_copy_bytes=ex.stats.zero_copy_bytes,
                           phases=phases)
     return SwitchResult(new_objs, dst, dst_placement, groups, scalars, report)

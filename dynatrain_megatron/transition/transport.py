@@ -1,26 +1,46 @@
 """Transport: one batched point-to-point exchange per round, over torch.distributed.
 
-The executor only needs `exchange(sends, recvs)`: post every send and receive of a round at
-once and wait for all of them. Because each round is a single batched set of non-blocking
-operations that every participating rank posts in the same round order, no rank waits on
-another's ordering: the schedule cannot deadlock. gloo on the CPU, NCCL on GPUs (tensors
-must then live on the rank's CUDA device); the interface is the same.
+The executor posts every send and receive of a round at once (`start`), does its
+rank-local work while the data is on the wire, then waits (`Pending.wait`). Because each
+round is a single batched set of non-blocking operations that every participating rank
+posts in the same round order, no rank waits on another's ordering: the schedule cannot
+deadlock. Messages between a pair are matched in the order they are posted, which both
+sides derive from the same plan. gloo on the CPU, NCCL on GPUs (tensors must then live on
+the rank's CUDA device); the interface is the same.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 
+class Pending:
+    """Operations of one round in flight."""
+
+    def __init__(self, works: Sequence) -> None:
+        self._works = list(works)
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works = []
+
+
 class Transport(ABC):
-    """Moves flat buffers between ranks; one call per round."""
+    """Moves contiguous tensors between ranks; one `start` per round."""
 
     @abstractmethod
-    def exchange(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
-        """Send `sends[peer]` to each peer and fill `recvs[peer]` from each peer."""
+    def start(self, sends: Mapping[int, Sequence[torch.Tensor]],
+              recvs: Mapping[int, Sequence[torch.Tensor]]) -> Pending:
+        """Post: send each tensor of `sends[peer]` to `peer`, in order, and fill each tensor
+        of `recvs[peer]` from `peer`, in order. The tensors must stay alive until `wait`."""
+
+    def exchange(self, sends: Mapping[int, Sequence[torch.Tensor]],
+                 recvs: Mapping[int, Sequence[torch.Tensor]]) -> None:
+        self.start(sends, recvs).wait()
 
 
 class TorchP2PTransport(Transport):
@@ -29,15 +49,15 @@ class TorchP2PTransport(Transport):
     def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
         self.group = group
 
-    def exchange(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
+    def start(self, sends: Mapping[int, Sequence[torch.Tensor]],
+              recvs: Mapping[int, Sequence[torch.Tensor]]) -> Pending:
         ops = []
-        # a fixed order (by peer) on every rank; NCCL requires matching order per pair
+        # a fixed order (by peer, then message) on every rank; NCCL requires matching order
         for peer in sorted(set(sends) | set(recvs)):
-            if peer in sends:
-                ops.append(dist.P2POp(dist.isend, sends[peer], peer, group=self.group))
-            if peer in recvs:
-                ops.append(dist.P2POp(dist.irecv, recvs[peer], peer, group=self.group))
+            for t in sends.get(peer, ()):
+                ops.append(dist.P2POp(dist.isend, t, peer, group=self.group))
+            for t in recvs.get(peer, ()):
+                ops.append(dist.P2POp(dist.irecv, t, peer, group=self.group))
         if not ops:
-            return
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            return Pending(())
+        return Pending(dist.batch_isend_irecv(ops))

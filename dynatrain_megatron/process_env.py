@@ -1,0 +1,26 @@
+"""Process environment a training rank should start with (torch-free: read before torch
+is imported, because torch reads these variables once, at its first allocation).
+
+`THP_MEM_ALLOC_ENABLE=1` makes torch's CPU allocator back large tensors with transparent
+huge pages. A switch allocates the new layout's buffers (parameters, gradients, Adam
+moments) and first-touches them; with 4 KiB pages that is one page fault per 4 KiB and
+dominated the CPU switch (measured on the development machine: zero-filling 320 MB took
+0.19-0.23 s with 4 KiB pages, 0.06-0.09 s with huge pages; copying into fresh memory 0.25
+s vs 0.08-0.10 s). It only affects CPU memory; CUDA tensors come from torch's caching
+allocator either way.
+"""
+from __future__ import annotations
+
+import os
+from typing import MutableMapping, Optional
+
+RANK_ENV: dict[str, str] = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def apply(env: Optional[MutableMapping[str, str]] = None) -> MutableMapping[str, str]:
+    """Set `RANK_ENV` in `env` (default: this process's environment) unless the user
+    already chose a value. Returns `env`."""
+    env = os.environ if env is None else env
+    for k, v in RANK_ENV.items():
+        env.setdefault(k, v)
+    return env
