@@ -47,10 +47,38 @@ def start_job(spec: ModelSpec, layout: Layout | str, train: TrainConfig,
     init_distributed()
     prepare_runtime()
     lay = resolve_layout(spec, layout, dist.get_world_size())
+    freeze_long_lived_objects()
     groups = build_groups(lay, placement)
     install(groups)
     objs = build_training_objects(spec, lay, groups, train)
     return Trainer(spec, train, objs)
+
+
+_FROZEN = {"done": False}
+
+
+def freeze_long_lived_objects() -> None:
+    """Move everything that exists before the first layout is built (imported modules of
+    torch and megatron-core: hundreds of thousands of objects) out of the cyclic garbage
+    collector's reach, once per process.
+
+    `release` must run a full collection to free a layout at once (see there); without
+    this, that collection scans every object of the process: measured 0.63 s per switch
+    on a gpt-50m rank, 9 ms with it. Only objects created before any layout are frozen, so
+    every layout's objects stay collectable."""
+    import gc
+
+    if _FROZEN["done"]:
+        return
+    # the modules the builders import lazily: import them now so that they are frozen too
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.optimizer_param_scheduler  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+    _FROZEN["done"] = True
 
 
 def release(objs: TrainingObjects) -> None:

@@ -10,7 +10,7 @@ from ..transition.switch import SwitchResult, read_scalars, switch_layout
 from ..vps.layout import Layout
 from ..vps.placement import Placement
 from .builders import MegatronBuilder
-from .session import release
+from .session import freeze_long_lived_objects, release
 from .training import Trainer
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
     Returns the trainer rebound to layout B (None on a rank that is not part of B) and the
     switch result. A's objects and process groups are released.
     """
+    if trainer is None:
+        freeze_long_lived_objects()  # a joining rank: as start_job does on the others
     old = trainer.objs if trainer is not None else None
     scalars = (read_scalars(old, trainer.iteration, trainer.consumed_samples)
                if trainer is not None else None)

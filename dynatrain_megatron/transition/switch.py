@@ -221,9 +221,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                 m.start_param_sync(force_sync=True)
     old_live = (LiveState(old_objs.model, old_objs.optimizer, vr_a, spec.vocab_size)
                 if old_objs is not None and vr_a is not None else None)
-    # B's Adam moments are written in full by the transfer (OPT_KINDS always move)
-    new_live = (LiveState(new_objs.model, new_objs.optimizer, vr_b, spec.vocab_size,
-                          zero_missing_state=False)
+    new_live = (LiveState(new_objs.model, new_objs.optimizer, vr_b, spec.vocab_size)
                 if new_objs is not None else None)
     phases["bind"] = t() - t3
     t3 = t()
