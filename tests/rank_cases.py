@@ -291,3 +291,99 @@ def hook_cases(root: str) -> dict:
     out["rejects"]["plain_losses"] = [tr.step().loss for _ in range(5)]
     release(tr.objs)
     return out
+
+
+def scale_cases(model: str, big: str, small: str, steps_after: int = 3) -> dict:
+    """Scale-in (all ranks -> the first half, the rest standby) and scale-out (back to all)
+    during training. At each change: full state bit-identical, bytes at the lower bound, the
+    ranks outside the new layout hold nothing, and the losses after it equal those of a
+    fresh job started at the new layout from the same state (written into it directly)."""
+    from dynatrain_megatron.adapters.live import LiveState
+    from dynatrain_megatron.integration.builders import MegatronBuilder
+    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.elastic.groups import install
+    from dynatrain_megatron.transition.switch import read_scalars, write_scalars
+    from dynatrain_megatron.transition.vocab_padding import carry_vocab_padding
+    from dynatrain_megatron.vps import Layout
+    from dynatrain_megatron.vps.fragment import KINDS
+    from dynatrain_megatron.vps.placement import Placement
+
+    s = spec_variant(model)
+    train = switch_train_config()
+    builder = MegatronBuilder(s, train)
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    la = Layout.parse(big, world)
+    lb = Layout.parse(small, world // 2)
+    half = Placement(tuple(range(world // 2)))
+    out: dict = {}
+
+    def full_everywhere(tr):
+        """The full state on every rank of the world (gathered inside the layout)."""
+        if tr is not None:
+            g = tr.objs.groups.pg_collection.intra_dist_opt
+            f = G.gather_full_state(LiveState(tr.objs.model, tr.objs.optimizer,
+                                              tr.objs.groups.virtual_rank, s.vocab_size), s, g)
+        else:
+            f = None
+        return G.broadcast_full_state(f, src=0)
+
+    def scalars_everywhere(tr):
+        box = [read_scalars(tr.objs, tr.iteration, tr.consumed_samples) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def live(tr):
+        return None if tr is None else LiveState(tr.objs.model, tr.objs.optimizer,
+                                                 tr.objs.groups.virtual_rank, s.vocab_size)
+
+    def reference(layout, placement, state, sc, steps, pad_from):
+        """A fresh job at `layout` with `state` written into it: the losses it trains.
+        The vocab padding rows (outside the logical state, but in the softmax) are taken
+        from `pad_from`, the switched job at the same layout."""
+        ref = start_job(s, layout, train, placement)
+        carry_vocab_padding(live(pad_from), live(ref), KINDS)  # collective over the world
+        if ref is None:
+            return None
+        G.scatter_full_state(live(ref), state)
+        write_scalars(ref.objs, sc)
+        ref.iteration, ref.consumed_samples = sc.iteration, sc.consumed_samples
+        losses = [ref.step().loss for _ in range(steps)]
+        release(ref.objs)
+        return losses
+
+    def change(tr, src, src_pl, dst, devices, tag):
+        before = full_everywhere(tr)
+        sc = scalars_everywhere(tr)
+        tr, res = switch_trainer(tr, builder, src, src_pl, dst, dst_devices=devices,
+                                 ranks_per_node=4)
+        members = [None] * world
+        dist.all_gather_object(members, tr is not None)
+        after = full_everywhere(tr)
+        it_after = None if tr is None else tr.iteration
+        holds = 0 if tr is None else sum(p.numel() for m in tr.objs.model for p in m.parameters())
+        held = [None] * world
+        dist.all_gather_object(held, holds)
+        r = res.report
+        # the reference first (it needs the switched job's untrained padding rows)
+        ref = [reference(dst, res.placement, before, sc, steps_after, tr)]
+        dist.broadcast_object_list(ref, src=0)
+        if tr is not None:
+            install(tr.objs.groups)  # the reference job pointed megatron's globals elsewhere
+        losses = [tr.step().loss for _ in range(steps_after)] if tr is not None else None
+        box = [losses]
+        dist.broadcast_object_list(box, src=0)
+        out[tag] = dict(members=members, held=held, diff=G.states_equal(before, after),
+                        moved=r.bytes_moved, lower=r.lower_bound_bytes, placement=r.placement,
+                        iteration_before=sc.iteration, iteration_after=it_after,
+                        losses=box[0], ref_losses=ref[0])
+        return tr, res
+
+    tr = start_job(s, la, train)
+    for _ in range(2):
+        tr.step()
+    tr, res = change(tr, la, tr.objs.groups.placement, lb, half.devices, "in")
+    tr, res = change(tr, lb, res.placement, la, tuple(range(world)), "out")
+    release(tr.objs)
+    return out

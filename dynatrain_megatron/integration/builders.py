@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from ..compat.world_collectives import default_group_as
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..elastic.groups import ParallelGroups
@@ -208,8 +209,9 @@ def build_optimizer(model: list, spec: ModelSpec, train: TrainConfig, groups: Pa
         use_distributed_optimizer=True)
     # megatron refuses gloo twins with an explicit pg_collection; they only serve
     # checkpoint code paths, which find the gloo globals set by `install` on CPU
-    return get_megatron_optimizer(cfg, model, use_gloo_process_groups=False,
-                                  pg_collection=groups.pg_collection)
+    with default_group_as(groups.pg_collection.intra_dist_opt):
+        return get_megatron_optimizer(cfg, model, use_gloo_process_groups=False,
+                                      pg_collection=groups.pg_collection)
 
 
 def build_scheduler(optimizer, train: TrainConfig):

@@ -42,13 +42,21 @@ def resolve_layout(spec: ModelSpec, layout: Layout | str, world_size: int) -> La
 
 
 def start_job(spec: ModelSpec, layout: Layout | str, train: TrainConfig,
-              placement: Optional[Placement] = None) -> Trainer:
-    """Everything up to the first training step, on every rank of the world."""
+              placement: Optional[Placement] = None) -> Optional[Trainer]:
+    """Everything up to the first training step, on every rank of the world.
+
+    With a `placement` on fewer devices than the world, the other ranks are *standby*:
+    they take part in building the groups (a collective) and get None, holding no
+    training state until a scale-out switch brings them in."""
     init_distributed()
     prepare_runtime()
-    lay = resolve_layout(spec, layout, dist.get_world_size())
+    n = len(placement.devices) if placement is not None else dist.get_world_size()
+    lay = resolve_layout(spec, layout, n)
     freeze_long_lived_objects()
     groups = build_groups(lay, placement)
+    if groups.virtual_rank is None:
+        groups.destroy()
+        return None
     install(groups)
     objs = build_training_objects(spec, lay, groups, train)
     return Trainer(spec, train, objs)

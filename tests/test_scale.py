@@ -1,0 +1,37 @@
+"""Scale-in 8 -> 4 ranks and scale-out 4 -> 8 during training (issue: Elastic Device
+Manager): the full logical state is bit-identical across each change, ranks outside the
+new layout hold no training state, and training continues with the losses of a job started
+at the new layout from the same state."""
+import pytest
+
+from dynatrain_megatron.integration.multiproc import run_on_ranks
+from rank_cases import scale_cases
+
+pytestmark = pytest.mark.multirank
+
+BIG, SMALL = "tp2pp2dp2", "tp1pp2dp2"  # 8 ranks <-> 4 ranks, TP changes on the way
+
+
+@pytest.fixture(scope="module")
+def scale():
+    return run_on_ranks(scale_cases, 8, "tiny-gpt", BIG, SMALL, 3)[0]
+
+
+def test_scale_in_8_to_4(scale):
+    r = scale["in"]
+    assert r["members"] == [True] * 4 + [False] * 4
+    assert r["held"][4:] == [0] * 4 and all(h > 0 for h in r["held"][:4])
+    assert r["diff"] == [], r["diff"][:5]
+    assert r["moved"] == r["lower"] > 0
+    assert r["iteration_after"] == r["iteration_before"] == 2
+    assert r["losses"] == r["ref_losses"], (r["losses"], r["ref_losses"])
+
+
+def test_scale_out_4_to_8(scale):
+    r = scale["out"]
+    assert r["members"] == [True] * 8  # the standby ranks joined
+    assert all(h > 0 for h in r["held"])
+    assert r["diff"] == [], r["diff"][:5]
+    assert r["moved"] == r["lower"] > 0
+    assert r["iteration_after"] == r["iteration_before"] == 5
+    assert r["losses"] == r["ref_losses"], (r["losses"], r["ref_losses"])
