@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """The README's main job: a 4-rank CPU training run of a real megatron-core GPT that is
-asked, through its signal file, to switch layout three times while it trains
-(tp2pp2 -> tp1pp2dp2 -> tp4pp1dp1 -> tp2pp1dp2), plus one impossible request that must be
-refused while training goes on. It ends with the job's summary table of the switches.
+asked, through its signal file, to switch layout four times while it trains
+(tp2pp2 -> tp1pp2dp2 -> tp4pp1dp1 -> tp2pp1dp1 on 2 ranks, the other 2 on standby ->
+tp2pp1dp2 on all 4 again), plus one impossible request that must be refused while
+training goes on. It ends with the job's summary table of the switches.
 
 This script plays the operator: it launches `scripts/pretrain_gpt.py` under torchrun with
 `--dynatrain` flags, watches the log, and writes requests with the same atomic helper as
@@ -23,8 +24,10 @@ from dynatrain_megatron.elastic.signal_file import write_request
 from dynatrain_megatron.integration.multiproc import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-# iteration seen in the log -> layout to request (one of them impossible on purpose)
-REQUESTS = {3: "tp1pp2dp2", 7: "tp3pp1", 9: "tp4pp1dp1", 14: "tp2pp1dp2"}
+# iteration seen in the log -> (layout, ranks) to request (one impossible on purpose); the
+# last two change the device count: 2 ranks go on standby, then come back
+REQUESTS = {3: ("tp1pp2dp2", None), 6: ("tp3pp1", None), 8: ("tp4pp1dp1", None),
+            11: ("tp2pp1dp1", 2), 14: ("tp2pp1dp2", 4)}
 
 
 def main() -> int:
@@ -59,9 +62,10 @@ def main() -> int:
         sys.stdout.write(line)
         m = pat.search(line)
         if m and int(m.group(1)) in pending:
-            layout = pending.pop(int(m.group(1)))
-            write_request(signal, layout)
-            print(f"[operator] requested layout {layout} via {signal}", flush=True)
+            layout, world = pending.pop(int(m.group(1)))
+            write_request(signal, layout, world)
+            print(f"[operator] requested layout {layout}"
+                  + (f" on {world} ranks" if world else "") + f" via {signal}", flush=True)
     rc = proc.wait()
     outcomes = sorted(p.name for p in run.glob("switch.json.*"))
     print(f"[operator] signal files handled: {outcomes}", flush=True)

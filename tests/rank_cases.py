@@ -293,7 +293,8 @@ def hook_cases(root: str) -> dict:
     return out
 
 
-def scale_cases(model: str, big: str, small: str, steps_after: int = 3) -> dict:
+def scale_cases(model: str, big: str, small: str, steps_after: int = 3,
+                signal_dir: str | None = None) -> dict:
     """Scale-in (all ranks -> the first half, the rest standby) and scale-out (back to all)
     during training. At each change: full state bit-identical, bytes at the lower bound, the
     ranks outside the new layout hold nothing, and the losses after it equal those of a
@@ -386,4 +387,74 @@ def scale_cases(model: str, big: str, small: str, steps_after: int = 3) -> dict:
     tr, res = change(tr, la, tr.objs.groups.placement, lb, half.devices, "in")
     tr, res = change(tr, lb, res.placement, la, tuple(range(world)), "out")
     release(tr.objs)
+    if signal_dir is not None:
+        out["hook"] = _hook_scale(s, train, builder, la, lb, signal_dir)
     return out
+
+
+def _hook_scale(s, train, builder, la, lb, signal_dir: str, steps: int = 9) -> dict:
+    """The same scale-in and scale-out requested through the signal file, with the ranks
+    outside the layout in the hook's standby loop (as in integration/main.py); then the
+    same switches at the same iterations called directly, for the reference losses."""
+    import os
+    from pathlib import Path
+
+    from dynatrain_megatron.elastic.controller import Controller
+    from dynatrain_megatron.elastic.signal_file import write_request
+    from dynatrain_megatron.integration.hook import DynatrainHook
+    from dynatrain_megatron.integration.switching import switch_trainer
+
+    rank = dist.get_rank()
+    signal = os.path.join(signal_dir, "scale.json")
+    writes = {2: (str(lb), lb.world_size), 5: (str(la), la.world_size)}
+    tr = start_job(s, la, train)
+    hook = DynatrainHook(s, train, Controller(s, signal), ranks_per_node=4)
+    hook.start(tr, la, tr.objs.groups.placement)
+    losses, standby_at = [], []
+    while True:
+        if tr is None:
+            standby_at.append(len(losses))
+            tr = hook.standby()
+            if tr is None:
+                break
+            continue
+        if tr.iteration >= steps:
+            break
+        losses.append(tr.step().loss)
+        if rank == 0 and tr.iteration in writes:
+            write_request(signal, *writes[tr.iteration])
+        tr = hook.after_step(tr)
+    if tr is not None:
+        hook.stop_standby()
+        release(tr.objs)
+    box = [losses]
+    dist.broadcast_object_list(box, src=0)
+    switched_at = [h.iteration for h in hook.history]
+    res = dict(losses=box[0], rank_losses=len(losses), standby_at=standby_at,
+               switched_at=switched_at, layouts=[(h.src, h.dst) for h in hook.history],
+               files=sorted(p.name for p in Path(signal_dir).glob("scale.json.*")))
+    box = [switched_at]
+    dist.broadcast_object_list(box, src=0)
+    # reference: the same switches called directly at the same iterations
+    tr = start_job(s, la, train)
+    cur, pl = la, tr.objs.groups.placement
+    targets = dict(zip(box[0], (lb, la)))
+    ref = []
+    while True:
+        if tr is not None:
+            ref.append(tr.step().loss)
+        itb = [tr.iteration if tr is not None else None]
+        dist.broadcast_object_list(itb, src=0)  # rank 0 trains throughout
+        if itb[0] in targets:
+            dst = targets[itb[0]]
+            tr, r = switch_trainer(tr, builder, cur, pl, dst,
+                                   dst_devices=tuple(range(dst.world_size)), ranks_per_node=4)
+            cur, pl = dst, r.placement
+        if itb[0] >= steps:
+            break
+    if tr is not None:
+        release(tr.objs)
+    box = [ref]
+    dist.broadcast_object_list(box, src=0)
+    res["ref_losses"] = box[0]
+    return res

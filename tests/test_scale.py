@@ -13,8 +13,9 @@ BIG, SMALL = "tp2pp2dp2", "tp1pp2dp2"  # 8 ranks <-> 4 ranks, TP changes on the 
 
 
 @pytest.fixture(scope="module")
-def scale():
-    return run_on_ranks(scale_cases, 8, "tiny-gpt", BIG, SMALL, 3)[0]
+def scale(tmp_path_factory):
+    return run_on_ranks(scale_cases, 8, "tiny-gpt", BIG, SMALL, 3,
+                        str(tmp_path_factory.mktemp("scale")))[0]
 
 
 def test_scale_in_8_to_4(scale):
@@ -35,3 +36,13 @@ def test_scale_out_4_to_8(scale):
     assert r["moved"] == r["lower"] > 0
     assert r["iteration_after"] == r["iteration_before"] == 5
     assert r["losses"] == r["ref_losses"], (r["losses"], r["ref_losses"])
+
+
+def test_scale_in_and_out_through_the_signal_file(scale):
+    """Requested with `dynatrain request --world N`; ranks 4-7 wait in the hook's standby
+    loop in between; the losses equal the same switches called directly."""
+    r = scale["hook"]
+    assert r["layouts"] == [(BIG, SMALL), (SMALL, BIG)]
+    assert r["files"] == ["scale.json.applied.0", "scale.json.applied.1"]
+    assert len(r["switched_at"]) == 2
+    assert r["losses"] == r["ref_losses"] and len(r["losses"]) == 9

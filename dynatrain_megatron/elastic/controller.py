@@ -31,6 +31,7 @@ class Decision:
     world: Optional[int]
     source: str  # "signal", "schedule"
     rejected: Optional[str] = None  # the reason, when a request was refused
+    stop: bool = False  # the job is over: standby ranks leave
 
 
 def load_schedule(path: str) -> list[tuple[int, str]]:
@@ -85,10 +86,12 @@ class Controller:
         if req is None:
             return Decision(None, None, "signal")
         target_world = req.world or world
+        processes = dist.get_world_size()
         try:
-            if target_world != world:
-                raise DynatrainError(f"request for {target_world} ranks, the job has {world} "
-                                     f"(device-count changes need the elastic launcher)")
+            if target_world > processes:
+                raise DynatrainError(f"request for {target_world} ranks, the job has {processes} "
+                                     f"processes ({world} training, {processes - world} on "
+                                     f"standby); more need a relaunch with more processes")
             layout = self.validate(req.layout, target_world)
         except DynatrainError as e:
             sf.archive(self.signal_path, "rejected", str(e))
@@ -98,14 +101,28 @@ class Controller:
         log.info("switch request to %s from %s accepted", layout, req.origin or "?")
         return Decision(str(layout), target_world, "signal")
 
-    def poll(self, iteration: int) -> Decision:
-        """Collective: every rank calls it at the same step boundary."""
+    def poll(self, iteration: int, world: Optional[int] = None) -> Decision:
+        """Collective over every process (training and standby ranks) at the same step
+        boundary. `world`: ranks of the current layout (default: every process); a request
+        may name any count up to the number of processes (scale-in / scale-out)."""
         if iteration % self.poll_interval and not any(it == iteration for it, _ in self.schedule):
             return Decision(None, None, "signal")
-        world = dist.get_world_size()
+        world = world or dist.get_world_size()
         box = [self._decide_on_rank0(iteration, world) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def follow(self) -> Decision:
+        """A standby rank's side of `poll`/`stop`: wait for rank 0's next decision (it does
+        not step, so it cannot know which iterations poll; it simply takes the next one)."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def stop(self) -> None:
+        """Collective: the job is over; standby ranks waiting in `follow` leave."""
+        box = [Decision(None, None, "signal", stop=True)]
+        dist.broadcast_object_list(box, src=0)
 
     def done(self, decision: Decision, outcome: str, reason: str = "") -> None:
         if decision.source == "signal" and dist.get_rank() == 0 and self.signal_path \

@@ -33,6 +33,9 @@ def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="bytes per device; a target whose state would not fit is refused")
     g.add_argument("--dynatrain-compare-checkpoint", action="store_true",
                    help="at the end, time the dist_checkpointing save+load path for the summary")
+    g.add_argument("--dynatrain-standby-ranks", type=int, default=0,
+                   help="processes that start on standby (no training state) for a later "
+                        "scale-out; the layout uses the others")
     g.add_argument("--dynatrain-timeout", type=float, default=300.0,
                    help="seconds before a switch is aborted and rolled back")
     return parser

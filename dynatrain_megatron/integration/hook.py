@@ -25,6 +25,7 @@ from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.memory import check_memory_fit
+from ..vps.placement import Placement
 from .builders import MegatronBuilder, bucket_size_of
 from .switching import switch_trainer
 from .train_config import TrainConfig
@@ -63,6 +64,9 @@ class DynatrainHook:
         self.background_groups = background_groups
         self.devices = DeviceManager()
         self.decision: Optional[Decision] = None
+        self.layout: Optional[Layout] = None  # the current layout, known on every process
+        self.layout_placement: Optional[Placement] = None
+        self.stopped = False
         self.history: list[SwitchRecord] = []
         self.rejected: list[str] = []
 
@@ -82,46 +86,81 @@ class DynatrainHook:
                    placement="default" if args.dynatrain_default_placement else "best",
                    log_dir=args.dynatrain_log_dir)
 
-    def after_step(self, trainer: Trainer) -> Trainer:
-        """Call after every optimizer step, on every rank. Returns the (rebound) trainer."""
+    def start(self, trainer: Optional[Trainer], layout: Layout, placement: Placement) -> None:
+        """Tell the hook the job's first layout; every process calls it (standby ranks,
+        outside the layout, with `trainer=None`)."""
+        self.layout, self.layout_placement = layout, placement
+
+    def after_step(self, trainer: Trainer) -> Optional[Trainer]:
+        """Call after every optimizer step, on every rank of the layout. Returns the
+        (rebound) trainer, or None when this rank left the layout (scale-in): it is then on
+        standby and calls `standby()`."""
+        if self.layout is None:
+            self.start(trainer, trainer.objs.layout, trainer.objs.groups.placement)
         if self.devices.pending:
             if self.devices.ready():
                 return self._switch(trainer)
             return trainer
-        d = self.controller.poll(trainer.iteration)
+        self._on_decision(self.controller.poll(trainer.iteration, self.layout.world_size),
+                          trainer.iteration)
+        return trainer
+
+    def standby(self) -> Optional[Trainer]:
+        """A process outside the current layout: take part in every collective of the
+        controller and the device manager until a switch brings it in (returns its trainer)
+        or the job ends (returns None, `self.stopped` is set). Holds no training state."""
+        while True:
+            if self.devices.pending:
+                if self.devices.ready():
+                    trainer = self._switch(None)
+                    if trainer is not None:
+                        return trainer
+                continue
+            d = self.controller.follow()
+            if d.stop:
+                self.stopped = True
+                return None
+            self._on_decision(d, None)
+
+    def _on_decision(self, d: Decision, iteration: Optional[int]) -> None:
         if d.rejected:
             self.rejected.append(d.rejected)
         if d.target is None:
-            return trainer
-        src = trainer.objs.layout
-        if d.target == str(src):
+            return
+        src = self.layout
+        if d.target == str(src) and d.world == src.world_size:
             log.info("already at layout %s: nothing to do", src)
             self.controller.done(d, "applied", "already at this layout")
-            return trainer
+            return
         dst = Layout.parse(d.target, d.world)
-        placement = choose_dst_placement(self.spec, self.builder, src, trainer.objs.groups.placement,
+        placement = choose_dst_placement(self.spec, self.builder, src, self.layout_placement,
                                          dst, tuple(range(dst.world_size)), self.placement,
                                          self.ranks_per_node)
         self.decision = d
-        self._t_prepare = time.perf_counter()
-        log.info("iteration %d: switch %s -> %s requested; building groups in the background",
-                 trainer.iteration, src, dst)
+        log.info("iteration %s: switch %s (%d ranks) -> %s (%d ranks) requested; building "
+                 "groups in the background", iteration, src, src.world_size, dst,
+                 dst.world_size)
         self.devices.prepare(dst, placement, background=self.background_groups)
-        return trainer
 
-    def _switch(self, trainer: Trainer) -> Trainer:
-        src = trainer.objs.layout
-        dst, _ = self.devices.target
+    def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
+        src, src_placement = self.layout, self.layout_placement
+        dst, dst_placement = self.devices.target
         groups = self.devices.take()
         t0 = time.perf_counter()
         try:
-            trainer, res = switch_trainer(trainer, self.builder, src, trainer.objs.groups.placement,
-                                          dst, ranks_per_node=self.ranks_per_node,
+            trainer, res = switch_trainer(trainer, self.builder, src, src_placement,
+                                          dst, dst_devices=dst_placement.devices,
+                                          ranks_per_node=self.ranks_per_node,
                                           memory_budget=self.memory_budget, new_groups=groups)
         except Exception:
             self.controller.done(self.decision, "failed", "switch raised; see the job log")
             raise
+        self.layout, self.layout_placement = dst, res.placement
         pause = time.perf_counter() - t0
+        if trainer is None:
+            log.info("switched %s -> %s: this rank is not in the new layout; on standby",
+                     src, dst)
+            return None
         r = res.report
         rec = SwitchRecord(trainer.iteration, str(src), str(dst), r.placement, r.bytes_moved,
                            r.lower_bound_bytes, pause, self.devices.build_seconds,
@@ -139,6 +178,11 @@ class DynatrainHook:
             with open(os.path.join(self.log_dir, "switches.jsonl"), "a") as f:
                 f.write(json.dumps(asdict(rec)) + "\n")
         return trainer
+
+    def stop_standby(self) -> None:
+        """Collective with the standby ranks waiting in `standby()`: the job is over.
+        Every rank of the layout calls it once, after its last step."""
+        self.controller.stop()
 
     def finish(self, trainer: Trainer, checkpoint_seconds: Optional[float] = None) -> str:
         """The summary table of all switches (logged on rank 0, returned)."""

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from ..vps.model_spec import ModelSpec
+from ..vps.placement import Placement
 from .arguments import add_dynatrain_args, add_training_args, layout_from_args, train_config_from_args
 from .training import StepResult, Trainer
 
@@ -72,25 +73,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     spec = ModelSpec.from_yaml(args.model_config)
     if args.bf16:
         spec = spec.replace(params_dtype="bf16")
-    layout = layout_from_args(args, spec, dist.get_world_size())
+    processes = dist.get_world_size()
+    standby = args.dynatrain_standby_ranks if args.dynatrain else 0
+    if not 0 <= standby < processes:
+        parser.error(f"--dynatrain-standby-ranks {standby}: must leave at least one of the "
+                     f"{processes} processes training")
+    layout = layout_from_args(args, spec, processes - standby)
     train = train_config_from_args(args)
-    log.info("model %s (%s), layout %s on %d ranks", spec.name, args.model_config, layout,
-             dist.get_world_size())
-    trainer: Trainer = start_job(spec, layout, train)
+    log.info("model %s (%s), layout %s on %d ranks%s", spec.name, args.model_config, layout,
+             layout.world_size, f" ({standby} more on standby)" if standby else "")
+    placement = Placement(tuple(range(layout.world_size)))
+    trainer: Optional[Trainer] = start_job(spec, layout, train, placement)
     hook = None
     if args.dynatrain:
         from .hook import DynatrainHook
 
         hook = DynatrainHook.from_args(args, spec, train)
-    while trainer.iteration < train.train_iters:
+        hook.start(trainer, layout, placement)
+    while True:
+        if trainer is None:  # standby: no training state, follows the controller
+            trainer = hook.standby()
+            if trainer is None:
+                break  # the job ended
+            continue
+        if trainer.iteration >= train.train_iters:
+            break
         r = trainer.step()
         if r.iteration % args.log_interval == 0:
             log.info(format_iteration(r, train.train_iters, trainer.consumed_samples,
                                       train.global_batch_size, trainer.objs.layout))
         if hook is not None:
             trainer = hook.after_step(trainer)
-    if hook is not None:
-        ckpt_s = measure_checkpoint_path(trainer) if args.dynatrain_compare_checkpoint else None
+    if hook is not None and trainer is not None:
+        hook.stop_standby()
+        everyone = trainer.objs.layout.world_size == processes
+        if args.dynatrain_compare_checkpoint and not everyone:
+            log.info("checkpoint-path comparison skipped: ranks on standby at the end")
+        ckpt_s = (measure_checkpoint_path(trainer)
+                  if args.dynatrain_compare_checkpoint and everyone else None)
         hook.finish(trainer, ckpt_s)
     dist.barrier()
     dist.destroy_process_group()
