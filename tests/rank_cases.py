@@ -458,3 +458,96 @@ def _hook_scale(s, train, builder, la, lb, signal_dir: str, steps: int = 9) -> d
     dist.broadcast_object_list(box, src=0)
     res["ref_losses"] = box[0]
     return res
+
+
+def fault_cases(model: str, a: str, b: str, faults: list[dict], timeout: float,
+                steps_after: int = 3) -> list[dict]:
+    """Per injected fault: train at A, attempt A -> B with the fault, then train on. Records
+    whether the switch aborted (and why), the full state after the attempt against before,
+    and the losses after it; `plain` is the same job that never attempted a switch."""
+    from dynatrain_megatron.adapters.live import LiveState
+    from dynatrain_megatron.integration.builders import MegatronBuilder
+    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.transition.faults import FaultPlan
+    from dynatrain_megatron.vps import Layout
+
+    s = spec_variant(model)
+    train = switch_train_config()
+    builder = MegatronBuilder(s, train)
+    world = dist.get_world_size()
+
+    def full(tr):
+        g = tr.objs.groups.pg_collection.intra_dist_opt
+        return G.gather_full_state(LiveState(tr.objs.model, tr.objs.optimizer,
+                                             tr.objs.groups.virtual_rank, s.vocab_size), s, g)
+
+    tr = start_job(s, a, train)
+    plain = [tr.step().loss for _ in range(2 + steps_after)]
+    release(tr.objs)
+    out = []
+    for spec_ in faults:
+        tr = start_job(s, a, train)
+        for _ in range(2):
+            tr.step()
+        before = full(tr)
+        groups_before = len(dist.distributed_c10d._world.pg_map)
+        tr, res = switch_trainer(tr, builder, tr.objs.layout, tr.objs.groups.placement,
+                                 Layout.parse(b, world), ranks_per_node=4, timeout=timeout,
+                                 faults=FaultPlan(**spec_))
+        after = full(tr)
+        rec = dict(fault=spec_, aborted=res.aborted, layout=str(tr.objs.layout),
+                   diff=None if before is None else G.states_equal(before, after),
+                   groups_leaked=len(dist.distributed_c10d._world.pg_map) - groups_before,
+                   losses=[tr.step().loss for _ in range(steps_after)], plain=plain[2:],
+                   checksummed=_sum_over_ranks(res.report.checksummed_messages))
+        release(tr.objs)
+        out.append(rec)
+    return out
+
+
+def repeated_switch_case(model: str, layouts: list[str], n: int) -> dict:
+    """`n` switches in a row cycling through `layouts`: RSS and the number of live process
+    groups after every switch, and the full state at the end against the start (a switch
+    only moves state, so n switches must leave it bit-identical)."""
+    import gc
+
+    import psutil
+
+    from dynatrain_megatron.adapters.live import LiveState
+    from dynatrain_megatron.integration.builders import MegatronBuilder
+    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.vps import Layout
+
+    s = spec_variant(model)
+    train = switch_train_config()
+    builder = MegatronBuilder(s, train)
+    world = dist.get_world_size()
+
+    def full(tr):
+        g = tr.objs.groups.pg_collection.intra_dist_opt
+        return G.gather_full_state(LiveState(tr.objs.model, tr.objs.optimizer,
+                                             tr.objs.groups.virtual_rank, s.vocab_size), s, g)
+
+    tr = start_job(s, layouts[0], train)
+    for _ in range(2):
+        tr.step()
+    start = full(tr)
+    proc = psutil.Process()
+    rss, groups = [], []
+    for i in range(n):
+        dst = Layout.parse(layouts[(i + 1) % len(layouts)], world)
+        tr, res = switch_trainer(tr, builder, tr.objs.layout, tr.objs.groups.placement, dst,
+                                 ranks_per_node=4)
+        assert res.aborted is None, res.aborted
+        rss.append(proc.memory_info().rss)
+        groups.append(len(dist.distributed_c10d._world.pg_map))
+    # back at the first layout: the state must be what it was
+    while str(tr.objs.layout) != str(Layout.parse(layouts[0], world)):
+        tr, _ = switch_trainer(tr, builder, tr.objs.layout, tr.objs.groups.placement,
+                               Layout.parse(layouts[0], world), ranks_per_node=4)
+    end = full(tr)
+    release(tr.objs)
+    gc.collect()
+    return dict(rss=rss, groups=groups, diff=None if start is None else G.states_equal(start, end))

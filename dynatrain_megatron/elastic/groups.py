@@ -36,6 +36,10 @@ class ParallelGroups:
     pg_collection: object  # megatron.core.process_groups_config.ProcessGroupCollection
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
     created: list = field(default_factory=list)
+    # every process of the world, for the point-to-point exchange of the switch *into*
+    # this layout: its own communicator, so that a transfer that times out (which breaks
+    # gloo's and NCCL's communicators) leaves the default group usable for the rollback vote
+    transfer: object = None
 
     @property
     def virtual_rank(self) -> Optional[int]:
@@ -104,9 +108,11 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
         pgc.intra_expt_dp = pgc.expt_dp
         mine["intra_dp_cp"] = mine["dp_cp"]
         mine["intra_expt_dp"] = mine["expt_dp"]
+    transfer = dist.new_group(list(range(dist.get_world_size())))
+    created.append(transfer)
     log.debug("built %d groups for %s", len(created), layout)
     return ParallelGroups(layout=layout, placement=placement, rank=rank, pg_collection=pgc,
-                          group_ranks=mine, created=created)
+                          group_ranks=mine, created=created, transfer=transfer)
 
 
 def install(groups: ParallelGroups) -> None:

@@ -53,7 +53,7 @@ class DynatrainHook:
     def __init__(self, spec: ModelSpec, train: TrainConfig, controller: Controller, *,
                  ranks_per_node: int = 8, memory_budget: Optional[int] = None,
                  placement: str = "best", log_dir: Optional[str] = None,
-                 background_groups: bool = True) -> None:
+                 background_groups: bool = True, timeout: Optional[float] = None) -> None:
         self.spec = spec
         self.builder = MegatronBuilder(spec, train)
         self.controller = controller
@@ -67,6 +67,8 @@ class DynatrainHook:
         self.layout: Optional[Layout] = None  # the current layout, known on every process
         self.layout_placement: Optional[Placement] = None
         self.stopped = False
+        self.failed: list[str] = []  # reasons of switches that were rolled back
+        self.timeout = timeout
         self.history: list[SwitchRecord] = []
         self.rejected: list[str] = []
 
@@ -84,7 +86,7 @@ class DynatrainHook:
         return cls(spec, train, ctl, ranks_per_node=args.dynatrain_ranks_per_node,
                    memory_budget=args.dynatrain_memory_budget,
                    placement="default" if args.dynatrain_default_placement else "best",
-                   log_dir=args.dynatrain_log_dir)
+                   log_dir=args.dynatrain_log_dir, timeout=args.dynatrain_timeout)
 
     def start(self, trainer: Optional[Trainer], layout: Layout, placement: Placement) -> None:
         """Tell the hook the job's first layout; every process calls it (standby ranks,
@@ -151,10 +153,16 @@ class DynatrainHook:
             trainer, res = switch_trainer(trainer, self.builder, src, src_placement,
                                           dst, dst_devices=dst_placement.devices,
                                           ranks_per_node=self.ranks_per_node,
-                                          memory_budget=self.memory_budget, new_groups=groups)
+                                          memory_budget=self.memory_budget, new_groups=groups,
+                                          timeout=self.timeout)
         except Exception:
             self.controller.done(self.decision, "failed", "switch raised; see the job log")
             raise
+        if res.aborted:
+            self.failed.append(res.aborted)
+            self.controller.done(self.decision, "failed", res.aborted)
+            log.error("switch rolled back; training continues at %s", src)
+            return trainer
         self.layout, self.layout_placement = dst, res.placement
         pause = time.perf_counter() - t0
         if trainer is None:
@@ -199,6 +207,9 @@ class DynatrainHook:
         if self.rejected:
             lines.append(f"rejected requests: {len(self.rejected)}")
             lines += [f"  - {r}" for r in self.rejected]
+        if self.failed:
+            lines.append(f"switches rolled back: {len(self.failed)}")
+            lines += [f"  - {r}" for r in self.failed]
         text = "\n".join(lines)
         log.info(text)
         return text

@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 
 
 from ..elastic.groups import ParallelGroups, build_groups, install
+from ..transition.faults import FaultPlan
 from ..transition.switch import SwitchResult, read_scalars, switch_layout
 from ..vps.layout import Layout
 from ..vps.placement import Placement
@@ -20,22 +21,37 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
                    src_placement: Placement, dst: Layout, *,
                    dst_devices: Optional[Sequence[int]] = None, placement: str = "best",
                    ranks_per_node: int = 8, memory_budget: Optional[int] = None,
-                   move_weights: bool = False, new_groups: Optional[ParallelGroups] = None
+                   move_weights: bool = False, new_groups: Optional[ParallelGroups] = None,
+                   timeout: Optional[float] = None, faults: Optional[FaultPlan] = None
                    ) -> tuple[Optional[Trainer], SwitchResult]:
     """Every rank of the world calls this at the same step boundary.
 
     Returns the trainer rebound to layout B (None on a rank that is not part of B) and the
-    switch result. A's objects and process groups are released.
+    switch result; A's objects and process groups are released. If the switch aborted
+    (`result.aborted`), B is discarded and the *same* trainer is returned, at A, with its
+    groups and RNG states as before the attempt.
     """
     if trainer is None:
         freeze_long_lived_objects()  # a joining rank: as start_job does on the others
     old = trainer.objs if trainer is not None else None
     scalars = (read_scalars(old, trainer.iteration, trainer.consumed_samples)
                if trainer is not None else None)
+    rng = _RngSnapshot.take()
     res = switch_layout(builder.spec, builder, old, src, src_placement, dst, build_groups,
                         scalars, dst_devices=dst_devices, placement=placement,
                         ranks_per_node=ranks_per_node, memory_budget=memory_budget,
-                        move_weights=move_weights, new_groups=new_groups)
+                        move_weights=move_weights, new_groups=new_groups, timeout=timeout,
+                        faults=faults)
+    if res.aborted:
+        # roll back: drop everything of B; A was only read, so it is exactly as it was
+        if res.objs is not None:
+            release(res.objs)  # destroys B's groups too
+        elif res.groups is not None:
+            res.groups.destroy()
+        if old is not None:
+            install(old.groups)  # building B pointed megatron's globals at B's groups
+        rng.restore()  # and re-seeded the RNGs for B's coordinates
+        return trainer, res
     if old is not None:
         release(old)
     if res.objs is None:
@@ -49,3 +65,40 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
     trainer.iteration = res.scalars.iteration
     trainer.consumed_samples = res.scalars.consumed_samples
     return trainer, res
+
+
+class _RngSnapshot:
+    """Every RNG a build touches (builders.seed_rngs): Python, numpy, torch, and megatron's
+    model-parallel tracker. A rolled-back switch restores them, so training goes on as if
+    the attempt had not happened."""
+
+    def __init__(self, states: tuple) -> None:
+        self.states = states
+
+    @classmethod
+    def take(cls) -> "_RngSnapshot":
+        import random
+
+        import numpy as np
+        import torch
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        tracker = get_cuda_rng_tracker()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        return cls((random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda,
+                    {k: v.clone() for k, v in tracker.get_states().items()}))
+
+    def restore(self) -> None:
+        import random
+
+        import numpy as np
+        import torch
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        py, npy, th, cuda, tracker = self.states
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(th)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        get_cuda_rng_tracker().set_states(tracker)

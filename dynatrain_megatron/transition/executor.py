@@ -9,6 +9,14 @@ round is posted as one batched exchange; the rank-local copies of the plan run w
 first round is on the wire. Sources are views into the old layout's live state,
 destinations views into the new one (adapters/live.py), so nothing is materialised beyond
 the staging of one round, whose peak is measured and reported.
+
+Transaction support (transition/switch.py commits or rolls back on what this records):
+each message is checksummed on both sides (the sender's sums follow in a small second
+exchange of the round) and a mismatch is recorded; a round whose peers do not show up
+within `timeout` is recorded and the remaining rounds are skipped (peers then time out in
+turn). An error on this rank never skips a message its peers expect: the message is sent
+as zeros and the error recorded. `errors` is empty after a good transfer. The old state
+is only ever read, so a failed transfer leaves it intact.
 """
 from __future__ import annotations
 
@@ -19,6 +27,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from .checksum import checksum
+from .faults import FaultPlan
 from .transport import Pending, Transport
 
 log = logging.getLogger(__name__)
@@ -28,6 +38,7 @@ _ALIGN = 8
 # below this a piece travels packed with the others of its peer: one message instead of
 # many tiny ones (norm weights, biases, the cut ends of flat ranges)
 SMALL_PIECE_BYTES = 1 << 16
+_NO_FAULTS = FaultPlan()
 
 
 def _aligned(n: int) -> int:
@@ -36,6 +47,10 @@ def _aligned(n: int) -> int:
 
 def _nbytes(v: torch.Tensor) -> int:
     return v.numel() * v.element_size()
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
 
 
 @dataclass
@@ -48,15 +63,19 @@ class ExecStats:
     rounds: int = 0
     peak_staging_bytes: int = 0
     zero_copy_bytes: int = 0  # network bytes sent or received straight from/into live storage
+    checksummed_messages: int = 0
     seconds: float = 0.0
     round_seconds: list = field(default_factory=list)
 
 
 @dataclass
 class _Round:
-    """One posted round: what to unpack once it has arrived."""
+    """One posted round: what to check and unpack once it has arrived."""
 
-    pending: Pending
+    index: int
+    pending: Optional[Pending]  # None: posting failed
+    recv_msgs: dict  # peer -> [message tensors], in order
+    send_sums: dict  # peer -> [checksums of the messages sent]
     packed: dict  # peer -> (buffer, [dst views])
     staged: list  # (temporary, dst view)
     keep: list  # send-side tensors that must outlive the exchange
@@ -70,34 +89,55 @@ class Executor:
 
     `src_view(piece)` / `dst_view(piece)` return the tensor view of a piece on the sending /
     receiving side (only called for pieces this rank sends / receives). `device` is where
-    staging buffers live (the CUDA device with NCCL).
+    staging buffers live (the CUDA device with NCCL). `tag`: this attempt's message tag.
     """
 
     def __init__(self, rank: int, transport: Transport,
                  src_view: Callable[[object], torch.Tensor],
                  dst_view: Callable[[object], torch.Tensor],
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, *, tag: int = 0,
+                 timeout: Optional[float] = None, checksums: bool = True,
+                 faults: Optional[FaultPlan] = None) -> None:
         self.rank = rank
         self.transport = transport
         self.src_view = src_view
         self.dst_view = dst_view
         self.device = device or torch.device("cpu")
+        self.tag = tag
+        self.timeout = timeout
+        self.checksums = checksums
+        self.faults = faults or _NO_FAULTS
         self.stats = ExecStats()
+        self.errors: list[str] = []
+        self._stalled = False  # a round timed out: post nothing more
 
-    def run(self, local: Sequence, rounds: Iterable[Sequence]) -> None:
+    def run(self, local: Sequence, rounds: Iterable[Sequence]) -> list[str]:
         """The whole transition: `local` pieces (copies on this rank) and, per round, the
-        round's pieces that involve this rank. Local copies overlap the first round."""
+        round's pieces that involve this rank. Local copies overlap the first round.
+        Returns `errors` (empty: every piece arrived and checked)."""
         t0 = time.perf_counter()
         pending_local = list(local)
-        for pieces in rounds:
-            r = self._post(pieces)
+        for i, pieces in enumerate(rounds):
+            if self._stalled:
+                break
+            r = self._post(pieces, i)
             if pending_local:
-                self.run_local(pending_local)
+                self._guard("local copies", self.run_local, pending_local)
                 pending_local = []
             self._finish(r)
         if pending_local:
-            self.run_local(pending_local)
+            self._guard("local copies", self.run_local, pending_local)
         self.stats.seconds += time.perf_counter() - t0
+        return self.errors
+
+    def _guard(self, what: str, fn, *a) -> bool:
+        try:
+            fn(*a)
+            return True
+        except Exception as e:  # noqa: BLE001 - recorded; the switch rolls back on it
+            self.errors.append(f"rank {self.rank}: {what}: {type(e).__name__}: {e}")
+            log.error("rank %d: %s failed: %s", self.rank, what, e)
+            return False
 
     @torch.no_grad()
     def run_local(self, pieces: Iterable) -> None:
@@ -109,11 +149,15 @@ class Executor:
     @torch.no_grad()
     def run_round(self, pieces: Sequence) -> None:
         """One batched exchange: `pieces` are this round's pieces that involve this rank."""
-        self._finish(self._post(pieces))
+        self._finish(self._post(pieces, self.stats.rounds))
+
+    def _placeholder(self, nbytes: int) -> torch.Tensor:
+        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 
     @torch.no_grad()
-    def _post(self, pieces: Sequence) -> _Round:
+    def _post(self, pieces: Sequence, index: int) -> _Round:
         t0 = time.perf_counter()
+        self.faults.delay(self.rank, index)
         out: dict[int, list] = {}
         inc: dict[int, list] = {}
         for p in pieces:
@@ -122,27 +166,38 @@ class Executor:
             elif p.dst_device == self.rank and p.src_device != self.rank:
                 inc.setdefault(p.src_device, []).append(p)
         sends: dict[int, list[torch.Tensor]] = {}
+        send_sums: dict[int, list[int]] = {}
         staging = 0
         keep: list[torch.Tensor] = []
         for peer, ps in out.items():
             small = [p for p in ps if p.nbytes < SMALL_PIECE_BYTES]
             msgs = []
             if small:
-                buf = self._pack([self.src_view(p) for p in small])
+                try:
+                    buf = self._pack([self.src_view(p) for p in small])
+                except Exception as e:  # noqa: BLE001
+                    self._guard(f"packing for rank {peer}", _raise, e)
+                    buf = self._placeholder(sum(_aligned(p.nbytes) for p in small))
                 staging += buf.numel()
                 msgs.append(buf)
             for p in ps:
                 if p.nbytes < SMALL_PIECE_BYTES:
                     continue
-                v = self.src_view(p)
-                if v.is_contiguous():
-                    self.stats.zero_copy_bytes += _nbytes(v)
-                else:
-                    v = self._stage(v)
-                    staging += _nbytes(v)
+                try:
+                    v = self.src_view(p)
+                    if v.is_contiguous():
+                        self.stats.zero_copy_bytes += _nbytes(v)
+                    else:
+                        v = self._stage(v)
+                        staging += _nbytes(v)
+                except Exception as e:  # noqa: BLE001
+                    self._guard(f"reading {p.key}/{p.kind} for rank {peer}", _raise, e)
+                    v = self._placeholder(p.nbytes)
                 msgs.append(v)
             sends[peer] = msgs
             keep += msgs
+            if self.checksums:
+                send_sums[peer] = [checksum(m) for m in msgs]
         recvs: dict[int, list[torch.Tensor]] = {}
         packed: dict[int, tuple] = {}
         staged: list[tuple] = []
@@ -150,16 +205,26 @@ class Executor:
             small = [p for p in ps if p.nbytes < SMALL_PIECE_BYTES]
             msgs = []
             if small:
-                views = [self.dst_view(p) for p in small]
-                buf = torch.empty(sum(_aligned(_nbytes(v)) for v in views), dtype=torch.uint8,
+                try:
+                    views = [self.dst_view(p) for p in small]
+                except Exception as e:  # noqa: BLE001
+                    self._guard(f"destination views from rank {peer}", _raise, e)
+                    views = None
+                buf = torch.empty(sum(_aligned(p.nbytes) for p in small), dtype=torch.uint8,
                                   device=self.device)
                 staging += buf.numel()
-                packed[peer] = (buf, views)
+                if views is not None:
+                    packed[peer] = (buf, views)
                 msgs.append(buf)
             for p in ps:
                 if p.nbytes < SMALL_PIECE_BYTES:
                     continue
-                v = self.dst_view(p)
+                try:
+                    v = self.dst_view(p)
+                except Exception as e:  # noqa: BLE001
+                    self._guard(f"destination of {p.key}/{p.kind} from rank {peer}", _raise, e)
+                    msgs.append(self._placeholder(p.nbytes))
+                    continue
                 if v.is_contiguous():
                     self.stats.zero_copy_bytes += _nbytes(v)
                     msgs.append(v)
@@ -170,26 +235,69 @@ class Executor:
                     msgs.append(tmp)
             recvs[peer] = msgs
         self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes, staging)
-        pending = self.transport.start(sends, recvs)
-        return _Round(pending, packed, staged, keep,
+        try:
+            pending = self.transport.start(sends, recvs, self.tag)
+        except Exception as e:  # noqa: BLE001 - a peer gave up on this round (timeout)
+            self.errors.append(f"rank {self.rank}: round {index}: posting failed: "
+                               f"{str(e).splitlines()[0]}")
+            self._stalled = True
+            pending = None
+        return _Round(index, pending, recvs, send_sums, packed, staged, keep,
                       sum(p.nbytes for ps in out.values() for p in ps),
                       sum(p.nbytes for ps in inc.values() for p in ps), t0)
 
     @torch.no_grad()
     def _finish(self, r: _Round) -> None:
-        self._wait(r.pending)
-        for buf, views in r.packed.values():
-            self._unpack(buf, views)
-        for tmp, v in r.staged:
-            self._unpack_staged(tmp, v)
+        if r.pending is None:
+            return
+        try:
+            self._wait(r.pending, self.timeout)
+        except TimeoutError as e:
+            self.errors.append(f"rank {self.rank}: round {r.index}: {e}")
+            log.error("rank %d: round %d timed out: %s", self.rank, r.index, e)
+            self._stalled = True
+            return
+        self.faults.corrupt(self.rank, r.index, [m for ms in r.recv_msgs.values() for m in ms])
+        ok = self._verify(r) if self.checksums else True
+        if ok:
+            for buf, views in r.packed.values():
+                self._unpack(buf, views)
+            for tmp, v in r.staged:
+                self._unpack_staged(tmp, v)
+        self._guard(f"round {r.index}", self.faults.fail, self.rank, "round", r.index)
         self.stats.sent_bytes += r.nbytes_sent
         self.stats.recv_bytes += r.nbytes_recv
         self.stats.rounds += 1
         self.stats.round_seconds.append(time.perf_counter() - r.t0)
 
+    def _verify(self, r: _Round) -> bool:
+        """The sender's checksums of each message against ours of what arrived."""
+        sends = {peer: [torch.tensor([_signed(c) for c in sums], dtype=torch.int64,
+                                     device=self.device)]
+                 for peer, sums in r.send_sums.items()}
+        recvs = {peer: [torch.empty(len(msgs), dtype=torch.int64, device=self.device)]
+                 for peer, msgs in r.recv_msgs.items()}
+        try:
+            self._wait(self.transport.start(sends, recvs, self.tag), self.timeout)
+        except (TimeoutError, RuntimeError) as e:
+            self.errors.append(f"rank {self.rank}: round {r.index} checksums: {e}")
+            self._stalled = True
+            return False
+        ok = True
+        for peer, msgs in r.recv_msgs.items():
+            theirs = recvs[peer][0].tolist()
+            for j, m in enumerate(msgs):
+                self.stats.checksummed_messages += 1
+                if _signed(checksum(m)) != theirs[j]:
+                    ok = False
+                    self.errors.append(f"rank {self.rank}: round {r.index}: message {j} from "
+                                       f"rank {peer} ({_nbytes(m)} bytes) arrived corrupted "
+                                       f"(checksum mismatch)")
+        return ok
+
     @staticmethod
-    def _wait(pending: Pending) -> None:
-        pending.wait()
+    def _wait(pending: Pending, timeout: Optional[float] = None) -> None:
+        pending.wait(timeout)
 
     def _pack(self, views: Sequence[torch.Tensor]) -> torch.Tensor:
         buf = torch.empty(sum(_aligned(_nbytes(v)) for v in views), dtype=torch.uint8,
@@ -218,3 +326,7 @@ class Executor:
     @staticmethod
     def _unpack_staged(tmp: torch.Tensor, v: torch.Tensor) -> None:
         v.copy_(tmp)
+
+
+def _raise(e: BaseException) -> None:
+    raise e

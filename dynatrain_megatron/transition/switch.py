@@ -36,6 +36,7 @@ from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement, is_rank_ordered, rank_ordered
 from .vocab_padding import carry_vocab_padding
 from .executor import _ALIGN as _PACK_ALIGN, Executor
+from .faults import FaultPlan
 from .transport import TorchP2PTransport, Transport
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class SwitchReport:
     sent_bytes: int = 0
     recv_bytes: int = 0
     zero_copy_bytes: int = 0  # network bytes sent from / received into live storage directly
+    checksummed_messages: int = 0
     phases: dict = field(default_factory=dict)
 
     @property
@@ -88,8 +90,37 @@ class SwitchResult:
     layout: Layout
     placement: Placement
     groups: Any
-    scalars: Scalars
+    scalars: Optional[Scalars]
     report: SwitchReport
+    aborted: Optional[str] = None  # why every rank stays at A (the objects at B are discarded)
+
+
+_ATTEMPTS = {"n": 0}
+_NO_FAULTS = FaultPlan()
+
+
+def _next_attempt() -> int:
+    """A message tag per switch attempt, the same on every rank (they all call
+    `switch_layout` in the same order): late messages of an abandoned attempt cannot be
+    matched by a later one."""
+    _ATTEMPTS["n"] += 1
+    return _ATTEMPTS["n"] % (1 << 30)
+
+
+def _agree(errors: list[str]) -> list[str]:
+    """Collective over the world: everyone's errors (empty on every rank: all went well)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, errors)
+    return [e for errs in everyone for e in errs]
+
+
+def _aborted(src: Layout, dst: Layout, dst_placement: Placement, groups: Any, new_objs: Any,
+             stage: str, errors: list[str], phases: dict) -> SwitchResult:
+    reason = f"switch {src} -> {dst} aborted in {stage}: " + "; ".join(errors[:4]) + \
+        (f" (+{len(errors) - 4} more)" if len(errors) > 4 else "")
+    log.error("%s; every rank stays at %s", reason, src)
+    report = SwitchReport(src=str(src), dst=str(dst), placement=str(dst_placement), phases=phases)
+    return SwitchResult(new_objs, dst, dst_placement, groups, None, report, aborted=reason)
 
 
 def _placement_of(objs) -> Placement:
@@ -175,13 +206,21 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                   placement: str = "best", ranks_per_node: int = 8,
                   memory_budget: Optional[int] = None, move_weights: bool = False,
                   new_groups: Any = None, transport: Optional[Transport] = None,
-                  verify: bool = True) -> SwitchResult:
+                  verify: bool = True, timeout: Optional[float] = None,
+                  checksums: bool = True, faults: Optional[FaultPlan] = None) -> SwitchResult:
     """Switch this rank from `src` to `dst`. Collective over the default (world) group.
 
     `old_objs` is None on a rank that holds nothing at A (a joining rank). `make_groups(
     layout, placement)` builds B's groups (collective) unless `new_groups` is given.
     `move_weights=False` moves only the optimizer kinds and rebuilds the weights from the
     fp32 masters (fewer bytes: weights are replicated over DP, masters are not).
+
+    A transaction: A's state is only read. Every rank votes after preparing (B built,
+    bound, checked, planned) and again after the transfer (every message checksummed on
+    both sides, each round under `timeout` seconds); if any rank reports a failure, the
+    result is *aborted* (`result.aborted` holds every rank's reasons), B is handed back
+    for the caller to release, and the caller continues at A. `faults` injects failures
+    (tests; `DYNATRAIN_FAULTS`).
     """
     t = time.perf_counter
     phases: dict[str, float] = {}
@@ -206,55 +245,79 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     groups = new_groups if new_groups is not None else make_groups(dst, dst_placement)
     phases["groups"] = t() - t1
 
-    t2 = t()
-    vr_b = dst_placement.virtual_rank(me)
-    new_objs = builder.build(dst, groups, init_weights=False) if vr_b is not None else None
-    phases["build"] = t() - t2
-
-    t3 = t()
-    vr_a = src_placement.virtual_rank(me)
-    if move_weights and old_objs is not None:
-        # with overlap_param_gather the weights lag the DistOpt shards until the next forward:
-        # bring them up to date before reading them
-        for m in old_objs.model:
-            if getattr(m, "ddp_config", None) is not None and m.ddp_config.overlap_param_gather:
-                m.start_param_sync(force_sync=True)
-    old_live = (LiveState(old_objs.model, old_objs.optimizer, vr_a, spec.vocab_size)
-                if old_objs is not None and vr_a is not None else None)
-    new_live = (LiveState(new_objs.model, new_objs.optimizer, vr_b, spec.vocab_size)
-                if new_objs is not None else None)
-    phases["bind"] = t() - t3
-    t3 = t()
-    if verify:
-        if old_live is not None:
-            check_live_matches_analytic(old_live.fragments(kinds),
-                                        analytic_layout(spec, src, bs_a).fragments(vr_a, kinds), vr_a)
-        if new_live is not None:
-            check_live_matches_analytic(new_live.fragments(kinds),
-                                        analytic_layout(spec, dst, bs_b).fragments(vr_b, kinds), vr_b)
-    phases["verify"] = t() - t3
-
+    attempt = _next_attempt()
+    faults = faults or FaultPlan.from_env() or _NO_FAULTS
+    vr_a, vr_b = src_placement.virtual_rank(me), dst_placement.virtual_rank(me)
+    new_objs = old_live = new_live = plan = rounds = None
+    errors: list[str] = []
+    # -- prepare: build B, bind both, check them, plan. Nothing has moved yet.
+    try:
+        t2 = t()
+        new_objs = builder.build(dst, groups, init_weights=False) if vr_b is not None else None
+        phases["build"] = t() - t2
+        t3 = t()
+        if move_weights and old_objs is not None:
+            # with overlap_param_gather the weights lag the DistOpt shards until the next
+            # forward: bring them up to date before reading them
+            for m in old_objs.model:
+                if getattr(m, "ddp_config", None) is not None and m.ddp_config.overlap_param_gather:
+                    m.start_param_sync(force_sync=True)
+        old_live = (LiveState(old_objs.model, old_objs.optimizer, vr_a, spec.vocab_size)
+                    if old_objs is not None and vr_a is not None else None)
+        new_live = (LiveState(new_objs.model, new_objs.optimizer, vr_b, spec.vocab_size)
+                    if new_objs is not None else None)
+        phases["bind"] = t() - t3
+        t3 = t()
+        if verify:
+            if old_live is not None:
+                check_live_matches_analytic(old_live.fragments(kinds),
+                                            analytic_layout(spec, src, bs_a).fragments(vr_a, kinds), vr_a)
+            if new_live is not None:
+                check_live_matches_analytic(new_live.fragments(kinds),
+                                            analytic_layout(spec, dst, bs_b).fragments(vr_b, kinds), vr_b)
+        phases["verify"] = t() - t3
+        t4 = t()
+        plan = build_plan(spec, (src, src_placement), (dst, dst_placement), kinds=kinds,
+                          ranks_per_node=ranks_per_node, bucket_size=(bs_a, bs_b))
+        rounds = schedule(plan, memory_budget, align=_PACK_ALIGN)
+        phases["plan"] = t() - t4
+        faults.fail(me, "prepare")
+    except Exception as e:  # noqa: BLE001 - every rank learns it at the vote below
+        errors.append(f"rank {me}: prepare: {type(e).__name__}: {e}")
+        log.error("rank %d: switch %s -> %s failed before any byte moved: %s", me, src, dst, e)
     t4 = t()
-    plan = build_plan(spec, (src, src_placement), (dst, dst_placement), kinds=kinds,
-                      ranks_per_node=ranks_per_node, bucket_size=(bs_a, bs_b))
-    rounds = schedule(plan, memory_budget, align=_PACK_ALIGN)
-    phases["plan"] = t() - t4
+    errors = _agree(errors)
+    phases["vote"] = t() - t4
+    if errors:
+        return _aborted(src, dst, dst_placement, groups, new_objs, "prepare", errors, phases)
 
+    # -- transfer: A is only read; B is written. Checksummed, under a timeout.
     t5 = t()
-    ex = Executor(me, transport or TorchP2PTransport(),
+    ex = Executor(me, transport or TorchP2PTransport(getattr(groups, "transfer", None)),
                   src_view=lambda p: old_live.view(p.kind, p.src_chunk, p.src_local_name, p.src_local_box),
-                  dst_view=lambda p: new_live.view(p.kind, p.dst_chunk, p.dst_local_name, p.dst_local_box))
-    ex.run([p for p in plan.pieces_for(me) if p.is_local],
-           (rnd.sends(me) + rnd.recvs(me) for rnd in rounds))
-    carry_vocab_padding(old_live, new_live, kinds)
+                  dst_view=lambda p: new_live.view(p.kind, p.dst_chunk, p.dst_local_name, p.dst_local_box),
+                  tag=attempt, timeout=timeout, checksums=checksums, faults=faults)
+    errors = list(ex.run([p for p in plan.pieces_for(me) if p.is_local],
+                         (rnd.sends(me) + rnd.recvs(me) for rnd in rounds)))
+    try:
+        carry_vocab_padding(old_live, new_live, kinds)  # a collective: every rank calls it
+        faults.fail(me, "commit")
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"rank {me}: commit: {type(e).__name__}: {e}")
     phases["transfer"] = t() - t5
+    # -- commit vote: every rank of the world agrees that everything arrived and checked
+    t6 = t()
+    errors = _agree(errors)
+    phases["vote"] += t() - t6
+    if errors:
+        return _aborted(src, dst, dst_placement, groups, new_objs, "transfer", errors, phases)
 
     t6 = t()
     # scalars: every rank of A holds them; the first device of A tells everyone
     box = [scalars]
     dist.broadcast_object_list(box, src=src_placement.devices[0])
     scalars = box[0]
-    phases["sync"] = t() - t6  # also absorbs waiting for the slowest rank's transfer
+    phases["sync"] = t() - t6
     t6 = t()
     if new_objs is not None:
         if not move_weights:
@@ -269,5 +332,6 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                           peak_staging_bytes=ex.stats.peak_staging_bytes,
                           sent_bytes=ex.stats.sent_bytes, recv_bytes=ex.stats.recv_bytes,
                           zero_copy_bytes=ex.stats.zero_copy_bytes,
+                          checksummed_messages=ex.stats.checksummed_messages,
                           phases=phases)
     return SwitchResult(new_objs, dst, dst_placement, groups, scalars, report)

@@ -10,6 +10,8 @@ the rank's CUDA device); the interface is the same.
 """
 from __future__ import annotations
 
+import datetime
+import time
 from abc import ABC, abstractmethod
 from typing import Mapping, Optional, Sequence
 
@@ -23,9 +25,22 @@ class Pending:
     def __init__(self, works: Sequence) -> None:
         self._works = list(works)
 
-    def wait(self) -> None:
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Wait for every operation; with `timeout` (seconds, for the whole round) raise
+        `TimeoutError` when a peer does not show up in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for w in self._works:
-            w.wait()
+            if deadline is None:
+                w.wait()
+                continue
+            left = max(0.001, deadline - time.monotonic())
+            try:
+                done = w.wait(timeout=datetime.timedelta(seconds=left))
+            except RuntimeError as e:  # gloo reports a timed-out wait as an error
+                raise TimeoutError(f"peer did not complete the exchange within {timeout:.1f} s: "
+                                   f"{str(e).splitlines()[0]}") from e
+            if done is False:
+                raise TimeoutError(f"peer did not complete the exchange within {timeout:.1f} s")
         self._works = []
 
 
@@ -34,13 +49,15 @@ class Transport(ABC):
 
     @abstractmethod
     def start(self, sends: Mapping[int, Sequence[torch.Tensor]],
-              recvs: Mapping[int, Sequence[torch.Tensor]]) -> Pending:
+              recvs: Mapping[int, Sequence[torch.Tensor]], tag: int = 0) -> Pending:
         """Post: send each tensor of `sends[peer]` to `peer`, in order, and fill each tensor
-        of `recvs[peer]` from `peer`, in order. The tensors must stay alive until `wait`."""
+        of `recvs[peer]` from `peer`, in order. The tensors must stay alive until `wait`.
+        `tag` keeps the messages of different switch attempts apart (a late message of an
+        abandoned attempt must never land in a later one)."""
 
     def exchange(self, sends: Mapping[int, Sequence[torch.Tensor]],
-                 recvs: Mapping[int, Sequence[torch.Tensor]]) -> None:
-        self.start(sends, recvs).wait()
+                 recvs: Mapping[int, Sequence[torch.Tensor]], tag: int = 0) -> None:
+        self.start(sends, recvs, tag).wait()
 
 
 class TorchP2PTransport(Transport):
@@ -50,14 +67,14 @@ class TorchP2PTransport(Transport):
         self.group = group
 
     def start(self, sends: Mapping[int, Sequence[torch.Tensor]],
-              recvs: Mapping[int, Sequence[torch.Tensor]]) -> Pending:
+              recvs: Mapping[int, Sequence[torch.Tensor]], tag: int = 0) -> Pending:
         ops = []
         # a fixed order (by peer, then message) on every rank; NCCL requires matching order
         for peer in sorted(set(sends) | set(recvs)):
             for t in sends.get(peer, ()):
-                ops.append(dist.P2POp(dist.isend, t, peer, group=self.group))
+                ops.append(dist.P2POp(dist.isend, t, peer, group=self.group, tag=tag))
             for t in recvs.get(peer, ()):
-                ops.append(dist.P2POp(dist.irecv, t, peer, group=self.group))
+                ops.append(dist.P2POp(dist.irecv, t, peer, group=self.group, tag=tag))
         if not ops:
             return Pending(())
         return Pending(dist.batch_isend_irecv(ops))

@@ -1,0 +1,28 @@
+"""Checksums of the messages of a switch, computed on both sides of the wire.
+
+An additive checksum over 64-bit words (bytes at unaligned ends): any single changed word
+or byte changes it, and it runs at memory bandwidth, because it is computed on every byte
+a switch moves while training is paused. Sender and receiver hold the same bytes at
+different addresses (a message may be a view into live storage), so the sum is of the
+bytes' values alone: the 8-byte words are those of the message, not of memory.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def checksum(t: torch.Tensor) -> int:
+    """Checksum of a contiguous tensor's bytes (wrapping 64-bit sum)."""
+    flat = t.reshape(-1).view(torch.uint8)
+    n = flat.numel()
+    n8 = n // 8 * 8
+    s = 0
+    if n8:
+        body = flat[:n8]
+        if body.data_ptr() % 8 == 0:
+            s += int(body.view(torch.int64).sum())
+        else:  # a view into storage at an unaligned offset: align a copy
+            s += int(body.clone().view(torch.int64).sum())
+    if n > n8:
+        s += int(flat[n8:].to(torch.int64).sum())
+    return s & 0xFFFFFFFFFFFFFFFF

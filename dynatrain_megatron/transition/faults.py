@@ -1,0 +1,69 @@
+"""Fault injection for switch tests: make a chosen rank fail at a chosen phase of a switch,
+corrupt one piece it receives, or arrive late at a transfer round.
+
+A `FaultPlan` is plain data handed to `switch_layout` (tests, or `DYNATRAIN_FAULTS` as JSON
+for a whole job); with none, every hook below is a no-op. Phases: "prepare" (after B is
+built, before the plan is agreed), "round" (inside transfer round `round`, after its
+exchange), "commit" (after the transfer, before the commit vote).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..vps.errors import DynatrainError
+
+log = logging.getLogger(__name__)
+
+PHASES = ("prepare", "round", "commit")
+
+
+class InjectedFault(DynatrainError):
+    """Raised by a `FaultPlan` on the rank and phase it names."""
+
+
+@dataclass(frozen=True, slots=True)
+class FaultPlan:
+    fail_rank: Optional[int] = None
+    fail_phase: Optional[str] = None
+    corrupt_rank: Optional[int] = None  # flips one byte of the first message it receives
+    delay_rank: Optional[int] = None
+    delay_seconds: float = 0.0
+    round: int = 0  # the round that "round" failures, corruption and delays apply to
+
+    def __post_init__(self) -> None:
+        if self.fail_phase is not None and self.fail_phase not in PHASES:
+            raise ValueError(f"fail_phase {self.fail_phase!r}: one of {PHASES}")
+        if (self.fail_rank is None) != (self.fail_phase is None):
+            raise ValueError("fail_rank and fail_phase go together")
+        if self.delay_seconds < 0 or self.round < 0:
+            raise ValueError("delay_seconds and round must be >= 0")
+
+    @classmethod
+    def from_env(cls) -> Optional["FaultPlan"]:
+        text = os.environ.get("DYNATRAIN_FAULTS")
+        return cls(**json.loads(text)) if text else None
+
+    def fail(self, rank: int, phase: str, round_index: int = 0) -> None:
+        if self.fail_rank == rank and self.fail_phase == phase and \
+                (phase != "round" or round_index == self.round):
+            log.warning("fault injection: rank %d fails in phase %s", rank, phase)
+            raise InjectedFault(f"injected failure of rank {rank} in phase {phase}")
+
+    def delay(self, rank: int, round_index: int) -> None:
+        if self.delay_rank == rank and round_index == self.round and self.delay_seconds:
+            log.warning("fault injection: rank %d sleeps %.1f s before round %d", rank,
+                        self.delay_seconds, round_index)
+            time.sleep(self.delay_seconds)
+
+    def corrupt(self, rank: int, round_index: int, received: Sequence[torch.Tensor]) -> None:
+        if self.corrupt_rank == rank and round_index == self.round and received:
+            b = received[0].view(-1).view(torch.uint8)
+            b[0] ^= 0xFF
+            log.warning("fault injection: rank %d corrupted a received piece", rank)
