@@ -1,4 +1,4 @@
-"""The `dynatrain` command: layout, plan, request, bench-switch."""
+"""The `dynatrain` command: layout, lost, plan, request, bench-switch."""
 from __future__ import annotations
 
 import argparse
@@ -52,6 +52,35 @@ def _layout_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lost_cmd(args: argparse.Namespace) -> int:
+    from .routing.recovery import lost_state
+    from .vps import Layout, ModelSpec
+    from .vps.distopt import resolve_bucket_size
+
+    spec = ModelSpec.from_yaml(args.model)
+    layout = Layout.parse(args.layout, args.world)
+    layout.check_model(spec)
+    dead = [int(x) for x in args.dead.split(",") if x.strip()]
+    bad = [d for d in dead if not 0 <= d < layout.world_size]
+    if bad:
+        raise DynatrainError(f"--dead {bad}: outside the world of {layout.world_size} ranks")
+    rep = lost_state(spec, layout, dead, bucket_size=resolve_bucket_size(
+        args.bucket_size, args.bucket_size is not None, layout.dp))
+    if args.json:
+        print(json.dumps(dict(dead=list(rep.dead), recoverable=rep.recoverable,
+                              weights_recoverable=rep.weights_recoverable,
+                              lost_elements=rep.lost_elements,
+                              lost=[dict(key=b.key, kind=b.kind, offsets=b.box.offsets,
+                                         shape=b.box.shape) for b in rep.lost])))
+    else:
+        print(rep.describe(limit=args.limit))
+        print("in memory: " + ("everything recoverable" if rep.recoverable else
+                               "weights recoverable, optimizer state lost: resume from the last "
+                               "checkpoint" if rep.weights_recoverable else
+                               "weights lost: resume from the last checkpoint"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dynatrain", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -65,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--all", action="store_true")
     lay.add_argument("--json", action="store_true")
     lay.set_defaults(func=_layout_cmd)
+    lost = sub.add_parser("lost", help="what would be lost if the given devices died")
+    lost.add_argument("--model", required=True, help="configs/models/NAME.yaml")
+    lost.add_argument("--layout", required=True)
+    lost.add_argument("--world", type=int, required=True)
+    lost.add_argument("--dead", required=True, help="comma-separated device ranks")
+    lost.add_argument("--bucket-size", type=int, default=None)
+    lost.add_argument("--limit", type=int, default=8, help="tensors named in the text")
+    lost.add_argument("--json", action="store_true")
+    lost.set_defaults(func=_lost_cmd)
     try:
         from .routing.plan_cli import add_plan_parser
     except ImportError:  # planner not available

@@ -1,0 +1,84 @@
+"""Recovery analysis (issue: Transactional switching, rank failures): exactly which state
+only the dead devices hold."""
+import pytest
+
+from dynatrain_megatron.routing.recovery import lost_state, subtract
+from dynatrain_megatron.vps import Layout, analytic_layout
+from dynatrain_megatron.vps.box import Box
+from dynatrain_megatron.vps.fragment import OPT_KINDS
+from dynatrain_megatron.vps.model_spec import ModelSpec
+from pathlib import Path
+
+SPEC = ModelSpec.from_yaml(Path(__file__).parent.parent / "configs/models/tiny-gpt.yaml")
+
+
+def test_subtract_partitions_the_difference():
+    a, b = Box((0, 0), (4, 6)), Box((1, 2), (2, 2))
+    parts = subtract(a, b)
+    assert sum(p.numel for p in parts) == a.numel - b.numel
+    for i, p in enumerate(parts):
+        assert p.intersect(b) is None
+        assert all(p.intersect(q) is None for q in parts[i + 1:])
+
+
+def test_dead_rank_with_dp_replica_loses_only_its_optimizer_shards():
+    lay = Layout.parse("tp2pp2dp2", 8)
+    rep = lost_state(SPEC, lay, [3])
+    assert rep.weights_recoverable and not rep.recoverable
+    assert rep.lost_elements["param"] == 0
+    assert rep.lost_elements == _oracle(lay, [3])
+    # all of it is rank 3's, and most of rank 3's optimizer shards (all but the shards of
+    # TP-replicated tensors such as norms, which its TP twin also holds)
+    mine = analytic_layout(SPEC, lay).fragments(3, OPT_KINDS)
+    assert all(any(f.key == b.key and f.kind == b.kind and f.box.contains(b.box) for f in mine)
+               for b in rep.lost)
+    assert 0.9 * sum(f.box.numel for f in mine) < sum(rep.lost_elements.values())
+    assert "the only copy of" in rep.describe()
+
+
+def _oracle(lay, dead):
+    """Element by element: covered by a dead device and by no surviving one."""
+    import numpy as np
+
+    an = analytic_layout(SPEC, lay)
+    shapes = {t.key: t.shape for t in an.logical_tensors}
+    live, gone = {}, {}
+    for r in range(lay.world_size):
+        for f in an.fragments(r):
+            m = (gone if r in dead else live).setdefault((f.kind, f.key),
+                                                         np.zeros(shapes[f.key], bool))
+            m[f.box.slices()] = True
+    out = {}
+    for (kind, key), m in gone.items():
+        other = live.get((kind, key), np.zeros_like(m))
+        out[kind] = out.get(kind, 0) + int((m & ~other).sum())
+    return out
+
+
+def test_both_dp_replicas_dead_loses_weights_too():
+    lay = Layout.parse("tp2pp2dp2", 8)
+    # dp replicas of the same (tp, pp) coordinates: rank 1 and rank 1 + tp (megatron order tp-dp-pp)
+    c1 = lay.coords(1)
+    twin = next(r for r in range(8) if r != 1 and (lay.coords(r).tp, lay.coords(r).pp) == (c1.tp, c1.pp))
+    rep = lost_state(SPEC, lay, [1, twin])
+    assert not rep.weights_recoverable
+    assert rep.lost_elements["param"] > 0
+    assert rep.lost_elements == _oracle(lay, [1, twin])
+
+
+def test_unknown_device_is_refused():
+    with pytest.raises(ValueError, match="not part of"):
+        lost_state(SPEC, Layout.parse("tp2pp2dp1", 4), [7])
+
+
+def test_cli_names_lost_tensors_and_refuses_unknown_devices(capsys):
+    from dynatrain_megatron.cli import main
+
+    model = str(Path(__file__).parent.parent / "configs/models/tiny-gpt.yaml")
+    assert main(["lost", "--model", model, "--layout", "tp2pp2dp2", "--world", "8",
+                 "--dead", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "the only copy of exp_avg" in out and "optimizer state lost" in out
+    assert main(["lost", "--model", model, "--layout", "tp2pp2dp1", "--world", "4",
+                 "--dead", "9"]) == 2
+    assert "outside the world of 4 ranks" in capsys.readouterr().err
