@@ -265,6 +265,9 @@ def hook_cases(root: str) -> dict:
                 if w.startswith("RAW:"):
                     Path(signal).write_text(w[4:])
                     os.chmod(signal, 0o600)
+                elif w.startswith("WW:"):  # a valid request anyone could have written
+                    write_request(signal, w[3:])
+                    os.chmod(signal, 0o666)
                 else:
                     write_request(signal, w)
             tr = hook.after_step(tr)
@@ -284,7 +287,8 @@ def hook_cases(root: str) -> dict:
     out["switch"]["ckpt_losses"] = ref["losses"]
 
     sig = os.path.join(root, "b.json")
-    losses, hook, layout = run(sig, {1: "RAW:{corrupt", 2: "tp2xx", 3: "tp8pp1"}, 5)
+    losses, hook, layout = run(sig, {1: "RAW:{corrupt", 2: "tp2xx", 3: "tp8pp1",
+                                     4: "WW:tp1pp2dp2"}, 5)
     out["rejects"] = dict(losses=losses, layout=layout, rejected=hook.rejected,
                           files=sorted(p.name for p in Path(root).glob("b.json.*")))
     tr = start_job(s, "tp2pp2dp1", train)

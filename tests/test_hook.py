@@ -29,10 +29,13 @@ def test_group_construction_is_not_in_the_pause(res):
 
 
 def test_bad_requests_are_rejected_and_training_goes_on(res):
+    """A corrupt file, a malformed layout, an impossible one, and a world-writable file."""
     r = res["rejects"]
     assert r["layout"] == "tp2pp2dp1"
-    assert r["files"] == ["b.json.rejected.0", "b.json.rejected.1", "b.json.rejected.2"]
+    assert r["files"] == ["b.json.rejected.0", "b.json.rejected.1", "b.json.rejected.2",
+                          "b.json.rejected.3"]
     assert "not valid JSON" in r["rejected"][0]
     assert "malformed layout" in r["rejected"][1]
     assert "tp*pp*cp = 8 does not divide world size 4" in r["rejected"][2]
+    assert "world-writable" in r["rejected"][3]  # a valid layout, but anyone could have sent it
     assert r["losses"] == r["plain_losses"]  # as if nothing had been requested

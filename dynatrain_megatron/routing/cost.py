@@ -9,8 +9,11 @@ Link model (stated, every parameter printed by `dynatrain plan`):
     for its bytes of a round (the *max* of the two links, not their sum);
   * a round takes its slowest device plus a fixed latency (launching one batched P2P
     exchange; default 50 us); rounds run one after the other;
-  * local copies run first, at a device-memory copy bandwidth (default 1000 GB/s), the
-    slowest device's copies setting the time.
+  * local copies run while the first round is on the wire (the executor posts round 0,
+    copies, then waits), at a device-memory copy bandwidth (default 1000 GB/s): a device's
+    round-0 time is the max of its copies and its links;
+  * every message is checksummed by its sender and its receiver (transactions): one pass
+    over each byte sent and received at the same memory bandwidth, after the wire.
   GB = 1e9 bytes throughout.
 
 Bandwidth lower bound: one round, no latency, no local copies, the same placement, any
@@ -114,13 +117,24 @@ def bandwidth_lower_bound(plan: Plan, links: LinkModel = LinkModel()) -> float:
                plan.stats.group_send_bound_bytes / (bi + be))
 
 
-def estimate(sched: Schedule, links: LinkModel = LinkModel()) -> CostEstimate:
+def estimate(sched: Schedule, links: LinkModel = LinkModel(), checksums: bool = True
+             ) -> CostEstimate:
     """Estimated time of a scheduled plan under the link model (module doc)."""
-    rounds = tuple(links.round_seconds(*tr) for tr in sched.round_traffic)
-    if not sched.plan.stats.moved_bytes:
-        rounds = ()
-    local = float(sched.plan.traffic.local.max(initial=0)) / (links.local_copy_gbps * GB)
-    return CostEstimate(local + sum(rounds), local, rounds,
+    mem = links.local_copy_gbps * GB
+    local_dev = np.asarray(sched.plan.traffic.local, dtype=float) / mem
+    rounds = []
+    if sched.plan.stats.moved_bytes:
+        for i, (si, se, ri, re) in enumerate(sched.round_traffic):
+            t = links.device_seconds(si, se, ri, re)
+            if i == 0 and local_dev.size == t.size:
+                t = np.maximum(t, local_dev)  # local copies overlap the first round
+            if checksums:
+                t = t + (np.asarray(si) + se + ri + re) / mem
+            rounds.append(float(t.max(initial=0.0)) + links.round_latency_s)
+    local = float(local_dev.max(initial=0.0))
+    total = sum(rounds) if rounds and local_dev.size == len(sched.round_traffic[0][0]) \
+        else local + sum(rounds)
+    return CostEstimate(total, local, tuple(rounds),
                         bandwidth_lower_bound(sched.plan, links), len(rounds),
                         sched.max_peak_staging)
 
