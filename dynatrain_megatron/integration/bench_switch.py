@@ -350,7 +350,7 @@ def bench_rank(cfg: dict) -> dict:
     g = out["link_gbps"]
     links = LinkModel(intra_node_gbps=g, inter_node_gbps=g,
                       round_latency_s=out["round_latency_seconds"],
-                      local_copy_gbps=out["memcpy_gbps"])
+                      local_copy_gbps=out["memcpy_gbps"], checksum_gbps=out["memcpy_gbps"])
     est = estimate(build_schedule(plan, budget, PACK_ALIGN), links)
     out.update(cost_model_seconds=est.total_seconds, cost_model_network_seconds=est.network_seconds,
                cost_model_local_copy_seconds=est.local_copy_seconds,

@@ -12,8 +12,9 @@ Link model (stated, every parameter printed by `dynatrain plan`):
   * local copies run while the first round is on the wire (the executor posts round 0,
     copies, then waits), at a device-memory copy bandwidth (default 1000 GB/s): a device's
     round-0 time is the max of its copies and its links;
-  * every message is checksummed by its sender and its receiver (transactions): one pass
-    over each byte sent and received at the same memory bandwidth, after the wire.
+  * every message is checksummed by its sender and its receiver (transactions): one
+    read pass over each byte sent and received (default 3000 GB/s: a reduction reading
+    HBM), added to the device's round time.
   GB = 1e9 bytes throughout.
 
 Bandwidth lower bound: one round, no latency, no local copies, the same placement, any
@@ -54,9 +55,10 @@ class LinkModel:
     inter_node_gbps: float = 50.0
     round_latency_s: float = 50e-6
     local_copy_gbps: float = 1000.0
+    checksum_gbps: float = 3000.0  # a read-only reduction pass over device memory
 
     def __post_init__(self) -> None:
-        for f in ("intra_node_gbps", "inter_node_gbps", "local_copy_gbps"):
+        for f in ("intra_node_gbps", "inter_node_gbps", "local_copy_gbps", "checksum_gbps"):
             if not getattr(self, f) > 0:
                 raise RoutingError(f"link model: {f} must be positive, got {getattr(self, f)}")
         if self.round_latency_s < 0:
@@ -129,7 +131,7 @@ def estimate(sched: Schedule, links: LinkModel = LinkModel(), checksums: bool = 
             if i == 0 and local_dev.size == t.size:
                 t = np.maximum(t, local_dev)  # local copies overlap the first round
             if checksums:
-                t = t + (np.asarray(si) + se + ri + re) / mem
+                t = t + (np.asarray(si) + se + ri + re) / (links.checksum_gbps * GB)
             rounds.append(float(t.max(initial=0.0)) + links.round_latency_s)
     local = float(local_dev.max(initial=0.0))
     total = sum(rounds) if rounds and local_dev.size == len(sched.round_traffic[0][0]) \

@@ -89,6 +89,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="fixed cost of one batched exchange, microseconds (50)")
     p.add_argument("--local-copy-gbps", type=float, default=1000.0,
                    help="device-memory copy bandwidth for local pieces, GB/s (1000)")
+    p.add_argument("--checksum-gbps", type=float, default=3000.0,
+                   help="bandwidth of the checksum pass over sent/received bytes, GB/s (3000)")
     p.add_argument("--storage-gbps", type=float, default=100.0,
                    help="aggregate storage bandwidth of the checkpoint path, GB/s (100)")
     p.add_argument("--restart-seconds", type=float, default=60.0,
@@ -296,7 +298,8 @@ def format_report(r: dict[str, Any]) -> str:
          f"link model              NVLink {p['intra_node_gbps']:g} GB/s, NIC "
          f"{p['inter_node_gbps']:g} GB/s per device and direction (links concurrent), "
          f"{p['round_latency_s'] * 1e6:g} us per round, local copies "
-         f"{p['local_copy_gbps']:g} GB/s"]
+         f"{p['local_copy_gbps']:g} GB/s (overlapping round 0), checksums "
+         f"{p['checksum_gbps']:g} GB/s"]
     return "\n".join(L)
 
 
@@ -311,7 +314,8 @@ def run_plan(args: argparse.Namespace) -> int:
         dst = _layout(c["dst"], c["world_to"] if c["world_to"] is not None
                       else (src.world_size if "dp" not in c["dst"].lower() else None), "to")
         links = LinkModel(args.intra_node_gbps, args.inter_node_gbps,
-                          args.round_latency_us * 1e-6, args.local_copy_gbps)
+                          args.round_latency_us * 1e-6, args.local_copy_gbps,
+                          args.checksum_gbps)
         ckpt = CheckpointModel(args.storage_gbps, args.restart_seconds)
         r = plan_report(spec, src, dst, kinds=c["kinds"], rpn=c["rpn"], budget=c["budget"],
                         bucket=c["bucket"], unit_size=args.unit_size,
