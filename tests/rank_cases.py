@@ -464,12 +464,21 @@ def _hook_scale(s, train, builder, la, lb, signal_dir: str, steps: int = 9) -> d
     return res
 
 
+def gather_layout_state(s: ModelSpec, tr):
+    """The full logical state of a trainer's layout, on the layout's first rank."""
+    from dynatrain_megatron.adapters.live import LiveState
+    from dynatrain_megatron.transition import gather as G
+
+    g = tr.objs.groups.pg_collection.intra_dist_opt
+    return G.gather_full_state(LiveState(tr.objs.model, tr.objs.optimizer,
+                                         tr.objs.groups.virtual_rank, s.vocab_size), s, g)
+
+
 def fault_cases(model: str, a: str, b: str, faults: list[dict], timeout: float,
                 steps_after: int = 3) -> list[dict]:
     """Per injected fault: train at A, attempt A -> B with the fault, then train on. Records
     whether the switch aborted (and why), the full state after the attempt against before,
     and the losses after it; `plain` is the same job that never attempted a switch."""
-    from dynatrain_megatron.adapters.live import LiveState
     from dynatrain_megatron.integration.builders import MegatronBuilder
     from dynatrain_megatron.integration.switching import switch_trainer
     from dynatrain_megatron.transition import gather as G
@@ -481,11 +490,6 @@ def fault_cases(model: str, a: str, b: str, faults: list[dict], timeout: float,
     builder = MegatronBuilder(s, train)
     world = dist.get_world_size()
 
-    def full(tr):
-        g = tr.objs.groups.pg_collection.intra_dist_opt
-        return G.gather_full_state(LiveState(tr.objs.model, tr.objs.optimizer,
-                                             tr.objs.groups.virtual_rank, s.vocab_size), s, g)
-
     tr = start_job(s, a, train)
     plain = [tr.step().loss for _ in range(2 + steps_after)]
     release(tr.objs)
@@ -494,12 +498,12 @@ def fault_cases(model: str, a: str, b: str, faults: list[dict], timeout: float,
         tr = start_job(s, a, train)
         for _ in range(2):
             tr.step()
-        before = full(tr)
+        before = gather_layout_state(s, tr)
         groups_before = len(dist.distributed_c10d._world.pg_map)
         tr, res = switch_trainer(tr, builder, tr.objs.layout, tr.objs.groups.placement,
                                  Layout.parse(b, world), ranks_per_node=4, timeout=timeout,
                                  faults=FaultPlan(**spec_))
-        after = full(tr)
+        after = gather_layout_state(s, tr)
         rec = dict(fault=spec_, aborted=res.aborted, layout=str(tr.objs.layout),
                    diff=None if before is None else G.states_equal(before, after),
                    groups_leaked=len(dist.distributed_c10d._world.pg_map) - groups_before,
@@ -518,7 +522,6 @@ def repeated_switch_case(model: str, layouts: list[str], n: int) -> dict:
 
     import psutil
 
-    from dynatrain_megatron.adapters.live import LiveState
     from dynatrain_megatron.integration.builders import MegatronBuilder
     from dynatrain_megatron.integration.switching import switch_trainer
     from dynatrain_megatron.transition import gather as G
@@ -529,15 +532,10 @@ def repeated_switch_case(model: str, layouts: list[str], n: int) -> dict:
     builder = MegatronBuilder(s, train)
     world = dist.get_world_size()
 
-    def full(tr):
-        g = tr.objs.groups.pg_collection.intra_dist_opt
-        return G.gather_full_state(LiveState(tr.objs.model, tr.objs.optimizer,
-                                             tr.objs.groups.virtual_rank, s.vocab_size), s, g)
-
     tr = start_job(s, layouts[0], train)
     for _ in range(2):
         tr.step()
-    start = full(tr)
+    start = gather_layout_state(s, tr)
     proc = psutil.Process()
     rss, groups = [], []
     for i in range(n):
@@ -551,7 +549,7 @@ def repeated_switch_case(model: str, layouts: list[str], n: int) -> dict:
     while str(tr.objs.layout) != str(Layout.parse(layouts[0], world)):
         tr, _ = switch_trainer(tr, builder, tr.objs.layout, tr.objs.groups.placement,
                                Layout.parse(layouts[0], world), ranks_per_node=4)
-    end = full(tr)
+    end = gather_layout_state(s, tr)
     release(tr.objs)
     gc.collect()
     return dict(rss=rss, groups=groups, diff=None if start is None else G.states_equal(start, end))
