@@ -254,9 +254,10 @@ def hook_cases(root: str) -> dict:
     train = switch_train_config()
     out: dict = {}
 
-    def run(signal: str, writes: dict, steps: int):
+    def run(signal: str, writes: dict, steps: int, background: bool = True):
         tr = start_job(s, "tp2pp2dp1", train)
-        hook = DynatrainHook(s, train, Controller(s, signal), ranks_per_node=4)
+        hook = DynatrainHook(s, train, Controller(s, signal), ranks_per_node=4,
+                             background_groups=background)
         losses = []
         for _ in range(steps):
             losses.append(tr.step().loss)
@@ -285,6 +286,14 @@ def hook_cases(root: str) -> dict:
     ref = checkpoint_path_case("tiny-gpt", "tp2pp2dp1", "tp1pp2dp2", os.path.join(root, "ck"),
                                steps_before=3, steps_after=3)
     out["switch"]["ckpt_losses"] = ref["losses"]
+
+    # the same request with the groups built inside the switch (the classic way), side by side
+    losses, hook, layout = run(os.path.join(root, "c.json"), {2: "tp1pp2dp2"}, 4, background=False)
+    h = hook.history[0] if hook.history else None
+    out["sync"] = dict(layout=layout, iteration=h.iteration if h else None,
+                       groups_in_pause=h.groups_in_pause if h else None,
+                       groups_s=h.groups_s if h else None, pause=h.pause_s if h else None,
+                       phases=h.phases if h else None)
 
     sig = os.path.join(root, "b.json")
     losses, hook, layout = run(sig, {1: "RAW:{corrupt", 2: "tp2xx", 3: "tp8pp1",

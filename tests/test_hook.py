@@ -26,6 +26,14 @@ def test_group_construction_is_not_in_the_pause(res):
     r = res["switch"]
     assert r["groups_bg"] > 0  # groups were built, before the switch started
     assert r["groups_in_pause"] < 1e-3  # ... and not inside it
+    # side by side in the same run: the classic way pays the construction in its pause
+    sync = res["sync"]
+    assert sync["layout"] == "tp1pp2dp2" and sync["iteration"] == 2  # no wait for groups
+    assert sync["groups_in_pause"] and sync["phases"]["groups"] == round(sync["groups_s"], 4)
+    assert sync["pause"] >= sync["groups_s"] > 0
+    print(f"pause with groups in the background {r['pause']:.3f} s (groups {r['groups_bg']:.3f} s "
+          f"before it); with groups inside {sync['pause']:.3f} s (of which groups "
+          f"{sync['groups_s']:.3f} s)")
 
 
 def test_bad_requests_are_rejected_and_training_goes_on(res):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..elastic.controller import Controller, Decision, load_schedule
 from ..elastic.device_manager import DeviceManager
+from ..elastic.groups import build_groups
 from ..transition.switch import choose_dst_placement
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
@@ -45,8 +46,9 @@ class SwitchRecord:
     bytes_moved: int
     lower_bound_bytes: int
     pause_s: float
-    groups_s: float  # built in the background, not part of the pause
+    groups_s: float  # building the new layout's groups
     phases: dict = field(default_factory=dict)
+    groups_in_pause: bool = False  # True only with background_groups=False (comparison)
 
 
 class DynatrainHook:
@@ -68,6 +70,7 @@ class DynatrainHook:
         self.layout_placement: Optional[Placement] = None
         self.stopped = False
         self.failed: list[str] = []  # reasons of switches that were rolled back
+        self._sync_target: Optional[tuple[Layout, Placement]] = None
         self.timeout = timeout
         self.history: list[SwitchRecord] = []
         self.rejected: list[str] = []
@@ -105,6 +108,8 @@ class DynatrainHook:
             return trainer
         self._on_decision(self.controller.poll(trainer.iteration, self.layout.world_size),
                           trainer.iteration)
+        if self._sync_target is not None:
+            return self._switch(trainer)
         return trainer
 
     def standby(self) -> Optional[Trainer]:
@@ -123,6 +128,10 @@ class DynatrainHook:
                 self.stopped = True
                 return None
             self._on_decision(d, None)
+            if self._sync_target is not None:
+                trainer = self._switch(None)
+                if trainer is not None:
+                    return trainer
 
     def _on_decision(self, d: Decision, iteration: Optional[int]) -> None:
         if d.rejected:
@@ -139,16 +148,30 @@ class DynatrainHook:
                                          dst, tuple(range(dst.world_size)), self.placement,
                                          self.ranks_per_node)
         self.decision = d
+        if not self.background_groups:
+            log.info("iteration %s: switch %s (%d ranks) -> %s (%d ranks) requested; groups "
+                     "built inside the switch", iteration, src, src.world_size, dst,
+                     dst.world_size)
+            self._sync_target = (dst, placement)
+            return
         log.info("iteration %s: switch %s (%d ranks) -> %s (%d ranks) requested; building "
                  "groups in the background", iteration, src, src.world_size, dst,
                  dst.world_size)
-        self.devices.prepare(dst, placement, background=self.background_groups)
+        self.devices.prepare(dst, placement, background=True)
 
     def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
         src, src_placement = self.layout, self.layout_placement
-        dst, dst_placement = self.devices.target
-        groups = self.devices.take()
         t0 = time.perf_counter()
+        if self._sync_target is not None:
+            # the classic way, for comparison: the new groups are part of the pause
+            (dst, dst_placement), self._sync_target = self._sync_target, None
+            groups = build_groups(dst, dst_placement)
+            groups_s = time.perf_counter() - t0
+        else:
+            dst, dst_placement = self.devices.target
+            groups = self.devices.take()
+            groups_s = self.devices.build_seconds
+            t0 = time.perf_counter()
         try:
             trainer, res = switch_trainer(trainer, self.builder, src, src_placement,
                                           dst, dst_devices=dst_placement.devices,
@@ -170,17 +193,20 @@ class DynatrainHook:
                      src, dst)
             return None
         r = res.report
+        phases = {k: round(v, 4) for k, v in r.phases.items()}
+        if not self.background_groups:
+            phases["groups"] = round(groups_s, 4)
         rec = SwitchRecord(trainer.iteration, str(src), str(dst), r.placement, r.bytes_moved,
-                           r.lower_bound_bytes, pause, self.devices.build_seconds,
-                           {k: round(v, 4) for k, v in r.phases.items()})
+                           r.lower_bound_bytes, pause, groups_s, phases,
+                           groups_in_pause=not self.background_groups)
         self.history.append(rec)
         self.controller.done(self.decision, "applied", f"switched at iteration {trainer.iteration}")
         log.info("iteration %d: switched %s -> %s (placement %s): %.2f MB moved (lower bound "
                  "%.2f MB), pause %.3f s [bind %.3f, plan %.3f, transfer %.3f, rebuild %.3f], "
-                 "groups %.3f s in the background", trainer.iteration, src, dst, r.placement,
+                 "groups %.3f s %s", trainer.iteration, src, dst, r.placement,
                  r.bytes_moved / 1e6, r.lower_bound_bytes / 1e6, pause, r.phases.get("bind", 0),
                  r.phases.get("plan", 0), r.phases.get("transfer", 0), r.phases.get("rebuild", 0),
-                 self.devices.build_seconds)
+                 groups_s, "inside the pause" if rec.groups_in_pause else "in the background")
         if self.log_dir and dist.get_rank() == 0:
             os.makedirs(self.log_dir, exist_ok=True)
             with open(os.path.join(self.log_dir, "switches.jsonl"), "a") as f:

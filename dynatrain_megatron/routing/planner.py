@@ -282,6 +282,59 @@ def geometry(spec: ModelSpec, src_layout: Layout, dst_layout: Layout,
                     a["r1"][order], a["c0"][order], a["c1"][order], tuple(need))
 
 
+_SPLIT = 48  # a replicated set pair is cut into parts of ~1/_SPLIT of a device's B state
+_MAX_PARTS = 64
+
+
+def refined(geom: Geometry) -> Geometry:
+    """`geom` with every set pair of several source holders cut into parts (memoised).
+
+    A set pair's rows are the planner's unit of source choice; when a row is a large
+    share of a device's traffic (e.g. a whole pipeline stage of TP-replicated weights),
+    no choice of one source per row balances the senders (33 receivers of a 2 GB row and
+    32 holders: one holder sends 4 GB whatever the choice). Cutting the set pair at region
+    pair boundaries into parts of about `1/_SPLIT` of a device's average layout-B state
+    (at most `_MAX_PARTS`, at most one per region pair) lets different holders serve
+    different parts of one destination. Pieces are unchanged (a part is a run of whole
+    region pairs), so are the bytes moved and the local copies; only set pairs with more
+    than one holder are cut (a single holder has no choice to balance). Placement
+    independent: `plan_for` uses it for every placement of the same geometry."""
+    got = geom._cache.get("refined")
+    if got is not None:
+        return got
+    s_n = np.diff(geom.all_members("src")[0])
+    vb = (geom.p_numel * geom.p_bytes_per_element()).astype(np.float64)
+    per = np.array([sum(geom.itemsize[k] for k in ks) for ks in geom.class_kinds], np.float64)
+    avg = np.maximum(np.asarray(geom.need_numel, np.float64) * per
+                     / max(geom.dst_layout.world_size, 1), 1.0)[geom.p_cls]
+    npairs = geom.p_npairs()
+    k = np.where(s_n > 1, np.minimum(np.minimum(np.ceil(vb * _SPLIT / avg), _MAX_PARTS),
+                                     npairs), 1).astype(np.int64)
+    if not len(k) or k.max(initial=1) <= 1:
+        geom._cache["refined"] = geom
+        return geom
+    nrp = len(geom.rp_key)
+    sp = np.repeat(np.arange(geom.num_set_pairs), npairs)
+    n = (geom.rp_r1 - geom.rp_r0) * (geom.rp_c1 - geom.rp_c0)
+    cum = np.cumsum(n) - n  # elements before each region pair ...
+    cum = cum - np.repeat(cum[geom.p_off[:-1]], npairs)  # ... inside its set pair
+    part = ((2 * cum + n) * k[sp]) // (2 * geom.p_numel[sp])
+    start = np.ones(nrp, bool)
+    if nrp:
+        start[1:] = (sp[1:] != sp[:-1]) | (part[1:] != part[:-1])
+    first = np.flatnonzero(start)
+    parent = sp[first]
+    numel = np.add.reduceat(n, first) if len(first) else np.zeros(0, np.int64)
+    out = Geometry(geom.spec, geom.src_layout, geom.dst_layout, geom.kinds, geom.bucket_src,
+                   geom.bucket_dst, geom.kidx, geom.classes, geom.src_tables,
+                   geom.dst_tables, geom.class_kinds, geom.itemsize, geom.p_cls[parent],
+                   geom.p_sa[parent], geom.p_sb[parent], numel.astype(np.int64),
+                   np.append(first, nrp).astype(np.int64), geom.rp_key, geom.rp_r0,
+                   geom.rp_r1, geom.rp_c0, geom.rp_c1, geom.need_numel)
+    geom._cache["refined"] = out
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # devices: local copies and source choice (vectorised)
 # ---------------------------------------------------------------------------------------
@@ -299,17 +352,143 @@ def _group_rank(keys: np.ndarray) -> np.ndarray:
     return out
 
 
-def _water_fill(load: np.ndarray, v: int, m: int) -> np.ndarray:
-    """Holder index of each of `m` items of size `v`, as the greedy "next item to the
-    least loaded holder (ties: lowest index)" would give, computed at once: the items go
-    to the m smallest values of load[i] + j*v over holders i and counts j."""
-    n = len(load)
-    if v <= 0:
-        return np.arange(m) % n
-    jmax = min(m, -(-m // n) + int((load.max() - load.min()) // v) + 1)
-    lv = load[:, None] + v * np.arange(jmax)[None, :]
-    flat = np.lexsort((np.repeat(np.arange(n), jmax), lv.ravel()))[:m]
-    return flat // jmax
+def _link_weights() -> tuple[int, int, int]:
+    """Integer time weights per byte of (NVLink, NIC, local copy), proportional to
+    1 / bandwidth of the default `cost.LinkModel` (integers: every rank compares the same
+    exact numbers)."""
+    from .cost import LinkModel
+    lm = LinkModel()
+    k = 9000.0
+    return tuple(max(1, int(round(k / g))) for g in
+                 (lm.intra_node_gbps, lm.inter_node_gbps, lm.local_copy_gbps))
+
+
+_MAX_ITER = 400  # rebalancing passes (each moves many rows at once; stops when stuck)
+_FOCUS = 0.9  # rebalancing considers rows touching devices within 10% of the slowest
+
+
+def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, local):
+    """Min-max local search over the source choice of the rows of several holders.
+
+    Device time (the cost model's, in integer units): t_d = max(max(send_intra,
+    recv_intra) * w_nvlink, max(send_inter, recv_inter) * w_nic, local_copies * w_copy).
+    A *move* re-sources one row (set pair part, destination d) from its holder h to another
+    holder h2 of the same set: the best holder on d's node (NVLink) or the best off it
+    (NIC), by the time it would have after taking the row. A move is *improving* when it
+    lowers max(t_h, t_h2, t_d) strictly; each pass applies, at once, the improving moves
+    that touch the slowest devices first and share no device (a move is taken when it
+    has the best priority at each of its three devices), then recomputes the times. Every
+    applied move lowers the sorted vector of device times lexicographically, so the search
+    terminates; it stops when no row touching a device within `1 - _FOCUS` of the slowest
+    can improve (or after `_MAX_ITER` passes). Deterministic: integer loads, stable sorts.
+    Returns the updated `idx` (positions into the holder arrays)."""
+    wi, we, wl = _link_weights()
+    v = vb[p_r].astype(np.int64)
+    dn = d_r // rpn
+    idx = idx.copy()
+    src = sdev[idx]
+    inter = (snode[idx] != dn).astype(np.int64)
+    S = np.zeros((2, M), np.int64)
+    R = np.zeros((2, M), np.int64)
+    np.add.at(S, (inter, src), v)
+    np.add.at(R, (inter, d_r), v)
+    floor = local.astype(np.int64) * wl
+    mv = np.flatnonzero(g_of_p[p_r] >= 0)
+    if not len(mv):
+        return idx
+    # holders of every source set (one representative set pair per set), by (node, dev)
+    G = int(g_of_p.max()) + 1
+    rep = np.full(G, -1, np.int64)
+    ps_multi = np.flatnonzero(g_of_p >= 0)
+    rep[g_of_p[ps_multi[::-1]]] = ps_multi[::-1]  # first set pair of each set
+    gn = s_off[rep + 1] - s_off[rep]
+    goff = np.zeros(G + 1, np.int64)
+    np.cumsum(gn, out=goff[1:])
+    hpos = np.repeat(s_off[rep] - goff[:-1], gn) + np.arange(int(goff[-1]))
+    hg, hdev, hnode = np.repeat(np.arange(G), gn), sdev[hpos], snode[hpos]
+    vg = np.zeros(G, np.int64)
+    np.maximum.at(vg, g_of_p[ps_multi], vb[ps_multi].astype(np.int64))
+    NN = M // rpn + 1
+    hkey = hg * NN + hnode  # sorted (holders sorted by node inside a set)
+    ukey, ustart = np.unique(hkey, return_index=True)
+    big = np.iinfo(np.int64).max
+    for _ in range(_MAX_ITER):
+        T = np.maximum(np.maximum(np.maximum(S[0], R[0]) * wi, np.maximum(S[1], R[1]) * we),
+                       floor)
+        tmax = int(T.max(initial=0))
+        if tmax == 0:
+            break
+        m = mv[np.maximum(T[src[mv]], T[d_r[mv]]) * 10 >= tmax * int(_FOCUS * 10)]
+        if not len(m):
+            break
+        # best holder of each set on each node (NVLink) and best two nodes (NIC)
+        ci = np.maximum(T[hdev], (S[0, hdev] + vg[hg]) * wi)
+        ce = np.maximum(T[hdev], (S[1, hdev] + vg[hg]) * we)
+        oi = np.lexsort((hdev, ci, hkey))
+        best_i = oi[np.searchsorted(hkey[oi], ukey)]  # per (set, node)
+        oe = np.lexsort((hdev, ce, hg))
+        b1 = oe[goff[:-1]]
+        ok2 = hnode[oe] != hnode[b1][hg[oe]]
+        oe2 = oe[ok2]
+        g2 = hg[oe2]
+        has2 = np.zeros(G, bool)
+        has2[g2] = True
+        b2 = np.full(G, -1, np.int64)
+        b2[g2[::-1]] = oe2[::-1]
+        g = g_of_p[p_r[m]]
+        node = dn[m]
+        cand_e = np.where(hnode[b1[g]] != node, b1[g], np.where(has2[g], b2[g], -1))
+        q = g * NN + node
+        j = np.minimum(np.searchsorted(ukey, q), len(ukey) - 1)
+        cand_i = np.where(same_ok[m] & (ukey[j] == q), best_i[j], -1)
+        h, d, vm, t = src[m], d_r[m], v[m], inter[m]
+        best_new = np.full(len(m), big, np.int64)
+        best_c = np.full(len(m), -1, np.int64)
+        old3 = None
+        for cand in (cand_i, cand_e):
+            ok = cand >= 0
+            c = np.where(ok, cand, 0)
+            h2 = hdev[c]
+            t2 = (hnode[c] != node).astype(np.int64)
+            ok &= h2 != h
+            # new times of h (loses the row), h2 (takes it), d (its link may change)
+            sh = S[:, h] - vm * np.stack([1 - t, t])
+            nh = np.maximum(np.maximum(np.maximum(sh[0], R[0, h]) * wi,
+                                       np.maximum(sh[1], R[1, h]) * we), floor[h])
+            s2 = S[:, h2] + vm * np.stack([1 - t2, t2])
+            n2 = np.maximum(np.maximum(np.maximum(s2[0], R[0, h2]) * wi,
+                                       np.maximum(s2[1], R[1, h2]) * we), floor[h2])
+            rd = R[:, d] + vm * (np.stack([1 - t2, t2]) - np.stack([1 - t, t]))
+            nd = np.maximum(np.maximum(np.maximum(S[0, d], rd[0]) * wi,
+                                       np.maximum(S[1, d], rd[1]) * we), floor[d])
+            new3 = np.maximum(np.maximum(nh, n2), nd)
+            o3 = np.maximum(np.maximum(T[h], T[h2]), T[d])
+            old3 = o3 if old3 is None else np.where(best_c >= 0, old3, o3)
+            better = ok & (new3 < o3) & (new3 < best_new)
+            best_new = np.where(better, new3, best_new)
+            best_c = np.where(better, c, best_c)
+            old3 = np.where(better, o3, old3)
+        imp = np.flatnonzero(best_c >= 0)
+        if not len(imp):
+            break
+        r, c = m[imp], best_c[imp]
+        o3, gain = old3[imp], old3[imp] - best_new[imp]
+        h, h2, d = src[r], hdev[c], d_r[r]
+        rank = np.empty(len(r), np.int64)
+        rank[np.lexsort((r, -gain, -o3))] = np.arange(len(r))
+        mr = np.full(M, big, np.int64)
+        for dev in (h, h2, d):
+            np.minimum.at(mr, dev, rank)
+        sel = (mr[h] == rank) & (mr[h2] == rank) & (mr[d] == rank)
+        r, c, h, h2, d = r[sel], c[sel], h[sel], h2[sel], d[sel]
+        t, t2, vr = inter[r], (hnode[c] != dn[r]).astype(np.int64), v[r]
+        np.subtract.at(S, (t, h), vr)
+        np.add.at(S, (t2, h2), vr)
+        np.subtract.at(R, (t, d), vr)
+        np.add.at(R, (t2, d), vr)
+        idx[r] = s_off[p_r[r]] + (hpos[c] - s_off[rep[hg[c]]])
+        src[r], inter[r] = h2, t2
+    return idx
 
 
 def assign(geom: Geometry, dev_a: np.ndarray, dev_b: np.ndarray, rpn: int):
@@ -341,41 +520,24 @@ def assign(geom: Geometry, dev_a: np.ndarray, dev_b: np.ndarray, rpn: int):
     lo = np.searchsorted(kn, qn, "left")
     hi = np.searchsorted(kn, qn, "right")
     same = hi > lo
-    # forced sources (one holder) first; they set the starting loads
-    idx = np.where(s_n[p_r] == 1, s_off[p_r], -1)
     vb = geom.p_numel * geom.p_bytes_per_element()
-    load = np.zeros((2, M), np.int64)  # [0]: intra-node sends, [1]: inter-node sends
-    f = idx >= 0
-    np.add.at(load, ((snode[idx[f]] != d_r[f] // rpn).astype(np.int64), sdev[idx[f]]),
-              vb[p_r[f]])
-    # several holders: set pairs by decreasing bytes, each spreads its receivers over its
-    # holders in increasing order of their current load (same node first, as NVLink is
-    # ~10x the NIC): a longest-processing-time greedy, vectorised inside a set pair
-    multi = np.flatnonzero(s_n > 1)
-    if len(multi):
-        rows_of = np.argsort(p_r, kind="stable")
-        bounds = np.searchsorted(p_r[rows_of], np.arange(nP + 1))
-        for p in multi[np.lexsort((multi, -vb[multi]))]:
-            rr = rows_of[bounds[p]:bounds[p + 1]]
-            if not len(rr):
-                continue
-            a, b = s_off[p], s_off[p + 1]
-            sd, sn = sdev[a:b], snode[a:b]
-            sm = same[rr]
-            if sm.any():  # receivers with holders on their node: least loaded of those
-                r2 = rr[sm]
-                o = np.lexsort((sd, load[0, sd], sn))  # by node, then load
-                nodes = d_r[r2] // rpn
-                l2 = np.searchsorted(sn[o], nodes, "left")
-                c2 = np.searchsorted(sn[o], nodes, "right") - l2
-                pick = a + o[l2 + _group_rank(nodes) % c2]
-                idx[r2] = pick
-                np.add.at(load[0], sdev[pick], vb[p])
-            r3 = rr[~sm]
-            if len(r3):  # the others: one at a time to the least NIC-loaded holder
-                pick = a + _water_fill(load[1, sd], int(vb[p]), len(r3))
-                idx[r3] = pick
-                np.add.at(load[1], sdev[pick], vb[p])
+    # start: a holder on the destination's node when there is one (NVLink is ~10x the
+    # NIC), else any holder; round-robin over the holders of each source set (on that
+    # node), in row order, so that the parts of one set spread over its members
+    nsa = int(geom.p_sa.max(initial=0)) + 1
+    gkey = geom.p_cls * nsa + geom.p_sa
+    g_of_p = np.unique(gkey, return_inverse=True)[1].ravel()
+    g_r = g_of_p[p_r]
+    cnt = np.where(same, hi - lo, s_n[p_r])
+    base = np.where(same, lo, s_off[p_r])
+    turn = _group_rank(np.where(same, (g_r * NN + d_r // rpn) * 2, g_r * 2 * NN + 1))
+    idx = base + turn % np.maximum(cnt, 1)
+    # then a min-max local search over the rows of several holders
+    ldev = np.bincount(rdst[local], weights=vb[rp[local]], minlength=M)
+    mp = s_n > 1  # sets of several holders, numbered 0.. for the local search
+    multi = np.full(nP, -1, np.int64)
+    multi[mp] = np.unique(gkey[mp], return_inverse=True)[1].ravel()
+    idx = _rebalance(p_r, d_r, idx, s_off, sdev, snode, multi, same, vb, rpn, M, ldev)
     rsrc = rdst.copy()
     rsrc[rem] = sdev[idx]
     forced = np.zeros(len(rp), bool)
@@ -494,6 +656,7 @@ def plan_for(geom: Geometry, pa: Placement, pb: Placement, rpn: int) -> Plan:
     """The plan of a (cached) geometry under placements `pa`, `pb`."""
     dev_a = np.asarray(pa.devices, np.int64)
     dev_b = np.asarray(pb.devices, np.int64)
+    geom = refined(geom)
     rp, rdst, rsrc, forced, no_same = assign(geom, dev_a, dev_b, rpn)
     stats, tr = _stats(geom, rp, rdst, rsrc, forced, no_same, rpn, pa, pb)
     if stats.moved_bytes != stats.lower_bound_bytes:  # pragma: no cover - invariant
