@@ -63,3 +63,27 @@ def test_request_cli_writes_and_rejects_malformed(tmp_path, capsys):
     assert cli(["request", "--signal-file", str(tmp_path / "t.json"), "--layout", "tpX"]) == 2
     assert "malformed layout" in capsys.readouterr().err
     assert not (tmp_path / "t.json").exists()
+
+
+def test_device_count_requests_within_the_processes_only(tmp_path, monkeypatch):
+    """A request may name fewer ranks (scale-in) or more up to the processes the job has
+    (scale-out onto standby ranks); never more; and none where the loop cannot (Megatron-LM)."""
+    from pathlib import Path
+
+    from dynatrain_megatron.elastic import controller as C
+    from dynatrain_megatron.vps.model_spec import ModelSpec
+
+    monkeypatch.setattr(C.dist, "get_world_size", lambda *a: 8)
+    spec = ModelSpec.from_yaml(Path(__file__).parent.parent / "configs/models/tiny-gpt.yaml")
+    path = str(tmp_path / "s.json")
+    ctl = C.Controller(spec, path)
+    write_request(path, "tp2pp2dp1", 4)
+    d = ctl._decide_on_rank0(1, 8)
+    assert (d.target, d.world, d.rejected) == ("tp2pp2dp1", 4, None)
+    write_request(path, "tp2pp2dp4", 16)
+    d = ctl._decide_on_rank0(1, 8)
+    assert d.target is None and "more need a relaunch with more processes" in d.rejected
+    ctl.allow_device_count_change = False
+    write_request(path, "tp2pp2dp1", 4)
+    d = ctl._decide_on_rank0(1, 8)
+    assert d.target is None and "cannot change its device count" in d.rejected

@@ -59,6 +59,9 @@ class Controller:
         self.poll_interval = max(1, poll_interval)
         self.schedule = list(schedule or [])
         self.extra_check = extra_check
+        # False where the training loop cannot put ranks on standby (Megatron-LM's own loop):
+        # a request for another device count is then refused up front
+        self.allow_device_count_change = True
 
     def validate(self, text: str, world: int) -> Layout:
         layout = Layout.parse(text, world)
@@ -88,6 +91,9 @@ class Controller:
         target_world = req.world or world
         processes = dist.get_world_size()
         try:
+            if target_world != world and not self.allow_device_count_change:
+                raise DynatrainError(f"request for {target_world} ranks: this job's loop cannot "
+                                     f"change its device count (it has {world})")
             if target_world > processes:
                 raise DynatrainError(f"request for {target_world} ranks, the job has {processes} "
                                      f"processes ({world} training, {processes - world} on "

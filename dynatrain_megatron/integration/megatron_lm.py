@@ -513,6 +513,8 @@ class MegatronLMSession:
         self.trainer = Trainer(self.spec, self.train, objs,
                                consumed_samples=_get(args, "consumed_train_samples", 0))
         self.hook = DynatrainHook.from_args(args, self.spec, self.train)
+        # Megatron-LM's loop has no standby path: refuse device-count changes before any move
+        self.hook.controller.allow_device_count_change = False
         self.test_data_iterator: Any = None
         self.latest: Optional[LoopObjects] = None
         log.info("dynatrain: wrapping Megatron-LM's %s job (%s); switches are polled every %d "
