@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..transition.transport import collective_device
 from ..vps.layout import Layout
 from ..vps.placement import Placement
 from .groups import ParallelGroups, build_groups
@@ -59,7 +60,7 @@ class DeviceManager:
     def ready(self) -> bool:
         """Collective: True when the groups are built on every rank."""
         done = self._thread is None or not self._thread.is_alive()
-        flag = torch.tensor([1 if done else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if done else 0], dtype=torch.int32, device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 

@@ -38,18 +38,20 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..transition.transport import collective_device
+
 MB = 1 << 20
 
 
 # ---------------------------------------------------------------------------- rank helpers
 def _max(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
+    t = torch.tensor([x], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t[0])
 
 
 def _sum(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
+    t = torch.tensor([x], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return float(t[0])
 

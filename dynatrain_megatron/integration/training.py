@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..transition.transport import collective_device
 from ..vps.model_spec import ModelSpec
 from .builders import TrainingObjects
 from .data import SyntheticGPTData, iterators_for_chunks
@@ -142,7 +143,7 @@ class Trainer:
     def _global_loss(self, losses: list[dict[str, Any]]) -> float:
         """Mean loss over the global batch, identical on every rank (one small all-reduce)."""
         L = self.objs.layout
-        t = torch.zeros(1, dtype=torch.float64)
+        t = torch.zeros(1, dtype=torch.float64, device=collective_device(self._world))
         c = self.objs.groups.coords()
         if c.pp == L.pp - 1 and c.tp == 0 and c.cp == 0 and losses:
             # every DP rank of the last stage contributes its micro-batch mean; one TP rank

@@ -363,8 +363,21 @@ def _link_weights() -> tuple[int, int, int]:
                  (lm.intra_node_gbps, lm.inter_node_gbps, lm.local_copy_gbps))
 
 
+_DBG = []
 _MAX_ITER = 400  # rebalancing passes (each moves many rows at once; stops when stuck)
-_FOCUS = 0.9  # rebalancing considers rows touching devices within 10% of the slowest
+_BAND = 64  # a pass re-sources rows of the devices within 1/_BAND of the slowest
+
+
+def _sorted3(a, b, c):
+    """Element-wise (largest, middle, smallest) of three integer arrays."""
+    hi = np.maximum(np.maximum(a, b), c)
+    lo = np.minimum(np.minimum(a, b), c)
+    return hi, a + b + c - hi - lo, lo
+
+
+def _lex_less(x, y):
+    """Element-wise: is the triple x lexicographically smaller than y?"""
+    return (x[0] < y[0]) | ((x[0] == y[0]) & ((x[1] < y[1]) | ((x[1] == y[1]) & (x[2] < y[2]))))
 
 
 def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, local):
@@ -418,7 +431,7 @@ def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, l
         tmax = int(T.max(initial=0))
         if tmax == 0:
             break
-        m = mv[np.maximum(T[src[mv]], T[d_r[mv]]) * 10 >= tmax * int(_FOCUS * 10)]
+        m = mv[np.maximum(T[src[mv]], T[d_r[mv]]) >= tmax - tmax // _BAND]
         if not len(m):
             break
         # best holder of each set on each node (NVLink) and best two nodes (NIC)
@@ -437,14 +450,18 @@ def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, l
         b2[g2[::-1]] = oe2[::-1]
         g = g_of_p[p_r[m]]
         node = dn[m]
-        cand_e = np.where(hnode[b1[g]] != node, b1[g], np.where(has2[g], b2[g], -1))
+        # holders tied for the best NIC candidate take turns (symmetric layouts: many)
+        ntie = np.searchsorted(hg[oe] * (big // 2 // max(G, 1)) + ce[oe].clip(0, big // 2 // max(G, 1) - 1),
+                               np.arange(G) * (big // 2 // max(G, 1)) + ce[b1], "right") - goff[:-1]
+        first = oe[goff[:-1][g] + _group_rank(g) % ntie[g]]
+        cand_e = np.where(hnode[first] != node, first, np.where(has2[g], b2[g], -1))
         q = g * NN + node
         j = np.minimum(np.searchsorted(ukey, q), len(ukey) - 1)
         cand_i = np.where(same_ok[m] & (ukey[j] == q), best_i[j], -1)
         h, d, vm, t = src[m], d_r[m], v[m], inter[m]
-        best_new = np.full(len(m), big, np.int64)
+        best = (np.full(len(m), big, np.int64),) * 3
         best_c = np.full(len(m), -1, np.int64)
-        old3 = None
+        o_hi = np.zeros(len(m), np.int64)
         for cand in (cand_i, cand_e):
             ok = cand >= 0
             c = np.where(ok, cand, 0)
@@ -461,18 +478,18 @@ def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, l
             rd = R[:, d] + vm * (np.stack([1 - t2, t2]) - np.stack([1 - t, t]))
             nd = np.maximum(np.maximum(np.maximum(S[0, d], rd[0]) * wi,
                                        np.maximum(S[1, d], rd[1]) * we), floor[d])
-            new3 = np.maximum(np.maximum(nh, n2), nd)
-            o3 = np.maximum(np.maximum(T[h], T[h2]), T[d])
-            old3 = o3 if old3 is None else np.where(best_c >= 0, old3, o3)
-            better = ok & (new3 < o3) & (new3 < best_new)
-            best_new = np.where(better, new3, best_new)
+            new = _sorted3(nh, n2, nd)
+            old = _sorted3(T[h], T[h2], T[d])
+            better = ok & _lex_less(new, old) & _lex_less(new, best)
+            best = tuple(np.where(better, x, y) for x, y in zip(new, best))
             best_c = np.where(better, c, best_c)
-            old3 = np.where(better, o3, old3)
+            o_hi = np.where(better, old[0], o_hi)
         imp = np.flatnonzero(best_c >= 0)
+        _DBG.append((tmax, len(m), len(imp)))
         if not len(imp):
             break
         r, c = m[imp], best_c[imp]
-        o3, gain = old3[imp], old3[imp] - best_new[imp]
+        o3, gain = o_hi[imp], o_hi[imp] - best[0][imp]
         h, h2, d = src[r], hdev[c], d_r[r]
         rank = np.empty(len(r), np.int64)
         rank[np.lexsort((r, -gain, -o3))] = np.arange(len(r))

@@ -37,7 +37,7 @@ from ..vps.placement import Placement, is_rank_ordered, rank_ordered
 from .vocab_padding import carry_vocab_padding
 from .executor import _ALIGN as _PACK_ALIGN, Executor
 from .faults import FaultPlan
-from .transport import TorchP2PTransport, Transport
+from .transport import TorchP2PTransport, Transport, collective_device
 
 log = logging.getLogger(__name__)
 
@@ -293,10 +293,12 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
 
     # -- transfer: A is only read; B is written. Checksummed, under a timeout.
     t5 = t()
-    ex = Executor(me, transport or TorchP2PTransport(getattr(groups, "transfer", None)),
+    xfer_group = getattr(groups, "transfer", None)
+    ex = Executor(me, transport or TorchP2PTransport(xfer_group),
                   src_view=lambda p: old_live.view(p.kind, p.src_chunk, p.src_local_name, p.src_local_box),
                   dst_view=lambda p: new_live.view(p.kind, p.dst_chunk, p.dst_local_name, p.dst_local_box),
-                  tag=attempt, timeout=timeout, checksums=checksums, faults=faults)
+                  device=collective_device(xfer_group), tag=attempt, timeout=timeout,
+                  checksums=checksums, faults=faults)
     errors = list(ex.run([p for p in plan.pieces_for(me) if p.is_local],
                          (rnd.sends(me) + rnd.recvs(me) for rnd in rounds)))
     try:

@@ -19,6 +19,15 @@ import torch
 import torch.distributed as dist
 
 
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where tensors of a collective on `group` must live: the current CUDA device under
+    NCCL, the CPU under gloo. Small control collectives (votes, flags, losses) use it so
+    the same code runs on both."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Pending:
     """Operations of one round in flight."""
 
