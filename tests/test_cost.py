@@ -10,6 +10,8 @@ from dynatrain_megatron.routing import (CheckpointModel, LinkModel, RoutingError
                                         checkpoint_estimate, estimate)
 from dynatrain_megatron.routing.plan_cli import add_plan_parser, parse_bytes, run_plan
 
+from dynatrain_megatron.vps import KINDS
+
 from routing_cases import lay, spec
 
 GB = 1e9
@@ -159,3 +161,23 @@ def test_parse_bytes():
     assert parse_bytes("1000") == 1000 and parse_bytes("1.5GB") == 1_500_000_000
     with pytest.raises(argparse.ArgumentTypeError):
         parse_bytes("lots")
+
+
+@pytest.mark.parametrize("model,a,b,world,kinds,most", [
+    ("llama3-70b", "tp8pp4dp4", "tp4pp4dp8", 128, KINDS, 1.05),  # was 1.11: NIC relief
+    ("qwen3-235b-a22b", "tp4pp2ep32etp1", "tp4pp1ep64etp1", 256, ("param",), 1.05),  # 1.35
+])
+def test_source_choice_within_reach_of_the_bandwidth_bound(model, a, b, world, kinds, most):
+    """Balanced source choice: the rounds (no checksums) of the chosen placement's plan
+    stay close to the bandwidth lower bound; the plan still moves exactly the lower bound
+    of bytes, and the largest send is at least the (subset-closed) group bound."""
+    from dynatrain_megatron.routing import placement_choice
+    s = spec(model)
+    A, B = lay(a, world), lay(b, world)
+    plan = placement_choice(s, A, None, B, range(world), 8, None, kinds).chosen_plan
+    e = estimate(build_schedule(plan), LinkModel(), checksums=False)
+    assert 1.0 <= e.network_ratio_to_lower_bound <= most
+    st = plan.stats
+    assert st.moved_bytes == st.lower_bound_bytes
+    assert st.max_send_bytes >= st.group_send_bound_bytes
+    assert st.max_send_inter_bytes >= st.group_send_inter_bound_bytes

@@ -254,3 +254,7 @@ def test_sweep_of_random_layout_pairs(case):
     assert validate_plan(plan) == []
     assert plan.stats.moved_bytes == plan.stats.lower_bound_bytes == brute_lower_bound(
         s, A, range(A.world_size), B, range(B.world_size), KINDS)
+    # the (subset-closed) group bounds hold for the plan the planner found
+    st = plan.stats
+    assert st.max_send_bytes >= st.group_send_bound_bytes
+    assert st.max_send_inter_bytes >= st.group_send_inter_bound_bytes

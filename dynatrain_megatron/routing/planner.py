@@ -15,10 +15,12 @@ How it works, in two halves (neither loops over ranks or rank pairs):
    destination device. A row whose device is among the source holders is a **local
    copy** (it never crosses the network). Otherwise the source is chosen among the
    holders: a holder on the destination's node if there is one (NVLink before the NIC),
-   else round-robin over all holders, rotated per source set so that consecutive set
-   pairs of the same holders start at different devices (balances the largest per-device
-   send volume; for optimizer state of TP-split tensors the holder is unique anyway).
-   Every destination receives each byte exactly once, so bytes moved == the lower bound.
+   else round-robin over all holders of the source set; then a min-max local search
+   (`_rebalance`) re-sources rows, NVLink or NIC, to lower the slowest device's time under
+   the default link model. Set pairs of several holders are first cut into parts
+   (`refined`) so that one destination's share can come from several holders. For
+   optimizer state of TP-split tensors the holder is unique anyway. Every destination
+   receives each byte exactly once, so bytes moved == the lower bound.
 """
 from __future__ import annotations
 
@@ -282,7 +284,7 @@ def geometry(spec: ModelSpec, src_layout: Layout, dst_layout: Layout,
                     a["r1"][order], a["c0"][order], a["c1"][order], tuple(need))
 
 
-_SPLIT = 48  # a replicated set pair is cut into parts of ~1/_SPLIT of a device's B state
+_SPLIT = 32  # a replicated set pair is cut into parts of ~1/_SPLIT of a device's B state
 _MAX_PARTS = 64
 
 
@@ -363,9 +365,11 @@ def _link_weights() -> tuple[int, int, int]:
                  (lm.intra_node_gbps, lm.inter_node_gbps, lm.local_copy_gbps))
 
 
-_DBG = []
-_MAX_ITER = 400  # rebalancing passes (each moves many rows at once; stops when stuck)
-_BAND = 64  # a pass re-sources rows of the devices within 1/_BAND of the slowest
+_MAX_ITER = 64  # rebalancing passes (each moves many rows at once)
+_MAX_WORK = 600_000  # and row evaluations in all (bounds the planning time)
+_STEP = 16  # first target: 1/_STEP below the slowest device
+_MIN_STEP = 64  # stop when stuck even 1/_MIN_STEP below it
+_TURNS = 8
 
 
 def _sorted3(a, b, c):
@@ -425,21 +429,23 @@ def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, l
     hkey = hg * NN + hnode  # sorted (holders sorted by node inside a set)
     ukey, ustart = np.unique(hkey, return_index=True)
     big = np.iinfo(np.int64).max
+    T = np.maximum(np.maximum(np.maximum(S[0], R[0]) * wi, np.maximum(S[1], R[1]) * we), floor)
+    tmax = int(T.max(initial=0))
+    step, work = _STEP, 0
+    target = tmax - tmax // step
     for _ in range(_MAX_ITER):
-        T = np.maximum(np.maximum(np.maximum(S[0], R[0]) * wi, np.maximum(S[1], R[1]) * we),
-                       floor)
-        tmax = int(T.max(initial=0))
-        if tmax == 0:
+        if tmax == 0 or step > _MIN_STEP:
             break
-        m = mv[np.maximum(T[src[mv]], T[d_r[mv]]) >= tmax - tmax // _BAND]
-        if not len(m):
+        m = mv[np.maximum(T[src[mv]], T[d_r[mv]]) > target]
+        work += len(m)
+        if work > _MAX_WORK:
             break
         # best holder of each set on each node (NVLink) and best two nodes (NIC)
         ci = np.maximum(T[hdev], (S[0, hdev] + vg[hg]) * wi)
         ce = np.maximum(T[hdev], (S[1, hdev] + vg[hg]) * we)
         oi = np.lexsort((hdev, ci, hkey))
         best_i = oi[np.searchsorted(hkey[oi], ukey)]  # per (set, node)
-        oe = np.lexsort((hdev, ce, hg))
+        oe = np.lexsort((hdev, S[1, hdev], ce, hg))
         b1 = oe[goff[:-1]]
         ok2 = hnode[oe] != hnode[b1][hg[oe]]
         oe2 = oe[ok2]
@@ -450,18 +456,18 @@ def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, l
         b2[g2[::-1]] = oe2[::-1]
         g = g_of_p[p_r[m]]
         node = dn[m]
-        # holders tied for the best NIC candidate take turns (symmetric layouts: many)
-        ntie = np.searchsorted(hg[oe] * (big // 2 // max(G, 1)) + ce[oe].clip(0, big // 2 // max(G, 1) - 1),
-                               np.arange(G) * (big // 2 // max(G, 1)) + ce[b1], "right") - goff[:-1]
-        first = oe[goff[:-1][g] + _group_rank(g) % ntie[g]]
+        # the holders of a set take turns as NIC candidates (symmetric layouts: many ties)
+        first = oe[goff[:-1][g] + _group_rank(g) % np.minimum(gn[g], _TURNS)]
         cand_e = np.where(hnode[first] != node, first, np.where(has2[g], b2[g], -1))
         q = g * NN + node
         j = np.minimum(np.searchsorted(ukey, q), len(ukey) - 1)
         cand_i = np.where(same_ok[m] & (ukey[j] == q), best_i[j], -1)
         h, d, vm, t = src[m], d_r[m], v[m], inter[m]
-        best = (np.full(len(m), big, np.int64),) * 3
+        best_gain = np.zeros(len(m), np.int64)
         best_c = np.full(len(m), -1, np.int64)
-        o_hi = np.zeros(len(m), np.int64)
+
+        def excess(x):
+            return np.maximum(x - target, 0)
         for cand in (cand_i, cand_e):
             ok = cand >= 0
             c = np.where(ok, cand, 0)
@@ -478,21 +484,21 @@ def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, l
             rd = R[:, d] + vm * (np.stack([1 - t2, t2]) - np.stack([1 - t, t]))
             nd = np.maximum(np.maximum(np.maximum(S[0, d], rd[0]) * wi,
                                        np.maximum(S[1, d], rd[1]) * we), floor[d])
-            new = _sorted3(nh, n2, nd)
-            old = _sorted3(T[h], T[h2], T[d])
-            better = ok & _lex_less(new, old) & _lex_less(new, best)
-            best = tuple(np.where(better, x, y) for x, y in zip(new, best))
+            gain = (excess(T[h]) + excess(T[h2]) + excess(T[d])
+                    - excess(nh) - excess(n2) - excess(nd))
+            cap = np.maximum(np.maximum(T[h], T[h2]), np.maximum(T[d], target))
+            better = ok & (gain > best_gain) & (np.maximum(np.maximum(nh, n2), nd) <= cap)
+            best_gain = np.where(better, gain, best_gain)
             best_c = np.where(better, c, best_c)
-            o_hi = np.where(better, old[0], o_hi)
         imp = np.flatnonzero(best_c >= 0)
-        _DBG.append((tmax, len(m), len(imp)))
-        if not len(imp):
-            break
+        if not len(imp):  # stuck at this target: aim closer to the current slowest
+            step *= 2
+            target = max(target, tmax - tmax // step)
+            continue
         r, c = m[imp], best_c[imp]
-        o3, gain = o_hi[imp], o_hi[imp] - best[0][imp]
         h, h2, d = src[r], hdev[c], d_r[r]
         rank = np.empty(len(r), np.int64)
-        rank[np.lexsort((r, -gain, -o3))] = np.arange(len(r))
+        rank[np.lexsort((r, -best_gain[imp]))] = np.arange(len(r))
         mr = np.full(M, big, np.int64)
         for dev in (h, h2, d):
             np.minimum.at(mr, dev, rank)
@@ -505,6 +511,11 @@ def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, l
         np.add.at(R, (t2, d), vr)
         idx[r] = s_off[p_r[r]] + (hpos[c] - s_off[rep[hg[c]]])
         src[r], inter[r] = h2, t2
+        T = np.maximum(np.maximum(np.maximum(S[0], R[0]) * wi, np.maximum(S[1], R[1]) * we),
+                       floor)
+        tmax = int(T.max(initial=0))
+        if tmax <= target:  # reached: aim lower
+            target = tmax - tmax // step
     return idx
 
 
@@ -564,6 +575,61 @@ def assign(geom: Geometry, dev_a: np.ndarray, dev_b: np.ndarray, rpn: int):
     return rp, rdst, rsrc, forced, no_same
 
 
+def _group_bounds(geom: Geometry, src_pl: Placement, p_inter, b_inter, p_all, b_all):
+    """Lower bounds on the largest per-device send (bytes) of any source choice.
+
+    For a set U of source devices, every byte whose holders all lie in U leaves through
+    the links of U's members, so some member sends at least (those bytes) / |U|. We take
+    U = each source holder set H (as devices), with the bytes of every holder set H' that
+    is a subset of H (H itself, smaller replica sets inside it, the single-holder shards
+    of its members): e.g. 32 replicas of a pipeline stage whose members are also the only
+    4 holders of some experts must send both. `p_inter`/`b_inter`: set pair and bytes of
+    the rows that must cross a NIC (no holder on the receiver's node); `p_all`/`b_all`:
+    every network row. Returns (NIC bound, all-links bound), each max over H of
+    ceil(bytes / |H|)."""
+    if not len(p_all):
+        return 0, 0
+    s_off, s_mem = geom.all_members("src")
+    dev = np.asarray(src_pl.devices, np.int64)[s_mem]
+    nsa = int(geom.p_sa.max(initial=0)) + 1
+    gk = geom.p_cls * nsa + geom.p_sa
+    # one representative set pair per holder set that carries traffic
+    used, gid = np.unique(gk[p_all], return_inverse=True)
+    rep = np.full(len(used), -1, np.int64)
+    rep[gid.ravel()[::-1]] = p_all[::-1]
+    w_all = np.bincount(gid.ravel(), weights=b_all, minlength=len(used))
+    w_int = np.bincount(np.searchsorted(used, gk[p_inter]), weights=b_inter,
+                        minlength=len(used))
+    size = s_off[rep + 1] - s_off[rep]
+    # incidence (set, device), sets deduplicated by their device lists via the key
+    mset = np.repeat(np.arange(len(used)), size)
+    mdev = dev[np.repeat(s_off[rep], size) + np.arange(int(size.sum()))
+               - np.repeat(np.cumsum(size) - size, size)]
+    # join every set H' with every larger-or-equal set H sharing a device
+    big = np.flatnonzero(size > 1)
+    bsel = np.isin(mset, big)
+    bd, bs = mdev[bsel], mset[bsel]
+    o = np.lexsort((bs, bd))
+    bd, bs = bd[o], bs[o]
+    lo = np.searchsorted(bd, mdev, "left")
+    cnt = np.searchsorted(bd, mdev, "right") - lo
+    sub = np.repeat(mset, cnt)
+    sup = bs[np.repeat(lo, cnt) + np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt,
+                                                                          cnt)]
+    G = len(used)
+    pair, shared = np.unique(sub * G + sup, return_counts=True)
+    a, b = pair // G, pair % G
+    inside = (shared == size[a]) & (size[b] >= size[a])
+    tot_int = w_int.copy()
+    tot_all = w_all.copy()
+    a, b = a[inside & (a != b)], b[inside & (a != b)]
+    # identical device sets of two classes (weights, optimizer) count each other once
+    np.add.at(tot_int, b, w_int[a])
+    np.add.at(tot_all, b, w_all[a])
+    return (int(np.ceil(tot_int / np.maximum(size, 1)).max(initial=0)),
+            int(np.ceil(tot_all / np.maximum(size, 1)).max(initial=0)))
+
+
 def _stats(geom: Geometry, rp, rdst, rsrc, forced, no_same, rpn, src_pl, dst_pl):
     ndev = int(max(max(src_pl.devices), max(dst_pl.devices))) + 1
     bpe = geom.p_bytes_per_element()
@@ -591,16 +657,9 @@ def _stats(geom: Geometry, rp, rdst, rsrc, forced, no_same, rpn, src_pl, dst_pl)
                for n, ks in zip(geom.need_numel, geom.class_kinds))
     local_b = int(byts[local].sum())
     # bytes that must leave each source set over NICs, shared at best evenly by its members
-    nsa = int(geom.p_sa.max(initial=0)) + 1
-    gk = geom.p_cls * nsa + geom.p_sa
+    # (with the bytes of every source set inside it: `_group_bounds`)
     m = net & no_same
-    gsum = np.bincount(gk[rp[m]], weights=byts[m], minlength=int(gk.max(initial=0)) + 1)
-    gsize = np.zeros(len(gsum), np.int64)
-    if len(gk):
-        gsize[gk] = np.diff(geom.all_members("src")[0])
-    group = int(np.ceil(gsum / np.maximum(gsize, 1)).max(initial=0))
-    gall = np.bincount(gk[rp[net]], weights=byts[net], minlength=len(gsize))
-    group_all = int(np.ceil(gall / np.maximum(gsize, 1)).max(initial=0))
+    group, group_all = _group_bounds(geom, src_pl, rp[m], byts[m], rp[net], byts[net])
     npairs, nk = geom.p_npairs(), geom.p_kinds()
     send, recv = tr.send, tr.recv
     force = tr.forced_send_intra + tr.forced_send_inter
