@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dynatrain_megatron.routing import clear_caches, placement_choice  # noqa: E402
-from dynatrain_megatron.routing.cost import CheckpointModel, LinkModel  # noqa: E402
+from dynatrain_megatron.routing.cost import CheckpointModel, LinkModel, estimate  # noqa: E402
+from dynatrain_megatron.routing.schedule import build_schedule  # noqa: E402
 from dynatrain_megatron.routing.plan_cli import (parse_bytes, parse_kinds,  # noqa: E402
                                                  plan_report, resolve_model)
 from dynatrain_megatron.vps.fragment import KINDS  # noqa: E402
@@ -57,6 +58,15 @@ def run(sc: dict, repeat: int) -> dict:
         if best is None or r["plan_seconds"] < best["plan_seconds"]:
             best = r
     best["scenario"], best["file"] = sc.get("name", sc["file"]), sc["file"]
+    # balance: the rounds without checksums over the bandwidth lower bound (same plan;
+    # not timed, the geometry is cached)
+    wmax = max(src.world_size, dst.world_size)
+    cand = range(wmax) if sc.get("leaving", "planner") == "planner" else range(dst.world_size)
+    ch = placement_choice(spec, src, None, dst, cand, int(sc.get("ranks_per_node", 8)),
+                          sc.get("bucket_size"), kinds)
+    e = estimate(build_schedule(ch.chosen_plan, budget), LinkModel(), checksums=False)
+    best["network_no_checksum_seconds"] = e.network_seconds
+    best["balance"] = e.network_ratio_to_lower_bound
     return best
 
 
@@ -71,7 +81,7 @@ def _ms(t: float) -> str:
 def table(rows: list[dict]) -> str:
     h = ("| scenario | GPUs | kinds | plan (s) | moved (GB) | = lower bound | optimizer state "
          "moved: chosen / default | max send / recv per GPU (GB) | est. switch (ms) | "
-         "network (ms) | bandwidth LB (ms) | network / LB | est. / LB | checkpoint (s) |")
+         "network (ms) | bandwidth LB (ms) | network / LB | est. / LB | balance | checkpoint (s) |")
     out = [h, "|" + "---|" * (h.count("|") - 1)]
     for r in rows:
         gpus = (f"{r['world_from']}" if r["world_from"] == r["world_to"]
@@ -85,8 +95,8 @@ def table(rows: list[dict]) -> str:
             f"{100 * r['default_moved_fraction_optimizer']:.1f}% | "
             f"{_gb(r['max_rank_send_bytes'])} / {_gb(r['max_rank_recv_bytes'])} | "
             f"{_ms(r['estimated_seconds'])} | {_ms(r['network_seconds'])} | {_ms(lb)} | "
-            + (f"{r['network_over_lower_bound']:.2f} | {r['estimated_over_lower_bound']:.2f}"
-               if lb > 0 else "- | -")
+            + (f"{r['network_over_lower_bound']:.2f} | {r['estimated_over_lower_bound']:.2f} | "
+               f"{r['balance']:.3f}" if lb > 0 else "- | - | -")
             + f" | {r['checkpoint_estimate_seconds']:.1f} |")
     return "\n".join(out)
 
@@ -213,7 +223,8 @@ def main() -> None:
         f"aggregate + {p.get('checkpoint_restart_seconds', cm.restart_seconds):g} s restart. "
         "The bandwidth lower bound covers the network only (see "
         "`dynatrain_megatron/routing/cost.py`); `est. / LB` includes the local copies and "
-        "checksums, `network / LB` the rounds (with checksums) alone. 'moved' counts network bytes; '= lower bound' says whether "
+        "checksums, `network / LB` the rounds (with checksums) alone, `balance` the rounds "
+        "without checksums (the source choice alone) over the bound. 'moved' counts network bytes; '= lower bound' says whether "
         "they equal the bytes whose destination GPU does not already hold them. The "
         "optimizer-state percentage is relative to one copy of main params + Adam moments "
         "(TP-replicated tensors keep one optimizer copy per TP rank, so it can exceed 100%).",
