@@ -24,9 +24,13 @@ sits on its node, else over both links at best), and must send what only it hold
                                   forced_send_inter / inter_bw,
                                   forced_send_intra / intra_bw,
                                   forced_send / (intra_bw + inter_bw) ),
-and, for every source holder set, the bytes that must leave it over NICs (receivers
+and, for every source holder set H, the bytes that must leave it over NICs (receivers
 with no holder on their node) divided by its size and the NIC bandwidth, and all the
-bytes that must leave it divided by its size and both bandwidths.
+bytes that must leave it divided by its size and both bandwidths; "leave H" counts the
+bytes of every holder set contained in H too (their holders are all members of H, so
+those bytes leave through H's links whatever the source choice; `planner._group_bounds`).
+The bound lets a destination's share of a set pair come from several holders (the
+planner can cut set pairs at region boundaries, `planner.refined`).
 
 Checkpoint baseline: write, then read, the full training state (every state kind, one
 copy) at an aggregate storage bandwidth (default 100 GB/s), plus a restart cost
