@@ -562,3 +562,53 @@ def repeated_switch_case(model: str, layouts: list[str], n: int) -> dict:
     release(tr.objs)
     gc.collect()
     return dict(rss=rss, groups=groups, diff=None if start is None else G.states_equal(start, end))
+
+
+def death_case(store_dir: str, ckpt_dir: str, layout: str = "tp2pp1dp2", dead: int = 3) -> dict:
+    """A rank dies after the last checkpoint: the survivors notice, re-form the world, name
+    what was lost and resume from the checkpoint at a layout that fits them."""
+    from dynatrain_megatron.integration import dist_ckpt
+    from dynatrain_megatron.integration.recovery import recover_after_death
+
+    s = spec_variant("tiny-gpt")
+    train = switch_train_config()
+    rank = dist.get_rank()
+    tr = start_job(s, layout, train)
+    for _ in range(2):
+        tr.step()
+    dist_ckpt.save(tr.objs, tr.iteration, tr.consumed_samples, ckpt_dir)
+    tr.step()  # progress after the checkpoint, lost with the rank
+    if rank == dead:
+        import os
+
+        os._exit(0)  # the process is gone at once, like a crash: its sockets close
+    import time
+
+    t0 = time.monotonic()
+    try:
+        tr.step()
+        return {"error": "the death of a rank went unnoticed"}
+    except Exception as e:  # noqa: BLE001 - what a survivor sees
+        detected = f"after {time.monotonic() - t0:.1f} s: " + str(e).splitlines()[0][:200]
+    new, nw, what = recover_after_death(tr, s, train, store_dir, ckpt_dir)
+    out = dict(detected=detected, dead=list(nw.dead), members=list(nw.members), lost=what,
+               new_rank=nw.rank)
+    if new is None:
+        return out
+    out.update(layout=str(new.objs.layout), iteration=new.iteration,
+               world=dist.get_world_size(),
+               losses=[new.step().loss for _ in range(2)])
+    release(new.objs)
+    return out
+
+
+def resume_case(ckpt_dir: str, layout: str, steps: int = 2) -> dict:
+    """The reference: a fresh job at `layout` loading the checkpoint and training on."""
+    from dynatrain_megatron.integration import dist_ckpt
+
+    s = spec_variant("tiny-gpt")
+    tr = start_job(s, layout, switch_train_config())
+    tr.iteration, tr.consumed_samples = dist_ckpt.load(tr.objs, ckpt_dir)
+    out = dict(iteration=tr.iteration, losses=[tr.step().loss for _ in range(steps)])
+    release(tr.objs)
+    return out

@@ -86,14 +86,22 @@ def run_on_ranks(fn: Callable, nproc: int, *args: Any, timeout: float = 600.0,
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs)
                         if not p.is_alive() and p.exitcode not in (0, None) and r not in results]
-                if dead:
-                    # give a crashing rank a moment to deliver its traceback
+                # a rank that ended with exit code 0 and no result left on purpose (a test
+                # of rank death ends a process abruptly with os._exit(0)): its result is None
+                quit_ = [r for r, p in enumerate(procs)
+                         if not p.is_alive() and p.exitcode == 0 and r not in results]
+                if dead or quit_:
+                    # give an ending rank a moment to deliver its traceback or result
                     try:
                         rank, status, payload = q.get(timeout=2.0)
                     except queue.Empty:
-                        failure = f"ranks {dead} died (exit codes " \
-                                  f"{[procs[r].exitcode for r in dead]}) without a traceback"
-                        break
+                        if dead:
+                            failure = f"ranks {dead} died (exit codes " \
+                                      f"{[procs[r].exitcode for r in dead]}) without a traceback"
+                            break
+                        for r in quit_:
+                            results[r] = None
+                        continue
                 else:
                     continue
             if status == "ok":

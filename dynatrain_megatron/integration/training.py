@@ -95,6 +95,14 @@ class Trainer:
         self._reporter = c.pp == L.pp - 1 and c.tp == 0 and c.dp_cp == 0
         self._world = objs.groups.pg_collection.intra_dist_opt
 
+    def release_references(self) -> None:
+        """Drop every reference to the layout's objects and communicators (after a rank
+        died: a communicator's sockets close only with its last reference)."""
+        self.objs = None
+        self.p2p = None
+        self._world = None
+        self.forward_backward = None
+
     def step(self) -> StepResult:
         o, L = self.objs, self.objs.layout
         t0 = time.perf_counter()

@@ -1,0 +1,102 @@
+"""Re-forming the torch world after a rank died.
+
+A dead process breaks every communicator it was part of, the default group included, so
+the survivors cannot vote or switch on it. They each notice (a collective raises), then
+meet again through a store that does not live in any worker: torchrun's agent store
+(`TORCHELASTIC_USE_AGENT_STORE=True`) or a `FileStore` in a shared directory. Each
+survivor announces itself, waits a grace period, and all read the same set of survivors;
+the ranks a new layout needs (the first `keep(n)` survivors, in old-rank order) form a new
+default group under a fresh key prefix; the others leave. Every survivor computes the same
+answer alone from the store's contents.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class NewWorld:
+    """The outcome on this process: `rank` is None when it is not part of the new world."""
+
+    old_world: int
+    survivors: tuple[int, ...]  # old ranks that announced themselves in time
+    members: tuple[int, ...]  # old ranks of the new world, in new-rank order
+    rank: Optional[int]
+    generation: int
+
+    @property
+    def dead(self) -> tuple[int, ...]:
+        return tuple(r for r in range(self.old_world) if r not in self.survivors)
+
+
+def rendezvous_store(directory: Optional[str]) -> dist.Store:
+    """The store survivors meet in: torchrun's agent store when the job has one, else a
+    FileStore in `directory` (shared by all ranks)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                             is_master=False, timeout=datetime.timedelta(seconds=60))
+    if not directory:
+        raise RuntimeError("no rendezvous store to re-form the world in: run under torchrun "
+                           "(agent store) or give --dynatrain-rendezvous-dir")
+    os.makedirs(directory, exist_ok=True)
+    return dist.FileStore(os.path.join(directory, "rendezvous"), -1)
+
+
+def reform_world(store: dist.Store, old_rank: int, old_world: int, generation: int,
+                 keep: Callable[[int], int], quiet_seconds: float = 2.0,
+                 max_wait_seconds: float = 60.0, timeout_s: float = 300.0) -> NewWorld:
+    """Collective among the survivors (module doc). `keep(n)`: how many of `n` survivors
+    the new layout uses. Destroys the broken default group first.
+
+    Survivors notice a death at different times (one blocked on a live peer learns of it
+    only when that peer closes its sockets), so each waits until every old rank announced
+    itself, or none new did for `quiet_seconds` (at most `max_wait_seconds`)."""
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - it is broken; only its resources are freed here
+        log.debug("destroying the broken default group: %s", e)
+    prefix = f"dynatrain/gen{generation}"
+    store.set(f"{prefix}/alive/{old_rank}", "1")
+    start = last_change = time.monotonic()
+    seen_set: set[int] = set()
+    while True:
+        now_seen = {r for r in range(old_world) if store.check([f"{prefix}/alive/{r}"])}
+        now = time.monotonic()
+        if now_seen != seen_set:
+            seen_set, last_change = now_seen, now
+        if len(seen_set) == old_world or now - last_change >= quiet_seconds \
+                or now - start >= max_wait_seconds:
+            break
+        time.sleep(0.1)
+    seen = ",".join(str(r) for r in sorted(seen_set))
+    # the first survivor past its grace fixes the roster; everyone reads that one (a late
+    # announcement cannot make two survivors disagree)
+    roster = store.compare_set(f"{prefix}/roster", "", seen)
+    roster = roster.decode() if isinstance(roster, bytes) else str(roster)
+    survivors = tuple(int(r) for r in roster.split(",") if r)
+    n = keep(len(survivors))
+    members = survivors[:n]
+    log.warning("world re-formed (generation %d): survivors %s of %d ranks, %d kept",
+                generation, list(survivors), old_world, n)
+    if old_rank not in members:
+        return NewWorld(old_world, survivors, members, None, generation)
+    new_rank = members.index(old_rank)
+    dist.init_process_group("gloo" if not _cuda() else "nccl",
+                            store=dist.PrefixStore(f"{prefix}/pg", store), rank=new_rank,
+                            world_size=n, timeout=datetime.timedelta(seconds=timeout_s))
+    return NewWorld(old_world, survivors, members, new_rank, generation)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
