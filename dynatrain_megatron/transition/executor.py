@@ -130,14 +130,17 @@ class Executor:
         self.stats.seconds += time.perf_counter() - t0
         return self.errors
 
-    def _guard(self, what: str, fn, *a) -> bool:
+    def _record(self, what: str, e: BaseException) -> None:
+        """An error on this rank: recorded (the switch rolls back on it), never raised
+        mid-protocol, so peers still get every message they expect."""
+        self.errors.append(f"rank {self.rank}: {what}: {type(e).__name__}: {e}")
+        log.error("rank %d: %s failed: %s", self.rank, what, e)
+
+    def _guard(self, what: str, fn, *a) -> None:
         try:
             fn(*a)
-            return True
         except Exception as e:  # noqa: BLE001 - recorded; the switch rolls back on it
-            self.errors.append(f"rank {self.rank}: {what}: {type(e).__name__}: {e}")
-            log.error("rank %d: %s failed: %s", self.rank, what, e)
-            return False
+            self._record(what, e)
 
     @torch.no_grad()
     def run_local(self, pieces: Iterable) -> None:
@@ -167,73 +170,20 @@ class Executor:
                 inc.setdefault(p.src_device, []).append(p)
         sends: dict[int, list[torch.Tensor]] = {}
         send_sums: dict[int, list[int]] = {}
-        staging = 0
         keep: list[torch.Tensor] = []
-        for peer, ps in out.items():
-            small = [p for p in ps if p.nbytes < SMALL_PIECE_BYTES]
-            msgs = []
-            if small:
-                try:
-                    buf = self._pack([self.src_view(p) for p in small])
-                except Exception as e:  # noqa: BLE001
-                    self._guard(f"packing for rank {peer}", _raise, e)
-                    buf = self._placeholder(sum(_aligned(p.nbytes) for p in small))
-                staging += buf.numel()
-                msgs.append(buf)
-            for p in ps:
-                if p.nbytes < SMALL_PIECE_BYTES:
-                    continue
-                try:
-                    v = self.src_view(p)
-                    if v.is_contiguous():
-                        self.stats.zero_copy_bytes += _nbytes(v)
-                    else:
-                        v = self._stage(v)
-                        staging += _nbytes(v)
-                except Exception as e:  # noqa: BLE001
-                    self._guard(f"reading {p.key}/{p.kind} for rank {peer}", _raise, e)
-                    v = self._placeholder(p.nbytes)
-                msgs.append(v)
-            sends[peer] = msgs
-            keep += msgs
-            if self.checksums:
-                send_sums[peer] = [checksum(m) for m in msgs]
         recvs: dict[int, list[torch.Tensor]] = {}
         packed: dict[int, tuple] = {}
         staged: list[tuple] = []
+        staging = 0
+        for peer, ps in out.items():
+            sends[peer], n = self._outgoing(peer, ps)
+            staging += n
+            keep += sends[peer]
+            if self.checksums:
+                send_sums[peer] = [checksum(m) for m in sends[peer]]
         for peer, ps in inc.items():
-            small = [p for p in ps if p.nbytes < SMALL_PIECE_BYTES]
-            msgs = []
-            if small:
-                try:
-                    views = [self.dst_view(p) for p in small]
-                except Exception as e:  # noqa: BLE001
-                    self._guard(f"destination views from rank {peer}", _raise, e)
-                    views = None
-                buf = torch.empty(sum(_aligned(p.nbytes) for p in small), dtype=torch.uint8,
-                                  device=self.device)
-                staging += buf.numel()
-                if views is not None:
-                    packed[peer] = (buf, views)
-                msgs.append(buf)
-            for p in ps:
-                if p.nbytes < SMALL_PIECE_BYTES:
-                    continue
-                try:
-                    v = self.dst_view(p)
-                except Exception as e:  # noqa: BLE001
-                    self._guard(f"destination of {p.key}/{p.kind} from rank {peer}", _raise, e)
-                    msgs.append(self._placeholder(p.nbytes))
-                    continue
-                if v.is_contiguous():
-                    self.stats.zero_copy_bytes += _nbytes(v)
-                    msgs.append(v)
-                else:
-                    tmp = torch.empty(v.shape, dtype=v.dtype, device=self.device)
-                    staging += _nbytes(tmp)
-                    staged.append((tmp, v))
-                    msgs.append(tmp)
-            recvs[peer] = msgs
+            recvs[peer], n = self._incoming(peer, ps, packed, staged)
+            staging += n
         self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes, staging)
         try:
             pending = self.transport.start(sends, recvs, self.tag)
@@ -245,6 +195,73 @@ class Executor:
         return _Round(index, pending, recvs, send_sums, packed, staged, keep,
                       sum(p.nbytes for ps in out.values() for p in ps),
                       sum(p.nbytes for ps in inc.values() for p in ps), t0)
+
+    @staticmethod
+    def _split(ps: Sequence) -> tuple[list, list]:
+        """A peer's pieces of a round: the small ones (one packed message, first) and the
+        large ones (a message each, in plan order). Both sides split alike."""
+        return ([p for p in ps if p.nbytes < SMALL_PIECE_BYTES],
+                [p for p in ps if p.nbytes >= SMALL_PIECE_BYTES])
+
+    def _outgoing(self, peer: int, ps: Sequence) -> tuple[list[torch.Tensor], int]:
+        """The messages to `peer` and the staging bytes they took."""
+        small, large = self._split(ps)
+        msgs: list[torch.Tensor] = []
+        staging = 0
+        if small:
+            try:
+                buf = self._pack([self.src_view(p) for p in small])
+            except Exception as e:  # noqa: BLE001
+                self._record(f"packing for rank {peer}", e)
+                buf = self._placeholder(sum(_aligned(p.nbytes) for p in small))
+            staging += buf.numel()
+            msgs.append(buf)
+        for p in large:
+            try:
+                v = self.src_view(p)
+                if v.is_contiguous():
+                    self.stats.zero_copy_bytes += _nbytes(v)
+                else:
+                    v = self._stage(v)
+                    staging += _nbytes(v)
+            except Exception as e:  # noqa: BLE001
+                self._record(f"reading {p.key}/{p.kind} for rank {peer}", e)
+                v = self._placeholder(p.nbytes)
+            msgs.append(v)
+        return msgs, staging
+
+    def _incoming(self, peer: int, ps: Sequence, packed: dict, staged: list
+                  ) -> tuple[list[torch.Tensor], int]:
+        """The buffers to receive `peer`'s messages into (live storage where contiguous)
+        and the staging bytes they took; fills `packed` / `staged` for unpacking."""
+        small, large = self._split(ps)
+        msgs: list[torch.Tensor] = []
+        staging = 0
+        if small:
+            buf = torch.empty(sum(_aligned(p.nbytes) for p in small), dtype=torch.uint8,
+                              device=self.device)
+            staging += buf.numel()
+            try:
+                packed[peer] = (buf, [self.dst_view(p) for p in small])
+            except Exception as e:  # noqa: BLE001
+                self._record(f"destination views from rank {peer}", e)
+            msgs.append(buf)
+        for p in large:
+            try:
+                v = self.dst_view(p)
+            except Exception as e:  # noqa: BLE001
+                self._record(f"destination of {p.key}/{p.kind} from rank {peer}", e)
+                msgs.append(self._placeholder(p.nbytes))
+                continue
+            if v.is_contiguous():
+                self.stats.zero_copy_bytes += _nbytes(v)
+                msgs.append(v)
+            else:
+                tmp = torch.empty(v.shape, dtype=v.dtype, device=self.device)
+                staging += _nbytes(tmp)
+                staged.append((tmp, v))
+                msgs.append(tmp)
+        return msgs, staging
 
     @torch.no_grad()
     def _finish(self, r: _Round) -> None:
@@ -327,6 +344,3 @@ class Executor:
     def _unpack_staged(tmp: torch.Tensor, v: torch.Tensor) -> None:
         v.copy_(tmp)
 
-
-def _raise(e: BaseException) -> None:
-    raise e
