@@ -51,11 +51,16 @@ class ParallelGroups:
             raise RuntimeError(f"rank {self.rank} is not part of layout {self.layout}")
         return self.layout.coords(vr)
 
-    def destroy(self) -> None:
-        """Destroy every group this object created (nothing else)."""
+    def destroy(self, broken: bool = False) -> None:
+        """Destroy every group this object created (nothing else). `broken`: a peer died,
+        so a group may already be unusable; freeing its handle is all that is wanted."""
         for g in self.created:
             if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
-                dist.destroy_process_group(g)
+                try:
+                    dist.destroy_process_group(g)
+                except Exception:  # noqa: BLE001
+                    if not broken:
+                        raise
         self.created.clear()
 
 

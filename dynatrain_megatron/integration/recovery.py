@@ -9,7 +9,6 @@ goes back to its last `dist_checkpointing` checkpoint, loaded at the new layout.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from typing import Optional
@@ -23,7 +22,7 @@ from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from . import dist_ckpt
 from .builders import bucket_size_of
-from .session import start_job
+from .session import release, start_job
 from .train_config import TrainConfig
 from .training import Trainer
 
@@ -63,22 +62,12 @@ def recover_after_death(trainer: Trainer, spec: ModelSpec, train: TrainConfig,
     # drop the old objects first: they hold the broken communicators, whose sockets close
     # only when the last reference goes, and a closed socket is how the survivors still
     # blocked in a collective with this rank learn of the failure quickly
-    created = list(old.groups.created)
-    old.groups.created.clear()
-    old.model.clear()
-    old.optimizer = old.scheduler = None
-    trainer.objs = None
-    for g in created:
-        try:
-            dist.destroy_process_group(g)
-        except Exception:  # noqa: BLE001 - broken; freeing is all we want
-            pass
-    del created, old
-    trainer.release_references()
     from megatron.core import parallel_state
 
+    trainer.release_references()
     parallel_state.destroy_model_parallel()  # its globals hold the same communicators
-    gc.collect()
+    release(old, broken=True)
+    del old
     store = rendezvous_store(rendezvous_dir)
     nw = reform_world(store, old_rank, old_world, generation,
                       keep=lambda n: fit_layout(spec, train, old_layout, n).world_size)

@@ -89,8 +89,9 @@ def freeze_long_lived_objects() -> None:
     _FROZEN["done"] = True
 
 
-def release(objs: TrainingObjects) -> None:
-    """Drop a layout's objects, free their memory now, and destroy their process groups.
+def release(objs: TrainingObjects, broken: bool = False) -> None:
+    """Drop a layout's objects, free their memory now, and destroy their process groups
+    (`broken`: a rank died and the groups may be unusable; see ParallelGroups.destroy).
 
     megatron's objects reference each other in cycles (the TransformerConfig holds bound
     methods of the DDP wrappers, which hold the config), so dropping references is not
@@ -103,7 +104,7 @@ def release(objs: TrainingObjects) -> None:
     for name in ("finalize_model_grads_func", "no_sync_func", "param_sync_func", "grad_sync_func"):
         if hasattr(cfg, name):
             setattr(cfg, name, None)
-    objs.groups.destroy()
+    objs.groups.destroy(broken)
     objs.model.clear()
     objs.optimizer = None
     objs.scheduler = None
