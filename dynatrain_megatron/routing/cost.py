@@ -131,15 +131,14 @@ def estimate(sched: Schedule, links: LinkModel = LinkModel(), checksums: bool = 
     rounds = []
     if sched.plan.stats.moved_bytes:
         for i, (si, se, ri, re) in enumerate(sched.round_traffic):
-            t = links.device_seconds(si, se, ri, re)
-            if i == 0 and local_dev.size == t.size:
+            t = links.device_seconds(si, se, ri, re)  # indexed like the plan's traffic
+            if i == 0:
                 t = np.maximum(t, local_dev)  # local copies overlap the first round
             if checksums:
                 t = t + (np.asarray(si) + se + ri + re) / (links.checksum_gbps * GB)
             rounds.append(float(t.max(initial=0.0)) + links.round_latency_s)
     local = float(local_dev.max(initial=0.0))
-    total = sum(rounds) if rounds and local_dev.size == len(sched.round_traffic[0][0]) \
-        else local + sum(rounds)
+    total = sum(rounds) if rounds else local
     return CostEstimate(total, local, tuple(rounds),
                         bandwidth_lower_bound(sched.plan, links), len(rounds),
                         sched.max_peak_staging)
