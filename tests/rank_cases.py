@@ -186,9 +186,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
     world = dist.get_world_size()
 
     def full(tr):
-        objs = tr.objs
-        return G.gather_full_state(LiveState(objs.model, objs.optimizer, objs.groups.virtual_rank,
-                                             s.vocab_size), s, objs.groups.pg_collection.intra_dist_opt)
+        return gather_layout_state(s, tr)
 
     out = []
     for a, b, opts in cases:
@@ -335,12 +333,7 @@ def scale_cases(model: str, big: str, small: str, steps_after: int = 3,
 
     def full_everywhere(tr):
         """The full state on every rank of the world (gathered inside the layout)."""
-        if tr is not None:
-            g = tr.objs.groups.pg_collection.intra_dist_opt
-            f = G.gather_full_state(LiveState(tr.objs.model, tr.objs.optimizer,
-                                              tr.objs.groups.virtual_rank, s.vocab_size), s, g)
-        else:
-            f = None
+        f = gather_layout_state(s, tr) if tr is not None else None
         return G.broadcast_full_state(f, src=0)
 
     def scalars_everywhere(tr):
