@@ -99,7 +99,7 @@ def analytic_vs_live(cases: list[tuple[str, str, dict, bool]]) -> list[dict]:
                    only_live=[str(x) for x in sorted(set(ids(lf)) - set(ids(an)))[:3]],
                    only_analytic=[str(x) for x in sorted(set(ids(an)) - set(ids(lf)))[:3]])
         if round_trip:
-            world = objs.groups.pg_collection.intra_dist_opt
+            world = objs.groups.layout_group
             full = G.broadcast_full_state(G.gather_full_state(live, s, world), group=world)
             fresh = start_job(s, layout, TrainConfig(**{**kw, "seed": 999}))
             live2 = LiveState(fresh.objs.model, fresh.objs.optimizer, vr, s.vocab_size)
@@ -142,7 +142,7 @@ def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before
     ta = start_job(s, a, train)
     for _ in range(steps_before):
         ta.step()
-    world = ta.objs.groups.pg_collection.intra_dist_opt
+    world = ta.objs.groups.layout_group
     full_a = G.gather_full_state(LiveState(ta.objs.model, ta.objs.optimizer,
                                            ta.objs.groups.virtual_rank, s.vocab_size), s, world)
     dist_ckpt.save(ta.objs, ta.iteration, ta.consumed_samples, ckpt_dir)
@@ -150,7 +150,7 @@ def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before
     tb = start_job(s, b, train, placement=Placement(b_devices) if b_devices else None)
     it, consumed = dist_ckpt.load(tb.objs, ckpt_dir)
     tb.iteration, tb.consumed_samples = it, consumed
-    world = tb.objs.groups.pg_collection.intra_dist_opt
+    world = tb.objs.groups.layout_group
     full_b = G.gather_full_state(LiveState(tb.objs.model, tb.objs.optimizer,
                                            tb.objs.groups.virtual_rank, s.vocab_size), s, world)
     losses = [tb.step().loss for _ in range(steps_after)]
@@ -206,7 +206,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
         after = full(tr)
         # every replica (not only the main ones) must hold the state
         objs = tr.objs
-        ref = G.broadcast_full_state(after, group=objs.groups.pg_collection.intra_dist_opt,
+        ref = G.broadcast_full_state(after, group=objs.groups.layout_group,
                                      src=objs.groups.placement.devices[0])
         bad = G.mismatches_against(LiveState(objs.model, objs.optimizer, objs.groups.virtual_rank,
                                              s.vocab_size), ref)
@@ -471,7 +471,7 @@ def gather_layout_state(s: ModelSpec, tr):
     from dynatrain_megatron.adapters.live import LiveState
     from dynatrain_megatron.transition import gather as G
 
-    g = tr.objs.groups.pg_collection.intra_dist_opt
+    g = tr.objs.groups.layout_group
     return G.gather_full_state(LiveState(tr.objs.model, tr.objs.optimizer,
                                          tr.objs.groups.virtual_rank, s.vocab_size), s, g)
 

@@ -13,6 +13,9 @@ def test_parse_and_print():
     assert str(Layout.parse("tp1pp2ep4etp1dp4")) == "tp1pp2ep4etp1dp4"
     assert Layout.parse("tp2pp2vpp2dp1").vpp == 2
     assert Layout.parse("tp4", 4).etp == 4  # megatron's default: etp = tp
+    L = Layout.parse("tp1pp2doi2", 8)  # megatron's --num-distributed-optimizer-instances 2
+    assert str(L) == "tp1pp2doi2dp4" and (L.doi, L.dense_shards, L.expert_shards) == (2, 2, 2)
+    assert Layout.parse(str(L)) == L
 
 
 def test_megatron_rank_grid():
@@ -32,6 +35,7 @@ def test_megatron_rank_grid():
     ("tp2dp4", 4, "dp4 but world size 4"),
     ("tp1pp1vpp2", 4, "vpp2 needs pp > 1"),
     ("tp2pp2ep2", 4, "expert grid etp\\*ep\\*pp = 2\\*2\\*2 = 8 does not divide world size 4"),
+    ("tp1doi3", 4, "doi3 distributed-optimizer instances must divide .*dp\\*cp = 4"),
 ])
 def test_malformed_or_impossible_layouts(text, world, match):
     with pytest.raises(LayoutError, match=match):

@@ -33,6 +33,9 @@ PAIRS = [
     ("tiny-moe", "tp2pp1ep1etp1", 4, "tp2pp2ep2etp2", 8),  # EP1 (dense buffer) -> EP2
     ("tiny-moe+ln", "tp2pp2ep2etp1", 8, "tp1pp4ep2", 8),
     ("tiny-moe+shared", "tp2pp1ep4", 8, "tp1pp2ep2", 4),
+    ("tiny-gpt", "tp1pp2dp4", 8, "tp1pp2doi2dp4", 8),     # partial distributed optimizer on
+    ("tiny-gpt+tied", "tp2pp1doi2", 8, "tp1pp2", 4),       # ... off, and scale in
+    ("tiny-moe", "tp1pp2ep2etp1doi2", 8, "tp2pp1ep4etp1", 8),
 ]
 
 

@@ -55,6 +55,18 @@ def _oracle(lay, dead):
     return out
 
 
+def test_partial_distributed_optimizer_keeps_every_shard_of_a_dead_rank():
+    """With two optimizer instances every shard has a replica in the other instance: one
+    dead rank loses nothing, the oracle agrees; two dead replicas of a shard lose it."""
+    lay = Layout.parse("tp1pp2doi2dp2", 4)
+    rep = lost_state(SPEC, lay, [3])
+    assert rep.recoverable and _oracle(lay, [3]) == {k: 0 for k in rep.lost_elements}
+    assert "no state that is not replicated" in rep.describe()
+    both = lost_state(SPEC, lay, [2, 3])  # dp 0 and dp 1 of the second stage (tp-dp-pp)
+    assert not both.recoverable and both.lost_elements == _oracle(lay, [2, 3])
+    assert both.lost_elements["param"] > 0
+
+
 def test_both_dp_replicas_dead_loses_weights_too():
     lay = Layout.parse("tp2pp2dp2", 8)
     # dp replicas of the same (tp, pp) coordinates: rank 1 and rank 1 + tp (megatron order tp-dp-pp)

@@ -16,6 +16,9 @@ CASES = [
     ("tiny-moe", "tp2pp1ep2etp2", 8), ("tiny-moe", "tp2pp1ep1etp1", 4),
     ("tiny-moe+ln", "tp2pp2ep2etp1", 8), ("tiny-moe", "tp4pp1ep8etp1", 8),
     ("tiny-moe", "tp2pp2ep1etp2", 8), ("tiny-moe+shared", "tp2pp2ep2", 8),
+    # partial distributed optimizer: the optimizer state replicated over instances
+    ("tiny-gpt", "tp1pp2doi2", 8), ("tiny-gpt", "tp2pp1doi4", 8), ("tiny-gpt+tied", "tp1pp2doi2", 8),
+    ("tiny-moe", "tp1pp2ep2etp1doi2", 8), ("tiny-moe", "tp2pp1ep1etp1doi2", 8),
 ]
 
 
@@ -41,6 +44,7 @@ def test_destination_regions_are_the_analytic_fragments(model, text, world, buck
 
 @pytest.mark.parametrize("model,text,world", [("tiny-gpt+tied", "tp2pp2", 8),
                                               ("tiny-gpt+tied", "tp1pp4", 4),
+                                              ("tiny-gpt+tied", "tp1pp2doi2", 8),
                                               ("tiny-gpt", "tp2pp2", 8)])
 def test_source_regions_partition_each_tensor_with_all_holders(model, text, world):
     """Refined source regions: disjoint, cover every tensor, and an element's holders are

@@ -20,6 +20,9 @@ DENSE_4 = [
     ("tp2pp1dp2", "tp1pp2dp2", {"memory_budget": 64 * 1024}),  # small budget: many rounds
     ("tp2pp2dp1", "tp2pp2dp1", {}),  # same layout: nothing moves
     ("tp2pp2dp1", "tp1pp2ppf1ppl3dp2", {"ckpt": True, "steps_after": 3}),  # uneven PP
+    # partial distributed optimizer (--num-distributed-optimizer-instances): on, and off again
+    ("tp1pp2dp2", "tp1pp2doi2dp2", {"ckpt": True, "steps_after": 4}),
+    ("tp1pp1doi2dp4", "tp2pp1dp2", {"back": True}),
 ]
 MOE_4 = [
     ("tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4", {"back": True}),  # EP 2->4
@@ -42,6 +45,7 @@ BF16_4 = [
 ]
 MOE_8 = [
     ("tp1pp2ep4etp1dp4", "tp2pp2ep2etp1dp2", {"back": True}),
+    ("tp1pp2ep2etp1doi2dp4", "tp2pp1ep4etp1dp4", {"back": True}),  # expert optimizer instances
 ]
 
 

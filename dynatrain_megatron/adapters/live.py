@@ -184,12 +184,15 @@ class LiveState:
 
     # ------------------------------------------------------------------ optimizer
     def _read_optimizer_ranges(self) -> None:
+        self._opt_instance: dict[tuple[int, str], int] = {}
         for opt in optimizers_of(self.optimizer):
             for p, (gbuf_idx, dtype, bucket_idx) in opt.model_param_gbuf_map.items():
                 rng = opt.gbuf_ranges[gbuf_idx][dtype][bucket_idx]["param_map"][p]["param"]
                 ci, name = self._owner[id(p)]
                 states = opt._get_main_param_and_optimizer_states(p)
                 self.opt_ranges[(ci, name)] = (rng.start, rng.end, states)
+                # with several optimizer instances the same shard lives once per instance
+                self._opt_instance[(ci, name)] = getattr(opt, "distributed_optimizer_instance_id", 0)
 
     def optimizer_fragments(self, kinds: Iterable[str] = OPT_KINDS,
                             padding: bool = False) -> list[LiveFragment]:
@@ -201,7 +204,7 @@ class LiveState:
             if end <= start or not blocks:
                 continue
             shape = tuple(self.params[ci][name].shape)
-            main = self._opt_main[(ci, name)]
+            main = self._opt_main[(ci, name)] and self._opt_instance[(ci, name)] == 0
             for fb in Box.from_flat_range(shape, start, end):
                 for b in blocks:
                     inter = fb.intersect(b.local)

@@ -40,6 +40,9 @@ class ParallelGroups:
     # this layout: its own communicator, so that a transfer that times out (which breaks
     # gloo's and NCCL's communicators) leaves the default group usable for the rollback vote
     transfer: object = None
+    # every device of the layout (with one optimizer instance: megatron's intra_dist_opt);
+    # loss averaging, state gathers and megatron's construction-time object gathers use it
+    layout_group: object = None
 
     @property
     def virtual_rank(self) -> Optional[int]:
@@ -62,6 +65,29 @@ class ParallelGroups:
                     if not broken:
                         raise
         self.created.clear()
+
+
+def optimizer_instance_groups(layout: Layout) -> dict[str, list[list[int]]]:
+    """Virtual-rank groups of megatron's (partial) distributed optimizer.
+
+    With `doi` instances (megatron-core 0.16.1 `initialize_model_parallel`): each DPxCP
+    and expert-DP group splits into `doi` blocks of consecutive ranks (`intra_dp_cp`,
+    `intra_expt_dp`: the shard groups); the ranks at the same place of every block form
+    `inter_dist_opt` (built from the expert grid; dense and expert parts share it); an
+    instance (`intra_dist_opt`) is every rank whose expert-DP index falls in its block.
+    With one instance only `intra_dist_opt` (the whole layout) is needed."""
+    if layout.doi == 1:
+        return {"intra_dist_opt": [list(range(layout.world_size))]}
+    sd, se = layout.dense_shards, layout.expert_shards
+    dense, expert = layout.groups(("cp", "dp")), layout.groups(("edp",))
+    edp = [layout.coords(r).edp for r in range(layout.world_size)]
+    return {
+        "intra_dp_cp": [g[i:i + sd] for g in dense for i in range(0, len(g), sd)],
+        "intra_expt_dp": [g[i:i + se] for g in expert for i in range(0, len(g), se)],
+        "inter_dist_opt": [g[i::se] for g in expert for i in range(se)],
+        "intra_dist_opt": [[r for r in range(layout.world_size) if edp[r] // se == i]
+                           for i in range(layout.doi)],
+    }
 
 
 def build_groups(layout: Layout, placement: Optional[Placement] = None) -> ParallelGroups:
@@ -104,11 +130,13 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
     pp_groups = layout.groups(("pp",))
     add("embd", [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups])
     add("pos_embd", [[g[0]] for g in pp_groups])
-    add("intra_dist_opt", [list(range(layout.world_size))])
+    for name, groups_virtual in optimizer_instance_groups(layout).items():
+        add(name, groups_virtual)
+    everyone = make(list(dev))  # the same group as intra_dist_opt when doi == 1
     for name in ("embd", "pos_embd"):  # megatron wants them explicitly None off-stage
         if not hasattr(pgc, name):
             setattr(pgc, name, None)
-    if rank in dev:
+    if rank in dev and layout.doi == 1:
         pgc.intra_dp_cp = pgc.dp_cp
         pgc.intra_expt_dp = pgc.expt_dp
         mine["intra_dp_cp"] = mine["dp_cp"]
@@ -117,7 +145,8 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
     created.append(transfer)
     log.debug("built %d groups for %s", len(created), layout)
     return ParallelGroups(layout=layout, placement=placement, rank=rank, pg_collection=pgc,
-                          group_ranks=mine, created=created, transfer=transfer)
+                          group_ranks=mine, created=created, transfer=transfer,
+                          layout_group=everyone if rank in dev else None)
 
 
 def install(groups: ParallelGroups) -> None:
@@ -151,8 +180,9 @@ def install(groups: ParallelGroups) -> None:
     ps._DATA_PARALLEL_GROUP_WITH_CP = getattr(p, "dp_cp", None)
     ps._DATA_PARALLEL_GROUP_WITH_CP_GLOO = getattr(p, "dp_cp", None) if gloo else None
     ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = r.get("dp_cp")
-    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = getattr(p, "dp_cp", None)
-    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = getattr(p, "dp_cp", None) if gloo else None
+    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = getattr(p, "intra_dp_cp", None)
+    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = (getattr(p, "intra_dp_cp", None)
+                                                           if gloo else None)
     ps._CONTEXT_PARALLEL_GROUP = getattr(p, "cp", None)
     ps._CONTEXT_PARALLEL_GLOBAL_RANKS = r.get("cp")
     ps._TENSOR_AND_CONTEXT_PARALLEL_GROUP = getattr(p, "tp_cp", None)
@@ -165,8 +195,10 @@ def install(groups: ParallelGroups) -> None:
     ps._EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP = getattr(p, "tp_ep_pp", None)
     ps._EXPERT_DATA_PARALLEL_GROUP = getattr(p, "expt_dp", None)
     ps._EXPERT_DATA_PARALLEL_GROUP_GLOO = getattr(p, "expt_dp", None) if gloo else None
-    ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP = getattr(p, "expt_dp", None)
-    ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO = getattr(p, "expt_dp", None) if gloo else None
+    ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP = getattr(p, "intra_expt_dp", None)
+    ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO = (getattr(p, "intra_expt_dp", None)
+                                                         if gloo else None)
+    ps._INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP = getattr(p, "inter_dist_opt", None)
     ps._INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP = getattr(p, "intra_dist_opt", None)
     ps._set_global_memory_buffer()
     if L.vpp > 1:

@@ -189,6 +189,7 @@ def wrap_ddp(chunks: list[torch.nn.Module], config, train: TrainConfig, groups: 
         overlap_grad_reduce=train.overlap_grad_reduce,
         overlap_param_gather=train.overlap_param_gather,
         use_distributed_optimizer=True,
+        num_distributed_optimizer_instances=groups.layout.doi,
         check_for_nan_in_grad=False,
         bucket_size=train.ddp_bucket_size,
     )
@@ -209,7 +210,7 @@ def build_optimizer(model: list, spec: ModelSpec, train: TrainConfig, groups: Pa
         use_distributed_optimizer=True)
     # megatron refuses gloo twins with an explicit pg_collection; they only serve
     # checkpoint code paths, which find the gloo globals set by `install` on CPU
-    with default_group_as(groups.pg_collection.intra_dist_opt):
+    with default_group_as(groups.layout_group):
         return get_megatron_optimizer(cfg, model, use_gloo_process_groups=False,
                                       pg_collection=groups.pg_collection)
 

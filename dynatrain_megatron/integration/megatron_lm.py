@@ -419,7 +419,9 @@ def wrap_megatron_groups(layout: Layout):
         if g is not None:
             mine[name] = sorted(dist.get_process_group_ranks(g))
     return ParallelGroups(layout=layout, placement=Placement.default(layout.world_size),
-                          rank=rank, pg_collection=pgc, group_ranks=mine, created=[])
+                          rank=rank, pg_collection=pgc, group_ranks=mine, created=[],
+                          # one optimizer instance (refused otherwise): it spans the layout
+                          layout_group=getattr(pgc, "intra_dist_opt", None))
 
 
 def _check_live_state(spec: ModelSpec, train: TrainConfig, objs) -> None:

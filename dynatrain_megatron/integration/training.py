@@ -93,7 +93,7 @@ class Trainer:
         self.p2p = P2PCommunicator(pp_group=objs.groups.pg_collection.pp, config=objs.config)
         c = objs.groups.coords()
         self._reporter = c.pp == L.pp - 1 and c.tp == 0 and c.dp_cp == 0
-        self._world = objs.groups.pg_collection.intra_dist_opt
+        self._world = objs.groups.layout_group
 
     def release_references(self) -> None:
         """Drop every reference to the layout's objects and communicators (after a rank

@@ -435,13 +435,17 @@ def _buffer_regions(em, buf, specs, kidx, hs, L, pp, single, TP, ETP, EP, EDP, D
         pi, k, c0, c1, b = pi[idx], k[idx], c0[idx], c1[idx], b[idx]
     else:
         pi, k, r0, r1, c0, c1, b = (x[keep] for x in (pi, k, r0, r1, c0, c1, b))
-    # holder sets and keys
+    # holder sets and keys; with several distributed-optimizer instances the shard k of
+    # instance i sits at data-parallel index k + S*i: one more progression dimension
+    I = L.doi
     if buf.is_expert:
         base0 = ETP * EP * (k + EDP * pp)  # + ETP*e (+ b for split)
         estride = ETP
+        istride = ETP * EP * S
     else:
         base0 = TP * (k + DPCP * pp)
         estride = 0
+        istride = TP * S
     # every EP rank holds the same expert buffer with its own experts
     ne = EP if buf.is_expert else 1
     keys2d = np.stack([kidx.expert_ids(p, ne)[:ne] if p.is_expert else
@@ -452,11 +456,12 @@ def _buffer_regions(em, buf, specs, kidx, hs, L, pp, single, TP, ETP, EP, EDP, D
             if not m.any():
                 continue
             if buf.is_expert:
-                pid = hs.pattern(1, ETP) if sel_rep else single
+                pid = hs.pattern(1, ETP, istride, I) if sel_rep else hs.pattern(istride, I)
             elif sel_exp:  # expert weights in the dense buffer (EP = 1)
-                pid = hs.pattern(1, TP) if sel_rep else hs.pattern(ETP, TP // ETP)
+                pid = (hs.pattern(1, TP, istride, I) if sel_rep
+                       else hs.pattern(ETP, TP // ETP, istride, I))
             else:
-                pid = hs.pattern(1, TP) if sel_rep else single
+                pid = hs.pattern(1, TP, istride, I) if sel_rep else hs.pattern(istride, I)
             bb = base0[m] + (0 if sel_rep else b[m])
             mp = pi[m]
             ne = keys2d.shape[1] if sel_exp else 1

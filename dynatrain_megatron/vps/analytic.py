@@ -16,9 +16,13 @@ same content form further *copies* of the shard group, numbered `copy`:
     expert (EP > 1), ETP-split       copy = 0
     expert (EP > 1), ETP-replicated  copy = etp
     expert (EP = 1: dense buffer)    copy = tp // ETP (ETP-split), tp (ETP-replicated)
-Then
-    param:                         replica = copy * S + shard_index
-    main_param, exp_avg(_sq):      replica = copy   (fragments exist only for owned ranges)
+With `doi` distributed-optimizer instances (megatron's partial distributed optimizer)
+the data-parallel group of size N splits into `doi` blocks of S = N / doi consecutive
+ranks; each block shards the optimizer state on its own, so the same shard exists once
+per instance (`instance = dp_index // S`, `shard_index = dp_index % S`). Then
+    param:                         replica = copy * N + dp_index
+    main_param, exp_avg(_sq):      replica = copy * doi + instance
+                                   (fragments exist only for owned ranges)
 so the replica-0 fragments cover each logical tensor exactly once for every kind: for the
 parameter, shard index 0 of copy 0; for optimizer state, the disjoint owned ranges of all
 shard indices of copy 0 (they partition every local tensor).
@@ -122,7 +126,7 @@ class AnalyticLayout:
                                        self.bucket_chunks_after_first)
             params = self.chunk_params(pp_rank, chunk)
             got = []
-            for expert, S in ((False, L.dp_cp), (True, L.edp)):
+            for expert, S in ((False, L.dense_shards), (True, L.expert_shards)):
                 group = [(p.local_name, p.numel, p.shared_embedding) for p in params
                          if self.in_expert_buffer(p) == expert]
                 if group:
@@ -145,11 +149,18 @@ class AnalyticLayout:
             self._class_cache[k] = got
         return got
 
-    def shard_index(self, p: ParamSpec, c: RankCoords) -> tuple[int, int]:
-        """(shard group size S, index of the rank in it) of the buffer holding `p`."""
+    def dp_index(self, p: ParamSpec, c: RankCoords) -> tuple[int, int]:
+        """(size of the data-parallel group of the buffer holding `p`, the rank's index)."""
         if self.in_expert_buffer(p):
             return self.layout.edp, c.edp
         return self.layout.dp_cp, c.dp_cp
+
+    def shard_index(self, p: ParamSpec, c: RankCoords) -> tuple[int, int, int]:
+        """(shard group size S, index of the rank in it, distributed-optimizer instance)
+        of the buffer holding `p`: instance i owns the data-parallel block [i*S, (i+1)*S)."""
+        n, i = self.dp_index(p, c)
+        S = n // self.layout.doi
+        return S, i % S, i // S
 
     def copy_index(self, p: ParamSpec, c: RankCoords) -> int:
         """Which copy of its shard group a rank's tensor is (module doc, replica rule)."""
@@ -170,7 +181,7 @@ class AnalyticLayout:
         out: dict[tuple[int, str], tuple[int, int]] = {}
         for chunk in range(self.layout.vpp):
             for buf in self.buffers(c.pp, chunk):
-                r = c.edp if buf.is_expert else c.dp_cp
+                r = (c.edp if buf.is_expert else c.dp_cp) % buf.shard_size
                 for name, s, e in buf.owned_param_ranges(r):
                     out[(chunk, name)] = (s, e)
         return out
@@ -186,8 +197,8 @@ class AnalyticLayout:
         out: list[Fragment] = []
         if "param" in kinds:
             for lt in lts:
-                S, idx = self.shard_index(lt.spec, c)
-                rep = self.copy_index(lt.spec, c) * S + idx
+                n, idx = self.dp_index(lt.spec, c)
+                rep = self.copy_index(lt.spec, c) * n + idx
                 for b in lt.blocks:
                     out.append(Fragment(lt.key, "param", b.logical, rank, rep, lt.chunk,
                                         lt.local_name, b.local.offsets))
@@ -202,7 +213,8 @@ class AnalyticLayout:
                 continue
             s, e = rng
             inner = math.prod(lt.local_shape[1:])
-            copy = self.copy_index(lt.spec, c)
+            # replicas: the TP copies, and the same shard in every optimizer instance
+            copy = self.copy_index(lt.spec, c) * self.layout.doi + self.shard_index(lt.spec, c)[2]
             for b in lt.blocks:  # blocks are dim-0 row ranges: one flat range each
                 b0 = b.local.offsets[0] * inner
                 cs, ce = max(s, b0), min(e, b0 + b.local.shape[0] * inner)
@@ -228,7 +240,7 @@ class AnalyticLayout:
 
     def _build_tables(self) -> dict[str, np.ndarray]:
         L, spec = self.layout, self.spec
-        PP, TP, Sd, Se = L.pp, L.tp, L.dp_cp, L.edp
+        PP, TP, Sd, Se = L.pp, L.tp, L.dense_shards, L.expert_shards
         pnum = np.zeros((PP, TP), np.int64)
         ntens = np.zeros((PP, TP), np.int64)
         dense = np.zeros((PP, TP, Sd), np.int64)
@@ -257,7 +269,8 @@ class AnalyticLayout:
                             dense[pp, sl] += el
                             dense_n[pp, sl] += n
         a = self._rank_coords_arrays()
-        pp, tp, dc, ed = a["pp"], a["tp"], a["dp_cp"], a["edp"]
+        pp, tp = a["pp"], a["tp"]
+        dc, ed = a["dp_cp"] % Sd, a["edp"] % Se  # the shard index inside an instance
         opt = dense[pp, tp, dc] + expert[pp, ed]
         return {"param_numel": pnum[pp, tp], "tensors": ntens[pp, tp],
                 "owned_numel": opt, "owned_tensors": dense_n[pp, tp, dc] + expert_n[pp, ed]}

@@ -22,8 +22,8 @@ import numpy as np
 from .errors import LayoutError
 from .model_spec import ModelSpec
 
-_TOKEN = re.compile(r"(vpp|etp|ppf|ppl|tp|pp|cp|ep|dp)(\d+)")
-_AXES = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp")
+_TOKEN = re.compile(r"(vpp|etp|ppf|ppl|doi|tp|pp|cp|ep|dp)(\d+)")
+_AXES = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp", "doi")
 
 # axis names of the two megatron rank grids, fastest first
 DENSE_AXES = ("tp", "cp", "dp", "pp")
@@ -63,6 +63,10 @@ class Layout:
     # --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers
     ppf: int = 0
     ppl: int = 0
+    # distributed-optimizer instances (megatron's --num-distributed-optimizer-instances):
+    # the optimizer state is sharded over DPxCP / doi ranks and replicated doi times, so a
+    # dead rank's shards survive on its replicas
+    doi: int = 1
 
     def __post_init__(self) -> None:
         if self.ppf < 0 or self.ppl < 0:
@@ -82,11 +86,15 @@ class Layout:
                 f"layout {self}: expert grid etp*ep*pp = {self.etp}*{self.ep}*{self.pp} = "
                 f"{self.etp * self.ep * self.pp} does not divide world size {self.world_size} "
                 f"(= tp*cp*dp*pp); choose etp/ep so that it does (etp defaults to tp)")
+        if self.doi > 1 and (self.dp_cp % self.doi or self.edp % self.doi):
+            raise LayoutError(
+                f"layout {self}: doi{self.doi} distributed-optimizer instances must divide the "
+                f"data-parallel groups (dp*cp = {self.dp_cp}, expert dp = {self.edp})")
 
     # ------------------------------------------------------------------ parse / print
     @classmethod
     def parse(cls, text: str, world_size: Optional[int] = None) -> "Layout":
-        """Parse `tp2pp2dp2`, `tp1pp2ep4etp1dp4`, `tp2pp4vpp2`, ... .
+        """Parse `tp2pp2dp2`, `tp1pp2ep4etp1dp4`, `tp2pp4vpp2`, `tp1pp2doi2dp4`, ... .
 
         Missing axes are 1 (etp: = tp); a missing dp is derived from `world_size`.
         """
@@ -105,7 +113,7 @@ class Layout:
         if pos != len(s) or not vals:
             raise LayoutError(
                 f"malformed layout {text!r}: expected tokens like tp2pp2dp2 from "
-                f"{{tp,pp,vpp,cp,ep,etp,dp}}<int>, stopped at {s[pos:]!r}")
+                f"{{tp,pp,vpp,cp,ep,etp,doi,dp}}<int>, stopped at {s[pos:]!r}")
         if any(v < 1 for v in vals.values()):
             raise LayoutError(f"layout {text!r}: every axis size must be >= 1")
         mp = vals.get("tp", 1) * vals.get("pp", 1) * vals.get("cp", 1)
@@ -133,6 +141,8 @@ class Layout:
             s += f"ppf{self.ppf}"
         if self.ppl:
             s += f"ppl{self.ppl}"
+        if self.doi > 1:
+            s += f"doi{self.doi}"
         return s + f"dp{self.dp}"
 
     # ------------------------------------------------------------------ sizes
@@ -147,8 +157,19 @@ class Layout:
 
     @property
     def dp_cp(self) -> int:
-        """Size of the distributed-optimizer shard group of dense parameters."""
+        """Size of the dense data-parallel (x CP) group: gradients are averaged over it."""
         return self.dp * self.cp
+
+    @property
+    def dense_shards(self) -> int:
+        """Size of the distributed-optimizer shard group of dense parameters: one block of
+        `dp_cp / doi` consecutive DPxCP ranks (megatron's intra-partial DP group)."""
+        return self.dp_cp // self.doi
+
+    @property
+    def expert_shards(self) -> int:
+        """The same for expert parameters (consecutive expert-DP ranks)."""
+        return self.edp // self.doi
 
     # ------------------------------------------------------------------ validation vs model
     def check_model(self, spec: ModelSpec) -> None:
