@@ -261,3 +261,31 @@ def test_sweep_of_random_layout_pairs(case):
     st = plan.stats
     assert st.max_send_bytes >= st.group_send_bound_bytes
     assert st.max_send_inter_bytes >= st.group_send_inter_bound_bytes
+
+
+@pytest.mark.parametrize("model,a,b,b_devices", [
+    ("tiny-gpt", "tp1pp2doi2dp2", "tp1pp2dp1", (0, 1)),       # stage 2 from its replica
+    ("tiny-gpt+tied", "tp2pp1doi2dp2", "tp1pp2dp1", (0, 2)),  # TP-split shards too
+    ("tiny-moe", "tp1pp1ep2etp1doi2dp4", "tp1pp1ep2etp1dp2", (0, 1)),  # expert shards
+])
+def test_dead_sources_are_never_used_and_the_rest_still_tiles_b(model, a, b, b_devices):
+    """Recovery after a death: the plan takes every piece from a surviving replica."""
+    s, A = spec(model), lay(a, 4)
+    B = Layout.parse(b)
+    plan = build_plan(s, A, (B, Placement(b_devices)), unavailable=(3,))
+    assert validate_plan(plan) == []
+    pieces = plan.pieces()
+    assert pieces and all(p.src_device != 3 for p in pieces)
+    full = build_plan(s, A, (B, Placement(b_devices)))
+    # the same destination boxes, only the sources differ
+    assert sorted((p.dst_device, p.key, p.kind, p.box) for p in pieces) == \
+        sorted((p.dst_device, p.key, p.kind, p.box) for p in full.pieces())
+
+
+def test_state_held_only_by_dead_devices_is_refused():
+    s = spec("tiny-gpt")
+    with pytest.raises(RoutingError, match="held only by the unavailable devices \\[3\\]"):
+        build_plan(s, lay("tp1pp2dp2", 4), (Layout.parse("tp1pp2dp1"), Placement((0, 2))),
+                   unavailable=(3,))  # without optimizer instances rank 3's shards die
+    with pytest.raises(RoutingError, match="not devices of layout A"):
+        build_plan(s, lay("tp1pp2dp2", 4), lay("tp1pp2dp2", 4), unavailable=(7,))

@@ -79,6 +79,8 @@ class Geometry:
     rp_c0: np.ndarray
     rp_c1: np.ndarray
     need_numel: tuple[int, ...]  # per class: elements all destination devices hold in B
+    # virtual ranks of A that cannot send (their device died): never chosen as a source
+    src_exclude: frozenset = frozenset()
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -125,6 +127,10 @@ class Geometry:
             idx = np.repeat(offs[sel], np.diff(off)) + (
                 np.arange(len(mem)) - np.repeat(off[:-1], np.diff(off)))
             out[idx] = mem
+        if side == "src" and self.src_exclude:
+            keep = ~np.isin(out, np.fromiter(self.src_exclude, np.int64))
+            kept = np.concatenate([[0], np.cumsum(keep)])
+            offs, out = kept[offs], out[keep]
         return offs, out
 
     # ------------------------------------------------------------------ materialise
@@ -172,6 +178,10 @@ class Geometry:
         u, inv = np.unique(comb, return_inverse=True)
         tot = np.bincount(inv.ravel(), weights=el, minlength=len(u)).astype(np.int64)
         return (u // len(KINDS)) // D, (u // len(KINDS)) % D, u % len(KINDS), tot
+
+
+_GEOM_FIELDS = tuple(f for f in Geometry.__dataclass_fields__
+                     if f not in ("src_exclude", "_cache"))
 
 
 def _inverse(pl: Placement) -> dict[int, int]:
@@ -709,33 +719,60 @@ def _side(side: Union[Side, Layout], what: str) -> tuple[Layout, Placement]:
 
 def build_plan(spec: ModelSpec, src: Union[Side, Layout], dst: Union[Side, Layout],
                kinds: Sequence[str] = KINDS, ranks_per_node: int = 8,
-               bucket_size: BucketSize = None) -> Plan:
+               bucket_size: BucketSize = None, unavailable: Sequence[int] = ()) -> Plan:
     """The transition plan from `src = (layout A, placement A)` to `dst` (module doc).
 
     `placement.devices[v]` is the device of virtual rank v (None: identity); the two
     sides may use different device sets (scale in/out). `kinds`: the state kinds to move
     (e.g. `OPT_KINDS` when weights are rebuilt from fp32 masters). `bucket_size`: the
-    resolved DDP bucket size of both layouts, or a (src, dst) pair. Memoised.
+    resolved DDP bucket size of both layouts, or a (src, dst) pair. `unavailable`:
+    devices of A that cannot send (dead): their state comes from its replicas, or the
+    plan is refused. Memoised.
     """
     la, pa = _side(src, "src")
     lb, pb = _side(dst, "dst")
     if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
         raise RoutingError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
     bs, bd = _split_bucket(bucket_size)
-    return _build_plan(spec, la, pa, lb, pb, _norm_kinds(kinds), ranks_per_node, bs, bd)
+    bad = sorted(set(unavailable) - set(pa.devices))
+    if bad:
+        raise RoutingError(f"unavailable devices {bad} are not devices of layout A {la}")
+    return _build_plan(spec, la, pa, lb, pb, _norm_kinds(kinds), ranks_per_node, bs, bd,
+                       tuple(sorted(set(unavailable))))
 
 
 @functools.lru_cache(maxsize=32)
-def _build_plan(spec, la, pa, lb, pb, kinds, rpn, bs, bd) -> Plan:
+def _build_plan(spec, la, pa, lb, pb, kinds, rpn, bs, bd, unavailable=()) -> Plan:
     geom = geometry(spec, la, lb, kinds, bs, bd)
-    return plan_for(geom, pa, pb, rpn)
+    return plan_for(geom, pa, pb, rpn, unavailable)
 
 
-def plan_for(geom: Geometry, pa: Placement, pb: Placement, rpn: int) -> Plan:
-    """The plan of a (cached) geometry under placements `pa`, `pb`."""
+def _without_sources(geom: Geometry, pa: Placement, unavailable: Sequence[int]) -> Geometry:
+    """`geom` whose source holder sets leave out the virtual ranks on `unavailable`
+    devices; refuses when some state then has no holder left (it died with them)."""
+    gone = frozenset(v for v, d in enumerate(pa.devices) if d in set(unavailable))
+    out = Geometry(*(getattr(geom, f) for f in _GEOM_FIELDS), src_exclude=gone)
+    off, _ = out.all_members("src")
+    empty = np.flatnonzero(np.diff(off) == 0)
+    if len(empty):
+        j = int(out.p_off[empty[0]])
+        raise RoutingError(
+            f"{len(empty)} parts of the state of {geom.src_layout} are held only by the "
+            f"unavailable devices {sorted(unavailable)} (e.g. "
+            f"{geom.kidx.keys[int(out.rp_key[j])]} {geom.classes[int(out.p_cls[empty[0]])]}): "
+            f"they cannot be recovered from the others")
+    return out
+
+
+def plan_for(geom: Geometry, pa: Placement, pb: Placement, rpn: int,
+             unavailable: Sequence[int] = ()) -> Plan:
+    """The plan of a (cached) geometry under placements `pa`, `pb`; no piece comes from
+    a device in `unavailable` (A's devices that died: recovery from their replicas)."""
     dev_a = np.asarray(pa.devices, np.int64)
     dev_b = np.asarray(pb.devices, np.int64)
     geom = refined(geom)
+    if unavailable:
+        geom = _without_sources(geom, pa, unavailable)
     rp, rdst, rsrc, forced, no_same = assign(geom, dev_a, dev_b, rpn)
     stats, tr = _stats(geom, rp, rdst, rsrc, forced, no_same, rpn, pa, pb)
     if stats.moved_bytes != stats.lower_bound_bytes:  # pragma: no cover - invariant
