@@ -181,3 +181,65 @@ def test_source_choice_within_reach_of_the_bandwidth_bound(model, a, b, world, k
     assert st.moved_bytes == st.lower_bound_bytes
     assert st.max_send_bytes >= st.group_send_bound_bytes
     assert st.max_send_inter_bytes >= st.group_send_inter_bound_bytes
+
+
+# ---------------------------------------------------------------------------------------
+# the node-cut bound
+# ---------------------------------------------------------------------------------------
+def _one_node_optimum(need, rmin, bi, be):
+    """Brute force: device 0 of a node is the only on-node holder of unit rows its
+    node-mates need (`need[r]` rows for receiver r), other copies sit off the node
+    behind NICs with room to spare; receiver r must also take `rmin[r]` over its NIC.
+    Each row goes over device 0's NVLink or the receiver's NIC: the best round time."""
+    best = np.inf
+    for nic in np.ndindex(*(n + 1 for n in need)):
+        nvl = sum(n - k for n, k in zip(need, nic))
+        t = max([nvl / bi] + [(m + k) / be for m, k in zip(rmin, nic)]
+                + [(n - k) / bi for n, k in zip(need, nic)])
+        best = min(best, t)
+    return best
+
+
+@pytest.mark.parametrize("need,rmin", [((6, 6, 6), (2, 0, 4)), ((9, 3, 5), (0, 0, 0)),
+                                       ((8, 8, 8), (6, 6, 6)), ((1, 0, 7), (3, 1, 0))])
+def test_node_cut_bound_is_at_most_the_brute_force_optimum_and_close_to_it(need, rmin):
+    """One holder against its node-mates' NICs: the cut bound never exceeds the best
+    choice, and is within one row's time of it (the bound is the fractional optimum);
+    every single-device bound is below it when the holder is the bottleneck."""
+    from dynatrain_megatron.routing.cost import node_cut_seconds
+    bi, be = 3.0, 1.0  # rows per time unit
+    rows_dst = np.repeat(np.arange(1, 4), need)  # node 0 = devices 0..3
+    dst = np.r_[rows_dst, np.repeat(np.arange(1, 4), rmin)]
+    mask = np.r_[np.ones(len(rows_dst), np.int64), np.zeros(sum(rmin), np.int64)]
+    fixed = np.zeros(len(dst), bool)
+    byts = np.ones(len(dst))
+    opt = _one_node_optimum(need, rmin, bi, be)
+    for subsets in (True, False):  # H = {0} is a single device: both forms agree
+        lb = node_cut_seconds(byts, dst, mask, fixed, 4, bi, be, all_subsets=subsets)
+        assert lb <= opt + 1e-12
+        assert opt <= lb + 1 / be + 1e-12
+    simple = max(max(rmin) / be, max(n + m for n, m in zip(need, rmin)) / (bi + be))
+    assert node_cut_seconds(byts, dst, mask, fixed, 4, bi, be, simple) >= simple
+    if (need, rmin) == ((8, 8, 8), (6, 6, 6)):  # the holder's NVLink is the bottleneck
+        # one row of each receiver over its NIC: 6 + 1 = (24 - 3) / 3 = 7 > every
+        # per-device bound (6)
+        assert opt == 7.0 and simple == 6.0
+        assert node_cut_seconds(byts, dst, mask, fixed, 4, bi, be) == pytest.approx(7.0)
+        # rows with no holder off the node have no NIC route: all over NVLink
+        allfix = node_cut_seconds(byts, dst, mask, mask > 0, 4, bi, be)
+        assert allfix == pytest.approx(max(sum(need) / bi, max(rmin) / be))
+
+
+def test_node_cut_bound_counts_a_pair_of_holders_together():
+    """Two devices both holding what their two node-mates need (mask 0b11), and nothing
+    else on the node: only the pair's cut (H = {0, 1}) sees it. 12 rows per receiver,
+    all links 1 row per time unit: x rows over each NIC, 24 - 2x over two NVLinks, so
+    T = 6 at best, and the all-subsets bound finds exactly that."""
+    from dynatrain_megatron.routing.cost import node_cut_seconds
+    dst = np.repeat([2, 3], 12)
+    mask = np.full(24, 0b11)
+    byts, fixed = np.ones(24), np.zeros(24, bool)
+    assert node_cut_seconds(byts, dst, mask, fixed, 4, 1.0, 1.0,
+                            all_subsets=True) == pytest.approx(6.0)
+    # single devices drop rows of several on-node holders: valid, weaker
+    assert node_cut_seconds(byts, dst, mask, fixed, 4, 1.0, 1.0, all_subsets=False) == 0.0
