@@ -17,10 +17,11 @@ How it works, in two halves (neither loops over ranks or rank pairs):
    holders: a holder on the destination's node if there is one (NVLink before the NIC),
    else round-robin over all holders of the source set; then a min-max local search
    (`_rebalance`) re-sources rows, NVLink or NIC, to lower the slowest device's time under
-   the default link model. Set pairs of several holders are first cut into parts
-   (`refined`) so that one destination's share can come from several holders. For
-   optimizer state of TP-split tensors the holder is unique anyway. Every destination
-   receives each byte exactly once, so bytes moved == the lower bound.
+   the default link model, down to a lower bound of any source choice (`_time_floor`).
+   Set pairs of several holders are first cut into parts (`refined`) so that one
+   destination's share can come from several holders. For optimizer state of TP-split
+   tensors the holder is unique anyway. Every destination receives each byte exactly
+   once, so bytes moved == the lower bound.
 """
 from __future__ import annotations
 
@@ -377,27 +378,101 @@ def _link_weights() -> tuple[int, int, int]:
 
 _MAX_ITER = 64  # rebalancing passes (each moves many rows at once)
 # and row evaluations in all: bounds the planning time. Measured on one core: 350k keeps
-# the 4096-rank Qwen3 scenarios' whole planning (placement + two plans) at ~0.7 s, under
-# the 1 s target; 600k reached balance 1.18 instead of 1.21 on ep32->ep64 but took 1.1 s
+# the 4096-rank Qwen3 scenarios' whole planning (placement + two plans + bounds) at
+# ~0.7 s, under the 1 s target; on ep32 -> ep64 the search is then at 1.049x the node-cut
+# bound, and unlimited work (~1.3M evaluations, +0.3 s) reaches 1.037x
 _MAX_WORK = 350_000
 _STEP = 16  # first target: 1/_STEP below the slowest device
 _MIN_STEP = 64  # stop when stuck even 1/_MIN_STEP below it
 _TURNS = 8
 
 
-def _sorted3(a, b, c):
-    """Element-wise (largest, middle, smallest) of three integer arrays."""
-    hi = np.maximum(np.maximum(a, b), c)
-    lo = np.minimum(np.minimum(a, b), c)
-    return hi, a + b + c - hi - lo, lo
+def _times(s0, s1, r0, r1, floor, w):
+    """Device times in integer units (`_rebalance`): the slower link, at least the local
+    copies (they overlap the round); `w` = (NVLink, NIC) weights per byte. The checksum
+    passes are left out: they add the same per-byte cost whatever the link, and counting
+    them made the search settle worse in a trial on the 4096-rank scenario (estimate
+    1.33x the bound instead of 1.31x)."""
+    wi, we = w
+    return np.maximum(np.maximum(np.maximum(s0, r0) * wi, np.maximum(s1, r1) * we), floor)
 
 
-def _lex_less(x, y):
-    """Element-wise: is the triple x lexicographically smaller than y?"""
-    return (x[0] < y[0]) | ((x[0] == y[0]) & ((x[1] < y[1]) | ((x[1] == y[1]) & (x[2] < y[2]))))
+def _accept_gains(rank, h2, d, t, t2, v, S, R, floor, w, target):
+    """Which of a pass's improving moves to apply together (`_rebalance`).
+
+    A move adds load to its new source h2 (send, link t2) and, when the link changes, to
+    its destination d (receive, link t2). Per device, its gains are taken in priority
+    order (`rank`, 0 first): the first as evaluated (the move was checked alone), the
+    next ones while the device's time with every earlier-ranked gain on it, applied or
+    not, stays at or below `target`. So the devices that gain end no higher than their
+    moves were evaluated or than the target, whatever else the pass applies (losses only
+    lower a time). Returns a boolean mask over the moves."""
+    n = len(rank)
+    dg = np.flatnonzero(t2 != t)
+    mv = np.r_[np.arange(n), dg]
+    dev = np.r_[h2, d[dg]]
+    ctr = np.r_[t2, 2 + t2[dg]]  # 0/1: send NVLink/NIC, 2/3: receive NVLink/NIC
+    o = np.lexsort((rank[mv], dev))
+    mv, dev, ctr = mv[o], dev[o], ctr[o]
+    add = np.zeros((len(o), 4), np.int64)
+    add[np.arange(len(o)), ctr] = v[mv]
+    cum = np.cumsum(add, axis=0)
+    start = np.r_[True, dev[1:] != dev[:-1]]
+    first = np.maximum.accumulate(np.where(start, np.arange(len(o)), 0))
+    cum -= cum[first] - add[first]
+    base = np.stack([S[0, dev], S[1, dev], R[0, dev], R[1, dev]], axis=1) + cum
+    tnew = _times(base[:, 0], base[:, 1], base[:, 2], base[:, 3], floor[dev], w)
+    good = start | (tnew <= target)
+    ok = np.ones(n, bool)
+    np.logical_and.at(ok, mv, good)
+    return ok
 
 
-def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, local):
+def _shed_in_turn(rank, h, v, t, T, target, w):
+    """Of moves accepted together, the ones each losing device h keeps: in priority
+    order, while the time it has shed so far is below its excess over `target` (the
+    first always), so that a slow device does not hand off more than it needs to and
+    fill its peers up to the target for nothing. Boolean mask over the moves."""
+    o = np.lexsort((rank, h))
+    shed = v[o] * np.where(t[o] == 1, w[1], w[0])
+    cum = np.cumsum(shed) - shed
+    start = np.r_[True, h[o][1:] != h[o][:-1]]
+    before = cum - np.maximum.accumulate(np.where(start, cum, 0))
+    keep = np.empty(len(o), bool)
+    keep[o] = start | (before < T[h[o]] - target)
+    return keep
+
+
+def _time_floor(p_r, d_r, idx, same, lo, hi, s_n, sdev, vb, rpn, M, local) -> int:
+    """A lower bound on the slowest device's time (integer units of `_link_weights`)
+    under any source choice: the floor of the local search (`_rebalance`), which aims no
+    lower and stops when it is reached. Per device: local copies, receives with no
+    holder on the node (NIC), sends as the only holder, all receives over both links;
+    then the single-device node cuts of `cost.node_cut_seconds` (a device that alone on
+    its node holds what its node-mates need, against their NICs)."""
+    from .cost import node_cut_seconds
+    wi, we, wl = _link_weights()
+    v = vb[p_r].astype(np.float64)
+    src = sdev[idx]
+    one = s_n[p_r] == 1
+    lb = max(float((local * wl).max(initial=0)),
+             float(np.bincount(d_r[~same], weights=v[~same], minlength=M).max(initial=0)) * we,
+             float(np.bincount(src[one & same], weights=v[one & same],
+                               minlength=M).max(initial=0)) * wi,
+             float(np.bincount(src[one & ~same], weights=v[one & ~same],
+                               minlength=M).max(initial=0)) * we,
+             float(np.bincount(d_r, weights=v, minlength=M).max(initial=0)) * wi * we
+             / (wi + we))
+    if rpn <= 62 and len(p_r):  # one bit per device of a node in an int64
+        cs = np.r_[0, np.cumsum(np.left_shift(1, sdev % rpn))]
+        mask = np.where(same, cs[hi] - cs[lo], 0)
+        lb = node_cut_seconds(v, d_r, mask, (hi - lo) == s_n[p_r], rpn, 1.0 / wi, 1.0 / we,
+                              lb, all_subsets=False)
+    return int(np.ceil(lb * (1 - 1e-12)))  # float round-off below an integer optimum
+
+
+def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, local,
+               bound=0):
     """Min-max local search over the source choice of the rows of several holders.
 
     Device time (the cost model's, in integer units): t_d = max(max(send_intra,
@@ -405,14 +480,24 @@ def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, l
     A *move* re-sources one row (set pair part, destination d) from its holder h to another
     holder h2 of the same set: the best holder on d's node (NVLink) or the best off it
     (NIC), by the time it would have after taking the row. A move is *improving* when it
-    lowers max(t_h, t_h2, t_d) strictly; each pass applies, at once, the improving moves
-    that touch the slowest devices first and share no device (a move is taken when it
-    has the best priority at each of its three devices), then recomputes the times. Every
-    applied move lowers the sorted vector of device times lexicographically, so the search
-    terminates; it stops when no row touching a device within `1 - _FOCUS` of the slowest
-    can improve (or after `_MAX_ITER` passes). Deterministic: integer loads, stable sorts.
+    lowers the devices' excess over the current target without raising max(t_h, t_h2,
+    t_d) above max(its old value, target). Passes aim at a target below the slowest
+    device (1/_STEP below, closer when stuck, never below `bound`, a lower bound on any
+    source choice: `_time_floor`) and apply many improving moves at once, touching the
+    slowest devices first. The first pass is *wide*: a device may shed several rows
+    (until its excess is gone, `_shed_in_turn`) and take several (while it stays under
+    the target, `_accept_gains`), which does the bulk of the work in one pass when
+    hundreds of devices are equally overloaded (4096-rank scenario: 800 moves instead of
+    270). The later passes are *narrow* (a device takes part in one move), which settles
+    better: wide passes to the end left Llama-3-70B tp8 -> tp4 at 1.055x the bound instead
+    of 1.032x. The gaining devices end no higher than their moves were evaluated, so
+    every pass lowers the sorted vector of device times lexicographically and the search
+    terminates; it stops at the bound, when stuck 1/_MIN_STEP below the slowest device,
+    after `_MAX_ITER` passes, or after `_MAX_WORK` row evaluations. Deterministic:
+    integer loads, stable sorts.
     Returns the updated `idx` (positions into the holder arrays)."""
     wi, we, wl = _link_weights()
+    w = (wi, we)
     v = vb[p_r].astype(np.int64)
     dn = d_r // rpn
     idx = idx.copy()
@@ -442,12 +527,12 @@ def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, l
     hkey = hg * NN + hnode  # sorted (holders sorted by node inside a set)
     ukey, ustart = np.unique(hkey, return_index=True)
     big = np.iinfo(np.int64).max
-    T = np.maximum(np.maximum(np.maximum(S[0], R[0]) * wi, np.maximum(S[1], R[1]) * we), floor)
+    T = _times(S[0], S[1], R[0], R[1], floor, w)
     tmax = int(T.max(initial=0))
     step, work = _STEP, 0
-    target = tmax - tmax // step
-    for _ in range(_MAX_ITER):
-        if tmax == 0 or step > _MIN_STEP:
+    target = max(tmax - tmax // step, bound)
+    for it in range(_MAX_ITER):
+        if tmax <= bound or step > _MIN_STEP:
             break
         m = mv[np.maximum(T[src[mv]], T[d_r[mv]]) > target]
         work += len(m)
@@ -489,14 +574,11 @@ def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, l
             ok &= h2 != h
             # new times of h (loses the row), h2 (takes it), d (its link may change)
             sh = S[:, h] - vm * np.stack([1 - t, t])
-            nh = np.maximum(np.maximum(np.maximum(sh[0], R[0, h]) * wi,
-                                       np.maximum(sh[1], R[1, h]) * we), floor[h])
+            nh = _times(sh[0], sh[1], R[0, h], R[1, h], floor[h], w)
             s2 = S[:, h2] + vm * np.stack([1 - t2, t2])
-            n2 = np.maximum(np.maximum(np.maximum(s2[0], R[0, h2]) * wi,
-                                       np.maximum(s2[1], R[1, h2]) * we), floor[h2])
+            n2 = _times(s2[0], s2[1], R[0, h2], R[1, h2], floor[h2], w)
             rd = R[:, d] + vm * (np.stack([1 - t2, t2]) - np.stack([1 - t, t]))
-            nd = np.maximum(np.maximum(np.maximum(S[0, d], rd[0]) * wi,
-                                       np.maximum(S[1, d], rd[1]) * we), floor[d])
+            nd = _times(S[0, d], S[1, d], rd[0], rd[1], floor[d], w)
             gain = (excess(T[h]) + excess(T[h2]) + excess(T[d])
                     - excess(nh) - excess(n2) - excess(nd))
             cap = np.maximum(np.maximum(T[h], T[h2]), np.maximum(T[d], target))
@@ -506,29 +588,33 @@ def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, l
         imp = np.flatnonzero(best_c >= 0)
         if not len(imp):  # stuck at this target: aim closer to the current slowest
             step *= 2
-            target = max(target, tmax - tmax // step)
+            target = max(target, tmax - tmax // step, bound)
             continue
         r, c = m[imp], best_c[imp]
         h, h2, d = src[r], hdev[c], d_r[r]
+        t, t2 = inter[r], (hnode[c] != dn[r]).astype(np.int64)
         rank = np.empty(len(r), np.int64)
         rank[np.lexsort((r, -best_gain[imp]))] = np.arange(len(r))
-        mr = np.full(M, big, np.int64)
-        for dev in (h, h2, d):
-            np.minimum.at(mr, dev, rank)
-        sel = (mr[h] == rank) & (mr[h2] == rank) & (mr[d] == rank)
-        r, c, h, h2, d = r[sel], c[sel], h[sel], h2[sel], d[sel]
-        t, t2, vr = inter[r], (hnode[c] != dn[r]).astype(np.int64), v[r]
+        if it == 0:  # one wide pass: every device may shed and gain several rows
+            ok = _accept_gains(rank, h2, d, t, t2, v[r], S, R, floor, w, target)
+            ok[ok] = _shed_in_turn(rank[ok], h[ok], v[r[ok]], t[ok], T, target, w)
+        else:  # then narrow passes: a device takes part in one move
+            mr = np.full(M, big, np.int64)
+            for dev in (h, h2, d):
+                np.minimum.at(mr, dev, rank)
+            ok = (mr[h] == rank) & (mr[h2] == rank) & (mr[d] == rank)
+        r, c, h, h2, d, t, t2 = r[ok], c[ok], h[ok], h2[ok], d[ok], t[ok], t2[ok]
+        vr = v[r]
         np.subtract.at(S, (t, h), vr)
         np.add.at(S, (t2, h2), vr)
         np.subtract.at(R, (t, d), vr)
         np.add.at(R, (t2, d), vr)
         idx[r] = s_off[p_r[r]] + (hpos[c] - s_off[rep[hg[c]]])
         src[r], inter[r] = h2, t2
-        T = np.maximum(np.maximum(np.maximum(S[0], R[0]) * wi, np.maximum(S[1], R[1]) * we),
-                       floor)
+        T = _times(S[0], S[1], R[0], R[1], floor, w)
         tmax = int(T.max(initial=0))
         if tmax <= target:  # reached: aim lower
-            target = tmax - tmax // step
+            target = max(tmax - tmax // step, bound)
     return idx
 
 
@@ -578,7 +664,8 @@ def assign(geom: Geometry, dev_a: np.ndarray, dev_b: np.ndarray, rpn: int):
     mp = s_n > 1  # sets of several holders, numbered 0.. for the local search
     multi = np.full(nP, -1, np.int64)
     multi[mp] = np.unique(gkey[mp], return_inverse=True)[1].ravel()
-    idx = _rebalance(p_r, d_r, idx, s_off, sdev, snode, multi, same, vb, rpn, M, ldev)
+    bound = _time_floor(p_r, d_r, idx, same, lo, hi, s_n, sdev, vb, rpn, M, ldev)
+    idx = _rebalance(p_r, d_r, idx, s_off, sdev, snode, multi, same, vb, rpn, M, ldev, bound)
     rsrc = rdst.copy()
     rsrc[rem] = sdev[idx]
     forced = np.zeros(len(rp), bool)
