@@ -8,7 +8,7 @@ A bad request is rejected with its reason (logged, and the file is moved aside a
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -19,6 +19,7 @@ from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from . import signal_file as sf
+from .join import JoinReviewer, JoinVerdict
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class Decision:
     source: str  # "signal", "schedule"
     rejected: Optional[str] = None  # the reason, when a request was refused
     stop: bool = False  # the job is over: standby ranks leave
+    joins: tuple[JoinVerdict, ...] = ()  # join requests reviewed at this poll (elastic/join.py)
 
 
 def load_schedule(path: str) -> list[tuple[int, str]]:
@@ -62,6 +64,10 @@ class Controller:
         # False where the training loop cannot put ranks on standby (Megatron-LM's own loop):
         # a request for another device count is then refused up front
         self.allow_device_count_change = True
+        # rank 0 only, when the job has a rendezvous store and a secret: reviews join
+        # requests at each poll; every rank keeps the verdicts it was sent
+        self.joins: Optional[JoinReviewer] = None
+        self.join_verdicts: list[JoinVerdict] = []
 
     def validate(self, text: str, world: int) -> Layout:
         layout = Layout.parse(text, world)
@@ -115,7 +121,10 @@ class Controller:
             return Decision(None, None, "signal")
         world = world or dist.get_world_size()
         box = [self._decide_on_rank0(iteration, world) if dist.get_rank() == 0 else None]
+        if self.joins is not None:  # rides on the same broadcast: no extra collective
+            box[0] = replace(box[0], joins=self.joins.review())
         dist.broadcast_object_list(box, src=0)
+        self.join_verdicts.extend(box[0].joins)
         return box[0]
 
     def follow(self) -> Decision:
@@ -123,6 +132,7 @@ class Controller:
         not step, so it cannot know which iterations poll; it simply takes the next one)."""
         box = [None]
         dist.broadcast_object_list(box, src=0)
+        self.join_verdicts.extend(box[0].joins)
         return box[0]
 
     def stop(self) -> None:

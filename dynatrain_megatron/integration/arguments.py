@@ -38,6 +38,14 @@ def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "scale-out; the layout uses the others")
     g.add_argument("--dynatrain-timeout", type=float, default=300.0,
                    help="seconds before a switch is aborted and rolled back")
+    g.add_argument("--dynatrain-rendezvous-dir", default=None,
+                   help="shared directory of the FileStore the job's processes (and processes "
+                        "asking to join, `dynatrain join`) meet in; torchrun's agent store is "
+                        "used instead when the job runs under torchrun with one")
+    g.add_argument("--dynatrain-secret-file", default=None,
+                   help="the job's secret (mode 0600, owned by you), which a process asking to "
+                        "join must prove it holds; created at launch when missing (default: "
+                        "$DYNATRAIN_JOB_SECRET, else job_secret in the rendezvous dir)")
     return parser
 
 

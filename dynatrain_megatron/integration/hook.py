@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ..elastic.controller import Controller, Decision, load_schedule
 from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import build_groups
+from ..elastic.join import open_reviewer
 from ..transition.switch import choose_dst_placement
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
@@ -86,6 +87,8 @@ class DynatrainHook:
 
         ctl = Controller(spec, args.dynatrain_signal_file, args.dynatrain_poll_interval, schedule,
                          extra_check=check)
+        # join requests (elastic/join.py): reviewed on rank 0 at each poll when configured
+        ctl.joins = open_reviewer(args.dynatrain_rendezvous_dir, args.dynatrain_secret_file)
         return cls(spec, train, ctl, ranks_per_node=args.dynatrain_ranks_per_node,
                    memory_budget=args.dynatrain_memory_budget,
                    placement="default" if args.dynatrain_default_placement else "best",

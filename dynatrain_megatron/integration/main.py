@@ -86,8 +86,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     trainer: Optional[Trainer] = start_job(spec, layout, train, placement)
     hook = None
     if args.dynatrain:
+        from ..elastic.job_secret import share_with_ranks
         from .hook import DynatrainHook
 
+        # the secret a joining process must prove it holds: generated here when none is
+        # given, handed to every rank through its environment (elastic/job_secret.py)
+        share_with_ranks(args.dynatrain_secret_file, args.dynatrain_rendezvous_dir)
         hook = DynatrainHook.from_args(args, spec, train)
         hook.start(trainer, layout, placement)
     while True:

@@ -1,0 +1,54 @@
+"""`dynatrain join --rendezvous-dir DIR [--secret-file F]`: ask a running job to let this
+process join it (elastic/join.py), wait for the verdict, print it.
+
+Exit status: 0 accepted, 1 refused, 2 no verdict (no job in the store, timeout) or an
+unusable secret. Without a secret (no --secret-file, no $DYNATRAIN_JOB_SECRET, no
+`job_secret` file in the rendezvous directory) the request is still sent, untagged: the
+job refuses it and logs where it came from.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("join", help="ask a running job to let this process join it")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--rendezvous-dir", help="the job's --dynatrain-rendezvous-dir")
+    where.add_argument("--store", metavar="HOST:PORT",
+                       help="the job's TCP store (torchrun's agent store) instead")
+    p.add_argument("--secret-file", default=None,
+                   help="the job's secret (mode 0600); default $DYNATRAIN_JOB_SECRET, else "
+                        "job_secret in the rendezvous directory")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds to wait for the job's nonce and then for its verdict")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from ..elastic.join import JoinError, post_request, wait_verdict
+    from ..elastic.job_secret import load_secret
+
+    secret = load_secret(args.secret_file, rendezvous_dir=args.rendezvous_dir)
+    if args.store:
+        host, _, port = args.store.rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False,
+                              timeout=datetime.timedelta(seconds=args.timeout))
+    else:
+        if not os.path.isdir(args.rendezvous_dir):  # else FileStore fails only after 300 s
+            raise JoinError(f"rendezvous directory {args.rendezvous_dir} does not exist (the "
+                            f"job creates it: is --dynatrain-rendezvous-dir the same?)")
+        # the job's FileStore (elastic/rejoin.py:rendezvous_store names it the same way)
+        store = dist.FileStore(os.path.join(args.rendezvous_dir, "rendezvous"), -1)
+    if secret is None:
+        print("no job secret found: the request goes untagged and will be refused")
+    slot, req = post_request(store, secret, timeout=args.timeout)
+    print(f"join request {req.request_id} from {req.origin} posted (slot {slot}); waiting for "
+          f"the job's verdict")
+    verdict = wait_verdict(store, slot, secret, timeout=args.timeout)
+    print(verdict)
+    return 0 if verdict.accepted else 1
