@@ -306,9 +306,18 @@ def open_reviewer(rendezvous_dir: Optional[str], secret_file: Optional[str] = No
         log.warning("join requests are not reviewed: the job has no secret "
                     "(--dynatrain-secret-file or $%s)", ENV_VAR)
         return None
-    from .rejoin import rendezvous_store
+    if rendezvous_dir:
+        # the directory named wins over torchrun's agent store (which rejoin.rendezvous_store
+        # prefers): it is where `dynatrain join --rendezvous-dir` writes
+        os.makedirs(rendezvous_dir, exist_ok=True)
+        store: dist.Store = dist.FileStore(os.path.join(rendezvous_dir, "rendezvous"), -1)
+    else:
+        from .rejoin import rendezvous_store
 
-    return JoinReviewer(rendezvous_store(rendezvous_dir), secret, dist.get_world_size())
+        store = rendezvous_store(None)
+        log.info("joiners reach this job with `dynatrain join --store %s:%s`",
+                 os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    return JoinReviewer(store, secret, dist.get_world_size())
 
 
 def post_request(store: dist.Store, secret: Optional[JobSecret], origin: Optional[Origin] = None,
