@@ -557,9 +557,14 @@ def repeated_switch_case(model: str, layouts: list[str], n: int) -> dict:
     return dict(rss=rss, groups=groups, diff=None if start is None else G.states_equal(start, end))
 
 
-def death_case(store_dir: str, ckpt_dir: str, layout: str = "tp2pp1dp2", dead: int = 3) -> dict:
-    """A rank dies after the last checkpoint: the survivors notice, re-form the world, name
-    what was lost and resume from the checkpoint at a layout that fits them."""
+def death_case(store_dir: str, ckpt_dir: str, layout: str = "tp2pp1dp2", dead: int = 3,
+               ref_ckpt_dir: str | None = None) -> dict:
+    """A rank dies one step after the last checkpoint: the survivors notice, re-form the
+    world, name what was lost and recover: from their own memory when every piece of the
+    state has a replica (`doi` > 1), else from the checkpoint, at a layout that fits them.
+
+    `ref_ckpt_dir`: also save the state at the moment of the death there (a reference the
+    recovery never reads) and gather it, to compare the in-memory recovery bit for bit."""
     from dynatrain_megatron.integration import dist_ckpt
     from dynatrain_megatron.integration.recovery import recover_after_death
 
@@ -570,7 +575,14 @@ def death_case(store_dir: str, ckpt_dir: str, layout: str = "tp2pp1dp2", dead: i
     for _ in range(2):
         tr.step()
     dist_ckpt.save(tr.objs, tr.iteration, tr.consumed_samples, ckpt_dir)
-    tr.step()  # progress after the checkpoint, lost with the rank
+    tr.step()  # progress after the checkpoint, lost with the rank unless replicated
+    before = None
+    if ref_ckpt_dir:
+        from dynatrain_megatron.transition import gather as G
+
+        # every rank keeps the full state: whichever survivor leads the new layout compares
+        before = G.broadcast_full_state(gather_layout_state(s, tr), group=tr.objs.groups.layout_group)
+        dist_ckpt.save(tr.objs, tr.iteration, tr.consumed_samples, ref_ckpt_dir)
     if rank == dead:
         import os
 
@@ -583,11 +595,19 @@ def death_case(store_dir: str, ckpt_dir: str, layout: str = "tp2pp1dp2", dead: i
         return {"error": "the death of a rank went unnoticed"}
     except Exception as e:  # noqa: BLE001 - what a survivor sees
         detected = f"after {time.monotonic() - t0:.1f} s: " + str(e).splitlines()[0][:200]
-    new, nw, what = recover_after_death(tr, s, train, store_dir, ckpt_dir)
-    out = dict(detected=detected, dead=list(nw.dead), members=list(nw.members), lost=what,
-               new_rank=nw.rank)
-    if new is None:
+    rec = recover_after_death(tr, s, train, store_dir, ckpt_dir)
+    nw = rec.world
+    out = dict(detected=detected, dead=list(nw.dead), members=list(nw.members), lost=rec.lost,
+               new_rank=nw.rank, mode=rec.mode, target=str(rec.layout))
+    if rec.trainer is None:
         return out
+    new = rec.trainer
+    if ref_ckpt_dir:
+        from dynatrain_megatron.transition import gather as G
+
+        after = gather_layout_state(s, new)
+        if before is not None and after is not None:
+            out["state_diff"] = G.states_equal(before, after)
     out.update(layout=str(new.objs.layout), iteration=new.iteration,
                world=dist.get_world_size(),
                losses=[new.step().loss for _ in range(2)])

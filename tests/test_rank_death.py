@@ -1,7 +1,8 @@
 """A rank that dies (its process gone) during training (issue: Transactional switching):
 the survivors notice, re-form the world among themselves through a store, name exactly the
-state that died with it, and, since the distributed optimizer keeps no replica of it,
-resume from the last checkpoint at a layout that fits them, never with wrong state."""
+state that died with it, and recover at a layout that fits them: from their own memory,
+bit for bit and at the current iteration, when a partial distributed optimizer (doi2)
+keeps a replica of every shard; else from the last checkpoint, never with wrong state."""
 import pytest
 
 from dynatrain_megatron.integration.multiproc import run_on_ranks
@@ -14,7 +15,7 @@ pytestmark = [pytest.mark.multirank, pytest.mark.faults]
 def res(tmp_path_factory):
     store, ckpt = tmp_path_factory.mktemp("store"), tmp_path_factory.mktemp("ckpt")
     out = run_on_ranks(death_case, 4, str(store), str(ckpt / "last"),
-                       env={"DYNATRAIN_PG_TIMEOUT": "60"})
+                       env={"DYNATRAIN_PG_TIMEOUT": "20"})
     ref = run_on_ranks(resume_case, 2, str(ckpt / "last"), "tp2pp1dp1")[0]
     return out, ref
 
@@ -27,7 +28,10 @@ def test_survivors_reform_and_resume_from_the_checkpoint(res):
     assert all(out[r]["members"] == members for r in survivors)  # one roster for everyone
     assert len(members) == 2 and 3 not in members
     for r in survivors:
+        # a survivor blocked on another survivor may notice too late and be left out
+        # (rejoin.reform_world's known limit): it then leaves, like one not needed
         assert 3 in out[r]["dead"]
+        assert out[r]["mode"] == "checkpoint"
         assert out[r]["detected"]  # each survivor saw a collective fail
         if r not in members:
             assert out[r]["new_rank"] is None  # not needed by the 2-rank layout: it leaves
@@ -44,3 +48,31 @@ def test_the_lost_state_is_named(res):
     assert "3] hold the only copy of" in lost
     assert "exp_avg" in lost and "main_param" in lost
     assert ", param:" not in lost and "of param:" not in lost  # the weights survive on DP replicas
+
+
+@pytest.fixture(scope="module")
+def in_memory(tmp_path_factory):
+    store, ckpt = tmp_path_factory.mktemp("store2"), tmp_path_factory.mktemp("ckpt2")
+    out = run_on_ranks(death_case, 4, str(store), str(ckpt / "last"), "tp1pp2doi2dp2", 3,
+                       str(ckpt / "at-death"), env={"DYNATRAIN_PG_TIMEOUT": "20"})
+    # the reference: a fresh job loading the state saved at the moment of the death
+    ref = run_on_ranks(resume_case, 2, str(ckpt / "at-death"), "tp1pp2dp1")[0]
+    return out, ref
+
+
+def test_replicated_optimizer_state_is_recovered_in_memory_bit_for_bit(in_memory):
+    out, ref = in_memory
+    assert out[3] is None
+    members = out[0]["members"]
+    for r in (0, 1, 2):
+        o = out[r]
+        assert 3 in o["dead"] and o["members"] == members  # one roster for everyone
+        assert o["mode"] == "memory" and o["target"] == "tp1pp2dp1"
+        assert "hold no state that is not replicated" in o["lost"]
+    trained = [o for o in out[:3] if "losses" in o]
+    assert len(trained) == 2  # tp1pp2dp1; a third survivor in the roster is spare (standby)
+    assert [o["state_diff"] for o in trained if "state_diff" in o] == [[]]  # all kinds, bit for bit
+    for o in trained:
+        # the current iteration (3), not the checkpoint's (2): nothing was lost
+        assert o["iteration"] == 3 == ref["iteration"]
+        assert o["losses"] == ref["losses"]

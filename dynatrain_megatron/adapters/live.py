@@ -113,6 +113,20 @@ class LiveState:
         self.opt_ranges: dict[tuple[int, str], tuple[int, int, dict[str, torch.Tensor]]] = {}
         self._read_optimizer_ranges()
 
+    def detach_from_objects(self) -> "LiveState":
+        """Drop the references to the model chunks and the optimizer, keeping only the
+        tensors (parameters, optimizer states) that `view` reads. After a rank died the
+        survivors free the megatron objects, which hold the broken communicators, and
+        still serve their state as the sources of the recovery."""
+        self.chunks = []
+        self.optimizer = None
+        # plain tensors on the same storage: a Parameter carries DDP's gradient hooks,
+        # whose closures reach DDP and with it every communicator
+        self.params = [{n: p.detach() for n, p in ps.items()} for ps in self.params]
+        self.opt_ranges = {k: (s, e, {n: t.detach() for n, t in st.items()})
+                           for k, (s, e, st) in self.opt_ranges.items()}
+        return self
+
     # ------------------------------------------------------------------ weights
     def _locate(self, ci: int, data: torch.Tensor) -> tuple[str, tuple[int, ...]]:
         """Which parameter of chunk `ci` stores `data`, and at which local offsets."""

@@ -5,7 +5,7 @@ the survivors cannot vote or switch on it. They each notice (a collective raises
 meet again through a store that does not live in any worker: torchrun's agent store
 (`TORCHELASTIC_USE_AGENT_STORE=True`) or a `FileStore` in a shared directory. Each
 survivor announces itself, waits a grace period, and all read the same set of survivors;
-the ranks a new layout needs (the first `keep(n)` survivors, in old-rank order) form a new
+the ranks the recovery needs (the first `keep(survivors)`, in old-rank order) form a new
 default group under a fresh key prefix; the others leave. Every survivor computes the same
 answer alone from the store's contents.
 """
@@ -52,14 +52,21 @@ def rendezvous_store(directory: Optional[str]) -> dist.Store:
 
 
 def reform_world(store: dist.Store, old_rank: int, old_world: int, generation: int,
-                 keep: Callable[[int], int], quiet_seconds: float = 2.0,
+                 keep: Callable[[tuple[int, ...]], int], quiet_seconds: float = 2.0,
                  max_wait_seconds: float = 60.0, timeout_s: float = 300.0) -> NewWorld:
-    """Collective among the survivors (module doc). `keep(n)`: how many of `n` survivors
-    the new layout uses. Destroys the broken default group first.
+    """Collective among the survivors (module doc). `keep(survivors)`: how many of the
+    survivors (old ranks) the new world takes: all of them when their memory is the
+    source of an in-memory recovery, only the new layout's when the job resumes from a
+    checkpoint. Destroys the broken default group first.
 
     Survivors notice a death at different times (one blocked on a live peer learns of it
     only when that peer closes its sockets), so each waits until every old rank announced
-    itself, or none new did for `quiet_seconds` (at most `max_wait_seconds`)."""
+    itself, or none new did for `quiet_seconds` (at most `max_wait_seconds`).
+
+    Known limit: a survivor blocked in a collective with another *survivor* may learn of
+    the death only once that survivor has left this wait (measured on gloo: its old
+    communicator's sockets close only then), so it can be left out of the new world; it
+    then leaves. The recovery decides on the survivors actually in the roster."""
     try:
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - it is broken; only its resources are freed here
@@ -83,7 +90,7 @@ def reform_world(store: dist.Store, old_rank: int, old_world: int, generation: i
     roster = store.compare_set(f"{prefix}/roster", "", seen)
     roster = roster.decode() if isinstance(roster, bytes) else str(roster)
     survivors = tuple(int(r) for r in roster.split(",") if r)
-    n = keep(len(survivors))
+    n = keep(survivors)
     members = survivors[:n]
     log.warning("world re-formed (generation %d): survivors %s of %d ranks, %d kept",
                 generation, list(survivors), old_world, n)

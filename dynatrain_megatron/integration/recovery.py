@@ -1,27 +1,36 @@
-"""After a rank died: re-form the world, say exactly what was lost, and resume from the
-user's last checkpoint at a layout the survivors can hold, never with wrong state.
+"""After a rank died: re-form the world, recover the state from the survivors' memory
+when every piece of it has a replica, else say exactly what was lost and resume from the
+user's last checkpoint, never with wrong state.
 
-With megatron-core's distributed optimizer, `main_param` / `exp_avg` / `exp_avg_sq` have
-no replica across DP, so a dead rank always takes some optimizer state with it (its
-weights usually survive on DP replicas); `routing.recovery.lost_state` names the tensors.
-Continuing from the survivors' memory would train with wrong optimizer state, so the job
-goes back to its last `dist_checkpointing` checkpoint, loaded at the new layout.
+Weights are replicated over DP, so a dead rank's weights usually survive. megatron-core's
+distributed optimizer shards `main_param` / `exp_avg` / `exp_avg_sq` over DP without a
+replica, unless it runs several instances (`--num-distributed-optimizer-instances`, our
+layout axis `doi`), each holding all of the state. `routing.recovery.lost_state` decides:
+nothing lost -> in-memory recovery (a switch whose dead sources are replaced by their
+replicas, `routing.planner.build_plan(unavailable=...)`); something lost -> the last
+`dist_checkpointing` checkpoint, loaded at the new layout.
 """
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
 
+from ..adapters.live import LiveState
+from ..elastic.groups import build_groups, install
 from ..elastic.rejoin import NewWorld, reform_world, rendezvous_store
 from ..routing.recovery import lost_state
+from ..transition.switch import SwitchReport, read_scalars, switch_layout
+from ..vps.fragment import OPT_KINDS
+from ..vps.placement import Placement
 from ..vps.errors import DynatrainError, LayoutError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from . import dist_ckpt
-from .builders import bucket_size_of
+from .builders import MegatronBuilder, bucket_size_of
 from .session import release, start_job
 from .train_config import TrainConfig
 from .training import Trainer
@@ -50,15 +59,39 @@ def fit_layout(spec: ModelSpec, train: TrainConfig, old: Layout, n: int) -> Layo
     raise DynatrainError(f"no layout of {spec.name} fits {n} surviving ranks")
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """What `recover_after_death` did on this process."""
+
+    trainer: Optional[Trainer]  # None: this survivor is not part of the new layout
+    world: NewWorld
+    lost: str  # what died with the dead ranks, in words
+    mode: str  # "memory": from the survivors' replicas; "checkpoint": from the last checkpoint
+    layout: Layout
+    switch: Optional[SwitchReport] = None  # the in-memory transfer
+
+
 def recover_after_death(trainer: Trainer, spec: ModelSpec, train: TrainConfig,
                         rendezvous_dir: Optional[str], checkpoint_dir: Optional[str],
-                        generation: int = 1) -> tuple[Optional[Trainer], NewWorld, str]:
-    """Every survivor calls this after a collective failed because a rank died. Returns
-    (the trainer resumed at the new layout, or None on a survivor the new layout does not
-    need; the new world; what was lost, in words)."""
+                        generation: int = 1, timeout: Optional[float] = None) -> Recovery:
+    """Every survivor calls this after a collective failed because a rank died.
+
+    If every piece of optimizer state of the dead ranks has a replica on a survivor (a
+    partial distributed optimizer, `doi` > 1), all survivors re-form the world and switch
+    from A, with the dead ranks' state taken from its replicas, to the largest layout
+    that fits them: nothing is lost and training goes on from the current iteration.
+    Survivors B does not need stay in the new world (standby). Otherwise only B's ranks
+    re-form the world and load the last checkpoint; the lost tensors are named."""
     old = trainer.objs
-    old_rank, old_world = old.groups.rank, old.layout.world_size
-    old_layout, old_placement = old.layout, old.groups.placement
+    old_rank, old_world = old.groups.rank, dist.get_world_size()
+    src, pa = old.layout, old.groups.placement
+    bs = bucket_size_of(train, src)
+    # what this rank holds at A, bound before the objects (and their broken
+    # communicators) go: only the tensors stay referenced
+    scalars = read_scalars(old, trainer.iteration, trainer.consumed_samples)
+    vr = pa.virtual_rank(old_rank)
+    held = (LiveState(old.model, old.optimizer, vr, spec.vocab_size).detach_from_objects()
+            if vr is not None else None)
     # drop the old objects first: they hold the broken communicators, whose sockets close
     # only when the last reference goes, and a closed socket is how the survivors still
     # blocked in a collective with this rank learn of the failure quickly
@@ -68,24 +101,71 @@ def recover_after_death(trainer: Trainer, spec: ModelSpec, train: TrainConfig,
     parallel_state.destroy_model_parallel()  # its globals hold the same communicators
     release(old, broken=True)
     del old
-    store = rendezvous_store(rendezvous_dir)
-    nw = reform_world(store, old_rank, old_world, generation,
-                      keep=lambda n: fit_layout(spec, train, old_layout, n).world_size)
-    report = lost_state(spec, old_layout, nw.dead, old_placement,
-                        bucket_size_of(train, old_layout))
-    what = report.describe()
-    log.error("ranks %s died: %s", list(nw.dead), what)
+
+    def dead_of(survivors) -> list[int]:
+        return [d for d in pa.devices if d not in survivors]
+
+    def in_memory(survivors) -> bool:
+        return lost_state(spec, src, dead_of(survivors), pa, bs, kinds=OPT_KINDS).recoverable
+
+    def keep(survivors: tuple[int, ...]) -> int:
+        if in_memory(survivors):
+            return len(survivors)
+        return fit_layout(spec, train, src, len(survivors)).world_size
+
+    nw = reform_world(rendezvous_store(rendezvous_dir), old_rank, old_world, generation, keep)
+    what = lost_state(spec, src, dead_of(nw.survivors), pa, bs).describe()
+    dst = fit_layout(spec, train, src, len(nw.survivors))
+    mode = "memory" if in_memory(nw.survivors) else "checkpoint"
+    log.error("ranks %s died: %s; recovering %s at %s", list(nw.dead), what,
+              "from the survivors' memory" if mode == "memory" else "from the last checkpoint",
+              dst)
     if nw.rank is None:
         log.warning("rank %d is not needed by the new layout: leaving", old_rank)
-        return None, nw, what
+        return Recovery(None, nw, what, mode, dst)
+    if mode == "memory":
+        return _recover_in_memory(spec, train, src, pa, dst, nw, held, scalars, what, timeout)
+    held = None
     if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
         raise DynatrainError(f"state lost ({what}) and no checkpoint to resume from "
                              f"(--dynatrain-recovery-checkpoint)")
-    layout = fit_layout(spec, train, old_layout, len(nw.survivors))
     log.warning("resuming from the checkpoint in %s at %s on %d ranks (optimizer state of the "
                 "dead ranks had no replica: the survivors' memory is not used)",
-                checkpoint_dir, layout, layout.world_size)
-    new = start_job(spec, layout, train)
+                checkpoint_dir, dst, dst.world_size)
+    new = start_job(spec, dst, train)
     new.iteration, new.consumed_samples = dist_ckpt.load(new.objs, checkpoint_dir)
-    assert dist.get_world_size() == layout.world_size
-    return new, nw, what
+    assert dist.get_world_size() == dst.world_size
+    return Recovery(new, nw, what, mode, dst)
+
+
+def _recover_in_memory(spec: ModelSpec, train: TrainConfig, src: Layout, pa: Placement,
+                       dst: Layout, nw: NewWorld, held, scalars, what: str,
+                       timeout: Optional[float]) -> Recovery:
+    """The switch A -> B on the re-formed world: A's devices renumbered to their new
+    ranks, the dead ones on placeholder devices past the world that send nothing."""
+    new_rank = {old: i for i, old in enumerate(nw.members)}
+    n = len(nw.members)
+    placeholders = iter(range(n, n + len(pa.devices)))
+    src_pl = Placement(tuple(new_rank[d] if d in new_rank else next(placeholders)
+                             for d in pa.devices))
+    unavailable = tuple(d for d in src_pl.devices if d >= n)
+    builder = MegatronBuilder(spec, train)
+    res = switch_layout(spec, builder, None, src, src_pl, dst, build_groups, scalars,
+                        dst_devices=range(dst.world_size), timeout=timeout, src_state=held,
+                        unavailable=unavailable)
+    del held
+    if res.aborted:
+        if res.objs is not None:
+            release(res.objs)
+        elif res.groups is not None:
+            res.groups.destroy()
+        raise DynatrainError(f"in-memory recovery after the death of ranks {list(nw.dead)} "
+                             f"failed ({res.aborted}); restart from the last checkpoint")
+    log.warning("recovered in memory: %s -> %s on %d ranks, %d bytes moved in %.2f s",
+                src, dst, dst.world_size, res.report.bytes_moved, res.report.pause_seconds)
+    if res.objs is None:
+        res.groups.destroy()
+        return Recovery(None, nw, what, "memory", dst, res.report)
+    install(res.groups)
+    new = Trainer(spec, train, res.objs, res.scalars.iteration, res.scalars.consumed_samples)
+    return Recovery(new, nw, what, "memory", dst, res.report)

@@ -207,7 +207,9 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                   memory_budget: Optional[int] = None, move_weights: bool = False,
                   new_groups: Any = None, transport: Optional[Transport] = None,
                   verify: bool = True, timeout: Optional[float] = None,
-                  checksums: bool = True, faults: Optional[FaultPlan] = None) -> SwitchResult:
+                  checksums: bool = True, faults: Optional[FaultPlan] = None,
+                  src_state: Optional[LiveState] = None,
+                  unavailable: Sequence[int] = ()) -> SwitchResult:
     """Switch this rank from `src` to `dst`. Collective over the default (world) group.
 
     `old_objs` is None on a rank that holds nothing at A (a joining rank). `make_groups(
@@ -221,6 +223,12 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     result is *aborted* (`result.aborted` holds every rank's reasons), B is handed back
     for the caller to release, and the caller continues at A. `faults` injects failures
     (tests; `DYNATRAIN_FAULTS`).
+
+    Recovery after a death: `src_state` is this rank's state at A already bound (the
+    objects themselves were freed with their broken communicators), `src_placement` maps
+    A onto the re-formed world with the dead ranks on the `unavailable` placeholder
+    devices, which send nothing: their state comes from its replicas (B's placement is
+    then the default one).
     """
     t = time.perf_counter
     phases: dict[str, float] = {}
@@ -236,6 +244,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     kinds = KINDS if move_weights else OPT_KINDS
     if new_groups is not None:
         dst_placement = new_groups.placement
+    elif unavailable:
+        dst_placement = Placement(devices)
     else:
         dst_placement = choose_dst_placement(spec, builder, src, src_placement, dst, devices,
                                              placement, ranks_per_node, move_weights)
@@ -262,8 +272,11 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
             for m in old_objs.model:
                 if getattr(m, "ddp_config", None) is not None and m.ddp_config.overlap_param_gather:
                     m.start_param_sync(force_sync=True)
-        old_live = (LiveState(old_objs.model, old_objs.optimizer, vr_a, spec.vocab_size)
-                    if old_objs is not None and vr_a is not None else None)
+        if src_state is not None:
+            old_live = src_state
+        else:
+            old_live = (LiveState(old_objs.model, old_objs.optimizer, vr_a, spec.vocab_size)
+                        if old_objs is not None and vr_a is not None else None)
         new_live = (LiveState(new_objs.model, new_objs.optimizer, vr_b, spec.vocab_size)
                     if new_objs is not None else None)
         phases["bind"] = t() - t3
@@ -278,7 +291,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         phases["verify"] = t() - t3
         t4 = t()
         plan = build_plan(spec, (src, src_placement), (dst, dst_placement), kinds=kinds,
-                          ranks_per_node=ranks_per_node, bucket_size=(bs_a, bs_b))
+                          ranks_per_node=ranks_per_node, bucket_size=(bs_a, bs_b),
+                          unavailable=unavailable)
         rounds = schedule(plan, memory_budget, align=_PACK_ALIGN)
         phases["plan"] = t() - t4
         faults.fail(me, "prepare")
@@ -302,7 +316,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     errors = list(ex.run([p for p in plan.pieces_for(me) if p.is_local],
                          (rnd.sends(me) + rnd.recvs(me) for rnd in rounds)))
     try:
-        carry_vocab_padding(old_live, new_live, kinds)  # a collective: every rank calls it
+        # a collective: every rank calls it; after a death any surviving replica serves
+        carry_vocab_padding(old_live, new_live, kinds, main_only=not unavailable)
         faults.fail(me, "commit")
     except Exception as e:  # noqa: BLE001
         errors.append(f"rank {me}: commit: {type(e).__name__}: {e}")
@@ -315,9 +330,10 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         return _aborted(src, dst, dst_placement, groups, new_objs, "transfer", errors, phases)
 
     t6 = t()
-    # scalars: every rank of A holds them; the first device of A tells everyone
+    # scalars: every rank of A holds them; the first (living) device of A tells everyone
     box = [scalars]
-    dist.broadcast_object_list(box, src=src_placement.devices[0])
+    dist.broadcast_object_list(box, src=next(d for d in src_placement.devices
+                                             if d not in set(unavailable)))
     scalars = box[0]
     phases["sync"] = t() - t6
     t6 = t()

@@ -21,13 +21,16 @@ from ..vps.fragment import KINDS
 
 @torch.no_grad()
 def carry_vocab_padding(old: Optional[LiveState], new: Optional[LiveState],
-                        kinds: Iterable[str] = KINDS) -> int:
-    """Collective over the world. Returns the number of padding elements written here."""
+                        kinds: Iterable[str] = KINDS, main_only: bool = True) -> int:
+    """Collective over the world. Returns the number of padding elements written here.
+
+    `main_only=False` (recovery after a death: the main replica may be gone): every
+    replica sends its rows and receivers keep one copy of each (they are identical)."""
     kinds = tuple(kinds)
     mine = []
     if old is not None:
         for f in old.padding_fragments(kinds):
-            if f.main:
+            if f.main or not main_only:
                 mine.append((f.kind, f.key, f.box.offsets, f.box.shape,
                              old.view(f.kind, f.chunk, f.local_name, f.local_box).clone()))
     everyone: list = [None] * dist.get_world_size()
@@ -35,9 +38,12 @@ def carry_vocab_padding(old: Optional[LiveState], new: Optional[LiveState],
     if new is None:
         return 0
     have: dict[tuple[str, str], list] = {}
+    seen = set()
     for part in everyone:
         for kind, key, off, shape, data in part:
-            have.setdefault((kind, key), []).append((off, shape, data))
+            if (kind, key, off, shape) not in seen:
+                seen.add((kind, key, off, shape))
+                have.setdefault((kind, key), []).append((off, shape, data))
     written = 0
     for f in new.padding_fragments(kinds):
         dst = new.view(f.kind, f.chunk, f.local_name, f.local_box)
