@@ -615,6 +615,47 @@ def death_case(store_dir: str, ckpt_dir: str, layout: str = "tp2pp1dp2", dead: i
     return out
 
 
+def death_in_switch_case(store_dir: str, ref_ckpt_dir: str, layout: str = "tp1pp2doi2dp2",
+                         target: str = "tp2pp1doi2dp2", dead: int = 3) -> dict:
+    """A rank dies inside a switch (after the first transfer round): the survivors' switch
+    fails with WorldBroken, their trainer is still at A, untouched, and they recover from
+    their memory (every optimizer shard has a replica) at a layout that fits them."""
+    from dynatrain_megatron.integration import dist_ckpt
+    from dynatrain_megatron.integration.builders import MegatronBuilder
+    from dynatrain_megatron.integration.recovery import recover_after_death
+    from dynatrain_megatron.integration.switching import WorldBroken, switch_trainer
+    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.transition.faults import FaultPlan
+    from dynatrain_megatron.vps import Layout
+
+    s = spec_variant("tiny-gpt")
+    train = switch_train_config()
+    tr = start_job(s, layout, train)
+    for _ in range(2):
+        tr.step()
+    before = G.broadcast_full_state(gather_layout_state(s, tr), group=tr.objs.groups.layout_group)
+    dist_ckpt.save(tr.objs, tr.iteration, tr.consumed_samples, ref_ckpt_dir)  # reference only
+    out: dict = {}
+    try:
+        switch_trainer(tr, MegatronBuilder(s, train), tr.objs.layout, tr.objs.groups.placement,
+                       Layout.parse(target, dist.get_world_size()),
+                       faults=FaultPlan(fail_rank=dead, fail_phase="round", kill=True, exit_code=0))
+        return {"error": "the switch survived the death of a rank"}
+    except WorldBroken as e:
+        out["broken"] = str(e)
+    rec = recover_after_death(tr, s, train, store_dir, None)
+    out.update(dead=list(rec.world.dead), members=list(rec.world.members), mode=rec.mode)
+    if rec.trainer is None:
+        return out
+    after = gather_layout_state(s, rec.trainer)
+    if after is not None:
+        out["state_diff"] = G.states_equal(before, after)
+    out.update(layout=str(rec.trainer.objs.layout), iteration=rec.trainer.iteration,
+               losses=[rec.trainer.step().loss for _ in range(2)])
+    release(rec.trainer.objs)
+    return out
+
+
 def resume_case(ckpt_dir: str, layout: str, steps: int = 2) -> dict:
     """The reference: a fresh job at `layout` loading the checkpoint and training on."""
     from dynatrain_megatron.integration import dist_ckpt

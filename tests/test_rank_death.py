@@ -6,7 +6,7 @@ keeps a replica of every shard; else from the last checkpoint, never with wrong 
 import pytest
 
 from dynatrain_megatron.integration.multiproc import run_on_ranks
-from rank_cases import death_case, resume_case
+from rank_cases import death_case, death_in_switch_case, resume_case
 
 pytestmark = [pytest.mark.multirank, pytest.mark.faults]
 
@@ -75,4 +75,30 @@ def test_replicated_optimizer_state_is_recovered_in_memory_bit_for_bit(in_memory
     for o in trained:
         # the current iteration (3), not the checkpoint's (2): nothing was lost
         assert o["iteration"] == 3 == ref["iteration"]
+        assert o["losses"] == ref["losses"]
+
+
+@pytest.fixture(scope="module")
+def in_switch(tmp_path_factory):
+    store, ckpt = tmp_path_factory.mktemp("store3"), tmp_path_factory.mktemp("ckpt3")
+    out = run_on_ranks(death_in_switch_case, 4, str(store), str(ckpt / "at-switch"),
+                       env={"DYNATRAIN_PG_TIMEOUT": "60"})
+    ref = run_on_ranks(resume_case, 2, str(ckpt / "at-switch"), "tp1pp2dp1")[0]
+    return out, ref
+
+
+def test_rank_killed_in_a_transfer_round_leaves_a_and_is_recovered_in_memory(in_switch):
+    """The issue's "rank killed in a transfer round": the switch cannot commit, A was only
+    read, and the survivors recover it in memory, bit for bit, and train on with the losses
+    of a run that never attempted the switch (a fresh job loading A's state)."""
+    out, ref = in_switch
+    assert out[3] is None  # the killed rank
+    for r in (0, 1, 2):
+        assert "tp1pp2doi2dp2 -> tp2pp1doi2dp2" in out[r]["broken"]
+        assert 3 in out[r]["dead"] and out[r]["mode"] == "memory"
+    trained = [o for o in out[:3] if "losses" in o]
+    assert len(trained) == 2 and all(o["layout"] == "tp1pp2dp1" for o in trained)
+    assert [o["state_diff"] for o in trained if "state_diff" in o] == [[]]
+    for o in trained:
+        assert o["iteration"] == 2 == ref["iteration"]
         assert o["losses"] == ref["losses"]

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 from ..elastic.groups import ParallelGroups, build_groups, install
 from ..transition.faults import FaultPlan
 from ..transition.switch import SwitchResult, read_scalars, switch_layout
+from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.placement import Placement
 from .builders import MegatronBuilder
@@ -37,11 +38,24 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
     scalars = (read_scalars(old, trainer.iteration, trainer.consumed_samples)
                if trainer is not None else None)
     rng = _RngSnapshot.take()
-    res = switch_layout(builder.spec, builder, old, src, src_placement, dst, build_groups,
-                        scalars, dst_devices=dst_devices, placement=placement,
-                        ranks_per_node=ranks_per_node, memory_budget=memory_budget,
-                        move_weights=move_weights, new_groups=new_groups, timeout=timeout,
-                        faults=faults)
+    broken = None
+    try:
+        res = switch_layout(builder.spec, builder, old, src, src_placement, dst, build_groups,
+                            scalars, dst_devices=dst_devices, placement=placement,
+                            ranks_per_node=ranks_per_node, memory_budget=memory_budget,
+                            move_weights=move_weights, new_groups=new_groups, timeout=timeout,
+                            faults=faults)
+    except Exception as e:  # noqa: BLE001 - the switch's own collectives (votes) failed
+        broken = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    if broken is not None:
+        # outside the handler, so that no traceback keeps B's objects (and their sockets)
+        # alive; A was only read, so the trainer still holds it intact
+        if old is not None:
+            install(old.groups)
+        rng.restore()
+        log.error("switch %s -> %s broke the world (%s): recover from the survivors", src,
+                  dst, broken)
+        raise WorldBroken(f"switch {src} -> {dst}: {broken}")
     if res.aborted:
         # roll back: drop everything of B; A was only read, so it is exactly as it was
         if res.objs is not None:
@@ -65,6 +79,12 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
     trainer.iteration = res.scalars.iteration
     trainer.consumed_samples = res.scalars.consumed_samples
     return trainer, res
+
+
+class WorldBroken(DynatrainError):
+    """A collective of the switch itself failed: a rank died (or its link did). The
+    trainer is still at A, untouched, but A's communicators may be broken: the caller
+    recovers (`integration.recovery.recover_after_death`) instead of training on."""
 
 
 class _RngSnapshot:

@@ -4,7 +4,8 @@ corrupt one piece it receives, or arrive late at a transfer round.
 A `FaultPlan` is plain data handed to `switch_layout` (tests, or `DYNATRAIN_FAULTS` as JSON
 for a whole job); with none, every hook below is a no-op. Phases: "prepare" (after B is
 built, before the plan is agreed), "round" (inside transfer round `round`, after its
-exchange), "commit" (after the transfer, before the commit vote).
+exchange), "commit" (after the transfer, before the commit vote). With `kill`, the failing
+rank's process exits on the spot instead of raising, as a crash would (its sockets close).
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ class FaultPlan:
     delay_rank: Optional[int] = None
     delay_seconds: float = 0.0
     round: int = 0  # the round that "round" failures, corruption and delays apply to
+    kill: bool = False  # the failing rank dies (os._exit) instead of raising
+    exit_code: int = 1  # its exit status (test harnesses read 0 as "left without a result")
 
     def __post_init__(self) -> None:
         if self.fail_phase is not None and self.fail_phase not in PHASES:
@@ -53,7 +56,10 @@ class FaultPlan:
     def fail(self, rank: int, phase: str, round_index: int = 0) -> None:
         if self.fail_rank == rank and self.fail_phase == phase and \
                 (phase != "round" or round_index == self.round):
-            log.warning("fault injection: rank %d fails in phase %s", rank, phase)
+            log.warning("fault injection: rank %d %s in phase %s", rank,
+                        "dies" if self.kill else "fails", phase)
+            if self.kill:
+                os._exit(self.exit_code)
             raise InjectedFault(f"injected failure of rank {rank} in phase {phase}")
 
     def delay(self, rank: int, round_index: int) -> None:
