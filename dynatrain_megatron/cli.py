@@ -1,4 +1,4 @@
-"""The `dynatrain` command: layout, lost, plan, request, join, bench-switch."""
+"""The `dynatrain` command: layout, lost, plan, request, join, launch, bench-switch."""
 from __future__ import annotations
 
 import argparse
@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_plan_parser = None
     if add_plan_parser is not None:
         add_plan_parser(sub)
-    for extra in ("request", "join", "bench_switch"):
+    for extra in ("request", "join", "launch", "bench_switch"):
         try:
             mod = __import__(f"dynatrain_megatron.integration.cli_{extra}", fromlist=["add_parser"])
         except ImportError:

@@ -656,6 +656,13 @@ def death_in_switch_case(store_dir: str, ref_ckpt_dir: str, layout: str = "tp1pp
     return out
 
 
+def main_job_case(run_dir: str, argv: list[str]) -> dict:
+    """The training entry point (scripts/pretrain_gpt.py's main) on this rank."""
+    from dynatrain_megatron.integration.main import main
+
+    return {"code": main(argv)}
+
+
 def resume_case(ckpt_dir: str, layout: str, steps: int = 2) -> dict:
     """The reference: a fresh job at `layout` loading the checkpoint and training on."""
     from dynatrain_megatron.integration import dist_ckpt

@@ -51,6 +51,27 @@ def rendezvous_store(directory: Optional[str]) -> dist.Store:
     return dist.FileStore(os.path.join(directory, "rendezvous"), -1)
 
 
+def forget_default_group_defaults() -> None:
+    """`torch.distributed.nn.functional` gives its collectives `group=group.WORLD` as a
+    default argument, evaluated when it is imported: imported after the world exists (as
+    megatron-core does when it is imported late), ten functions hold the default group
+    for the life of the process, and a gloo group's sockets close only with its last
+    reference. A survivor that keeps the broken default group alive leaves the others
+    blocked on it (measured: the broadcast root of the step-boundary poll waited until
+    this process exited). Point those defaults back at None (the world, when called)."""
+    import sys
+    import types
+
+    mod = sys.modules.get("torch.distributed.nn.functional")
+    if mod is None:
+        return
+    for fn in vars(mod).values():
+        if isinstance(fn, types.FunctionType) and fn.__defaults__ and \
+                any(isinstance(d, dist.ProcessGroup) for d in fn.__defaults__):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d
+                                    for d in fn.__defaults__)
+
+
 def reform_world(store: dist.Store, old_rank: int, old_world: int, generation: int,
                  keep: Callable[[tuple[int, ...]], int], quiet_seconds: float = 2.0,
                  max_wait_seconds: float = 60.0, timeout_s: float = 300.0) -> NewWorld:
@@ -63,10 +84,13 @@ def reform_world(store: dist.Store, old_rank: int, old_world: int, generation: i
     only when that peer closes its sockets), so each waits until every old rank announced
     itself, or none new did for `quiet_seconds` (at most `max_wait_seconds`).
 
-    Known limit: a survivor blocked in a collective with another *survivor* may learn of
-    the death only once that survivor has left this wait (measured on gloo: its old
-    communicator's sockets close only then), so it can be left out of the new world; it
-    then leaves. The recovery decides on the survivors actually in the roster."""
+    A survivor blocked in a collective with another *survivor* learns of the death only
+    when that survivor's communicator closes, which on gloo happens only with the last
+    reference to it: callers drop them all first (`forget_default_group_defaults` here,
+    `elastic.groups.forget_megatron_groups`, the layout's objects). A survivor that still
+    notices after the quiet period is left out of the new world and leaves; the
+    recovery decides on the survivors actually in the roster."""
+    forget_default_group_defaults()
     try:
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - it is broken; only its resources are freed here

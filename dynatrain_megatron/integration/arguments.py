@@ -38,6 +38,10 @@ def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "scale-out; the layout uses the others")
     g.add_argument("--dynatrain-timeout", type=float, default=300.0,
                    help="seconds before a switch is aborted and rolled back")
+    g.add_argument("--dynatrain-recovery-checkpoint", default=None,
+                   help="the dist_checkpointing directory to resume from when a rank dies "
+                        "holding the only copy of some state (with --dynatrain-rendezvous-dir; "
+                        "nothing is needed when every shard is replicated, doi > 1)")
     g.add_argument("--dynatrain-rendezvous-dir", default=None,
                    help="shared directory of the FileStore the job's processes (and processes "
                         "asking to join, `dynatrain join`) meet in; torchrun's agent store is "
@@ -61,6 +65,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="accepted for compatibility; the distributed optimizer is always used")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="optimizer state replicated this many times (layout axis doi): a dead "
+                        "rank's shards survive on the other instances")
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=16)
     g.add_argument("--train-iters", type=int, default=20)
@@ -97,6 +104,8 @@ def layout_from_args(args: argparse.Namespace, spec: ModelSpec, world_size: int)
         text += f"vpp{vpp}"
     if args.expert_tensor_parallel_size:
         text += f"etp{args.expert_tensor_parallel_size}"
+    if args.num_distributed_optimizer_instances > 1:
+        text += f"doi{args.num_distributed_optimizer_instances}"
     layout = Layout.parse(text, world_size)
     layout.check_model(spec)
     return layout

@@ -22,6 +22,7 @@ from ..elastic.controller import Controller, Decision, load_schedule
 from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import build_groups
 from ..elastic.join import open_reviewer
+from ..transition.faults import FaultPlan
 from ..transition.switch import choose_dst_placement
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
@@ -29,7 +30,7 @@ from ..vps.model_spec import ModelSpec
 from ..vps.memory import check_memory_fit
 from ..vps.placement import Placement
 from .builders import MegatronBuilder, bucket_size_of
-from .switching import switch_trainer
+from .switching import WorldBroken, switch_trainer
 from .train_config import TrainConfig
 from .training import Trainer
 
@@ -56,7 +57,9 @@ class DynatrainHook:
     def __init__(self, spec: ModelSpec, train: TrainConfig, controller: Controller, *,
                  ranks_per_node: int = 8, memory_budget: Optional[int] = None,
                  placement: str = "best", log_dir: Optional[str] = None,
-                 background_groups: bool = True, timeout: Optional[float] = None) -> None:
+                 background_groups: bool = True, timeout: Optional[float] = None,
+                 rendezvous_dir: Optional[str] = None,
+                 recovery_checkpoint: Optional[str] = None, max_recoveries: int = 8) -> None:
         self.spec = spec
         self.builder = MegatronBuilder(spec, train)
         self.controller = controller
@@ -75,6 +78,12 @@ class DynatrainHook:
         self.timeout = timeout
         self.history: list[SwitchRecord] = []
         self.rejected: list[str] = []
+        # rank death (integration/recovery.py): where survivors meet, what they resume from
+        self.rendezvous_dir = rendezvous_dir
+        self.recovery_checkpoint = recovery_checkpoint
+        self.max_recoveries = max_recoveries
+        self.recoveries: list[dict] = []
+        self.faults = FaultPlan.from_env()  # DYNATRAIN_FAULTS, e.g. a rank killed at a step
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig) -> "DynatrainHook":
@@ -92,7 +101,9 @@ class DynatrainHook:
         return cls(spec, train, ctl, ranks_per_node=args.dynatrain_ranks_per_node,
                    memory_budget=args.dynatrain_memory_budget,
                    placement="default" if args.dynatrain_default_placement else "best",
-                   log_dir=args.dynatrain_log_dir, timeout=args.dynatrain_timeout)
+                   log_dir=args.dynatrain_log_dir, timeout=args.dynatrain_timeout,
+                   rendezvous_dir=args.dynatrain_rendezvous_dir,
+                   recovery_checkpoint=args.dynatrain_recovery_checkpoint)
 
     def start(self, trainer: Optional[Trainer], layout: Layout, placement: Placement) -> None:
         """Tell the hook the job's first layout; every process calls it (standby ranks,
@@ -105,6 +116,8 @@ class DynatrainHook:
         standby and calls `standby()`."""
         if self.layout is None:
             self.start(trainer, trainer.objs.layout, trainer.objs.groups.placement)
+        if self.faults is not None:
+            self.faults.fail(dist.get_rank(), "step", trainer.iteration)
         if self.devices.pending:
             if self.devices.ready():
                 return self._switch(trainer)
@@ -216,6 +229,55 @@ class DynatrainHook:
                 f.write(json.dumps(asdict(rec)) + "\n")
         return trainer
 
+    def can_recover(self, error: BaseException) -> bool:
+        """Whether `error` looks like a dead peer and this job can recover from it: a
+        rendezvous directory is set, the recovery budget is not spent, and the error is
+        a failed communication (never a bug of ours or of the model, which would repeat)."""
+        if not self.rendezvous_dir or len(self.recoveries) >= self.max_recoveries:
+            return False
+        if isinstance(error, WorldBroken) or isinstance(error, getattr(dist, "DistError", ())):
+            return True
+        text = str(error)
+        return isinstance(error, RuntimeError) and any(
+            m in text for m in ("Connection closed by peer", "Connection reset by peer",
+                                "Broken pipe", "NCCL communicator was aborted",
+                                "NCCL error", "Timed out"))
+
+    def recover(self, trainer: Optional[Trainer], error: str) -> tuple[str, Optional[Trainer]]:
+        """Every survivor calls this after a failed communication (see `can_recover`).
+        Returns ("train", trainer) on a rank of the new layout, ("standby", None) on a
+        survivor the new world keeps without state, ("leave", None) on one it does not
+        need (the process ends)."""
+        from .recovery import recover_after_death
+
+        log.error("communication failed (%s): a rank is gone; recovering", error[:200])
+        self.devices = DeviceManager()  # a group build for the old world cannot finish
+        self._sync_target = None
+        if self.decision is not None and self.decision.target is not None:
+            self.controller.done(self.decision, "failed", "a rank died; the job recovered")
+            self.decision = None
+        rec = recover_after_death(trainer, self.spec, self.builder.train, self.rendezvous_dir,
+                                  self.recovery_checkpoint, generation=len(self.recoveries) + 1,
+                                  timeout=self.timeout, layout=self.layout,
+                                  placement=self.layout_placement)
+        src = self.layout
+        self.layout = rec.layout
+        self.layout_placement = Placement(tuple(range(rec.layout.world_size)))
+        entry = dict(kind="recovery", iteration=(rec.trainer.iteration if rec.trainer else None),
+                     src=str(src), dst=str(rec.layout), mode=rec.mode, dead=list(rec.world.dead),
+                     survivors=list(rec.world.survivors), lost=rec.lost,
+                     pause_s=rec.switch.pause_seconds if rec.switch else None)
+        self.recoveries.append(entry)
+        if rec.world.rank is None:
+            return "leave", None
+        if self.log_dir and dist.get_rank() == 0:
+            os.makedirs(self.log_dir, exist_ok=True)
+            with open(os.path.join(self.log_dir, "switches.jsonl"), "a") as f:
+                f.write(json.dumps(entry) + "\n")
+        if rec.trainer is None:
+            return "standby", None
+        return "train", rec.trainer
+
     def stop_standby(self) -> None:
         """Collective with the standby ranks waiting in `standby()`: the job is over.
         Every rank of the layout calls it once, after its last step."""
@@ -239,6 +301,10 @@ class DynatrainHook:
         if self.failed:
             lines.append(f"switches rolled back: {len(self.failed)}")
             lines += [f"  - {r}" for r in self.failed]
+        for r in self.recoveries:
+            lines.append(f"recovered from the death of ranks {r['dead']}: {r['src']} -> "
+                         f"{r['dst']} ({'in memory' if r['mode'] == 'memory' else 'from the checkpoint'})"
+                         + (f", pause {r['pause_s']:.3f} s" if r['pause_s'] else ""))
         text = "\n".join(lines)
         log.info(text)
         return text

@@ -60,6 +60,19 @@ def measure_checkpoint_path(trainer: Trainer) -> float:
     return dt
 
 
+def _write_summary(log_dir: str, trainer: Trainer, hook) -> None:
+    """`summary.json` in the log directory: where the job ended and what happened to it."""
+    import json
+    import os
+
+    os.makedirs(log_dir, exist_ok=True)
+    with open(os.path.join(log_dir, "summary.json"), "w") as f:
+        json.dump(dict(iteration=trainer.iteration, layout=str(trainer.objs.layout),
+                       world=dist.get_world_size(), switches=len(hook.history),
+                       rejected=hook.rejected, rolled_back=hook.failed,
+                       recoveries=hook.recoveries), f, indent=1)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="megatron-core GPT training with dynatrain")
     add_training_args(parser)
@@ -95,27 +108,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         hook = DynatrainHook.from_args(args, spec, train)
         hook.start(trainer, layout, placement)
     while True:
-        if trainer is None:  # standby: no training state, follows the controller
-            trainer = hook.standby()
-            if trainer is None:
-                break  # the job ended
-            continue
-        if trainer.iteration >= train.train_iters:
-            break
-        r = trainer.step()
-        if r.iteration % args.log_interval == 0:
-            log.info(format_iteration(r, train.train_iters, trainer.consumed_samples,
-                                      train.global_batch_size, trainer.objs.layout))
-        if hook is not None:
-            trainer = hook.after_step(trainer)
+        failure: Optional[str] = None
+        try:
+            if trainer is None:  # standby: no training state, follows the controller
+                trainer = hook.standby()
+                if trainer is None:
+                    break  # the job ended
+                continue
+            if trainer.iteration >= train.train_iters:
+                break
+            r = trainer.step()
+            if r.iteration % args.log_interval == 0:
+                log.info(format_iteration(r, train.train_iters, trainer.consumed_samples,
+                                          train.global_batch_size, trainer.objs.layout))
+            if hook is not None:
+                trainer = hook.after_step(trainer)
+        except Exception as e:  # noqa: BLE001 - a dead peer, when the hook says so
+            if hook is None or not hook.can_recover(e):
+                raise
+            failure = f"{type(e).__name__}: {e}"
+        if failure is not None:
+            # outside the handler: its traceback would keep the broken communicators open
+            what, trainer = hook.recover(trainer, failure)
+            if what == "leave":
+                log.warning("this process is not needed after the recovery: it ends")
+                return 0
     if hook is not None and trainer is not None:
         hook.stop_standby()
-        everyone = trainer.objs.layout.world_size == processes
+        everyone = trainer.objs.layout.world_size == dist.get_world_size()
         if args.dynatrain_compare_checkpoint and not everyone:
             log.info("checkpoint-path comparison skipped: ranks on standby at the end")
         ckpt_s = (measure_checkpoint_path(trainer)
                   if args.dynatrain_compare_checkpoint and everyone else None)
         hook.finish(trainer, ckpt_s)
+        if args.dynatrain_log_dir and dist.get_rank() == 0:
+            _write_summary(args.dynatrain_log_dir, trainer, hook)
     dist.barrier()
     dist.destroy_process_group()
     return 0

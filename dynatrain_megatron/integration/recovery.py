@@ -20,7 +20,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ..adapters.live import LiveState
-from ..elastic.groups import build_groups, install
+from ..elastic.groups import build_groups, forget_megatron_groups, install
 from ..elastic.rejoin import NewWorld, reform_world, rendezvous_store
 from ..routing.recovery import lost_state
 from ..transition.switch import SwitchReport, read_scalars, switch_layout
@@ -71,10 +71,14 @@ class Recovery:
     switch: Optional[SwitchReport] = None  # the in-memory transfer
 
 
-def recover_after_death(trainer: Trainer, spec: ModelSpec, train: TrainConfig,
+def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: TrainConfig,
                         rendezvous_dir: Optional[str], checkpoint_dir: Optional[str],
-                        generation: int = 1, timeout: Optional[float] = None) -> Recovery:
-    """Every survivor calls this after a collective failed because a rank died.
+                        generation: int = 1, timeout: Optional[float] = None,
+                        layout: Optional[Layout] = None,
+                        placement: Optional[Placement] = None) -> Recovery:
+    """Every survivor calls this after a collective failed because a rank died; a
+    survivor on standby (`trainer` None, no state) passes the job's `layout` and
+    `placement` instead.
 
     If every piece of optimizer state of the dead ranks has a replica on a survivor (a
     partial distributed optimizer, `doi` > 1), all survivors re-form the world and switch
@@ -82,24 +86,31 @@ def recover_after_death(trainer: Trainer, spec: ModelSpec, train: TrainConfig,
     that fits them: nothing is lost and training goes on from the current iteration.
     Survivors B does not need stay in the new world (standby). Otherwise only B's ranks
     re-form the world and load the last checkpoint; the lost tensors are named."""
-    old = trainer.objs
-    old_rank, old_world = old.groups.rank, dist.get_world_size()
-    src, pa = old.layout, old.groups.placement
+    old = trainer.objs if trainer is not None else None
+    old_rank, old_world = dist.get_rank(), dist.get_world_size()
+    if old is not None:
+        src, pa = old.layout, old.groups.placement
+    elif layout is not None and placement is not None:
+        src, pa = layout, placement
+    else:
+        raise ValueError("recover_after_death needs the trainer, or the layout and placement")
     bs = bucket_size_of(train, src)
     # what this rank holds at A, bound before the objects (and their broken
     # communicators) go: only the tensors stay referenced
-    scalars = read_scalars(old, trainer.iteration, trainer.consumed_samples)
-    vr = pa.virtual_rank(old_rank)
-    held = (LiveState(old.model, old.optimizer, vr, spec.vocab_size).detach_from_objects()
-            if vr is not None else None)
-    # drop the old objects first: they hold the broken communicators, whose sockets close
-    # only when the last reference goes, and a closed socket is how the survivors still
-    # blocked in a collective with this rank learn of the failure quickly
-    from megatron.core import parallel_state
-
-    trainer.release_references()
-    parallel_state.destroy_model_parallel()  # its globals hold the same communicators
-    release(old, broken=True)
+    scalars = held = None
+    if old is not None:
+        scalars = read_scalars(old, trainer.iteration, trainer.consumed_samples)
+        vr = pa.virtual_rank(old_rank)
+        held = (LiveState(old.model, old.optimizer, vr, spec.vocab_size).detach_from_objects()
+                if vr is not None else None)
+        trainer.release_references()
+    # drop every reference to the broken communicators: a gloo communicator's sockets
+    # close only with its last reference, and a closed socket is how the survivors still
+    # blocked in a collective with this rank learn of the failure (measured: a survivor
+    # blocked on us otherwise waits until we are done with the roster and leave it out)
+    forget_megatron_groups()
+    if old is not None:
+        release(old, broken=True)
     del old
 
     def dead_of(survivors) -> list[int]:

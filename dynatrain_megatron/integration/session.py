@@ -24,6 +24,9 @@ def init_distributed(timeout_s: float = 300.0) -> None:
     """torch.distributed from torchrun's env: NCCL with a GPU, gloo on the CPU."""
     if dist.is_initialized():
         return
+    # before the world exists: its collectives take `group=group.WORLD` as a default
+    # argument, which would otherwise hold the default group for good (elastic.rejoin)
+    import torch.distributed.nn.functional  # noqa: F401
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
@@ -108,4 +111,19 @@ def release(objs: TrainingObjects, broken: bool = False) -> None:
     objs.model.clear()
     objs.optimizer = None
     objs.scheduler = None
+    _clear_module_caches()
     gc.collect()
+
+
+def _clear_module_caches() -> None:
+    """megatron-core 0.16.1 memoises `RotaryEmbedding.forward` with a class-level
+    `lru_cache`, whose keys hold the module itself: every layout's rotary embedding (and
+    with CP > 1 its context-parallel group) would outlive the layout. The cache only
+    saves recomputing a small table; emptying it frees them."""
+    try:
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    except ImportError:  # pragma: no cover - another megatron-core layout
+        return
+    clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
+    if clear is not None:
+        clear()

@@ -4,8 +4,9 @@ corrupt one piece it receives, or arrive late at a transfer round.
 A `FaultPlan` is plain data handed to `switch_layout` (tests, or `DYNATRAIN_FAULTS` as JSON
 for a whole job); with none, every hook below is a no-op. Phases: "prepare" (after B is
 built, before the plan is agreed), "round" (inside transfer round `round`, after its
-exchange), "commit" (after the transfer, before the commit vote). With `kill`, the failing
-rank's process exits on the spot instead of raising, as a crash would (its sockets close).
+exchange), "commit" (after the transfer, before the commit vote), and "step" (in training,
+after optimizer step `iteration`, outside any switch). With `kill`, the failing rank's
+process exits on the spot instead of raising, as a crash would (its sockets close).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from ..vps.errors import DynatrainError
 
 log = logging.getLogger(__name__)
 
-PHASES = ("prepare", "round", "commit")
+PHASES = ("prepare", "round", "commit", "step")
 
 
 class InjectedFault(DynatrainError):
@@ -39,6 +40,7 @@ class FaultPlan:
     round: int = 0  # the round that "round" failures, corruption and delays apply to
     kill: bool = False  # the failing rank dies (os._exit) instead of raising
     exit_code: int = 1  # its exit status (test harnesses read 0 as "left without a result")
+    iteration: int = 0  # the training iteration "step" failures apply to
 
     def __post_init__(self) -> None:
         if self.fail_phase is not None and self.fail_phase not in PHASES:
@@ -54,8 +56,8 @@ class FaultPlan:
         return cls(**json.loads(text)) if text else None
 
     def fail(self, rank: int, phase: str, round_index: int = 0) -> None:
-        if self.fail_rank == rank and self.fail_phase == phase and \
-                (phase != "round" or round_index == self.round):
+        at = {"round": self.round, "step": self.iteration}.get(phase, round_index)
+        if self.fail_rank == rank and self.fail_phase == phase and round_index == at:
             log.warning("fault injection: rank %d %s in phase %s", rank,
                         "dies" if self.kill else "fails", phase)
             if self.kill:
