@@ -150,17 +150,19 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
 
 
 def forget_megatron_groups() -> None:
-    """megatron-core's `destroy_model_parallel()`, and then every process group still
-    held by a `parallel_state` global set to None: 0.16.1's destroy leaves some behind
+    """Every process group held by a `parallel_state` global set to None, then
+    megatron-core's `destroy_model_parallel()` for the rest: 0.16.1's destroy leaves some behind
     (`_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP` and its gloo twin, which `install`
     sets). A group lives, and a gloo group keeps its sockets open, as long as anything
     references it; after a rank died the survivors must let go of every one."""
     from megatron.core import parallel_state as ps
 
-    ps.destroy_model_parallel()
+    # unhook first: destroy_model_parallel would destroy the groups in its gloo globals,
+    # which are ours (`install`), and their owner destroys them (ParallelGroups.destroy)
     for name, value in list(vars(ps).items()):
         if name.startswith("_") and isinstance(value, dist.ProcessGroup):
             setattr(ps, name, None)
+    ps.destroy_model_parallel()
 
 
 def install(groups: ParallelGroups) -> None:

@@ -22,10 +22,10 @@ nothing read from it is trusted unless it carries a valid tag.
    The job tags its verdicts too; a joiner that has the secret believes an "accepted"
    only when the tag checks out, so nobody else with store access can fake one.
 
-Acceptance only *records* the joiner for now (`accepted_requests`): growing the world
-with it (re-forming the default process group with the joiner as a standby rank, in
-`generation` g at rank r) is done on top of `elastic/rejoin.py` by that work. Training is
-never touched by a review: it reads and writes only the store.
+An accepted joiner is recorded (`accepted_requests`); the job's hook then grows the world
+with it at the same step boundary (`integration/grow.py`: the default process group is
+re-formed with the joiner as rank r on standby, generation g). Training is never touched
+by a review itself: it reads and writes only the store.
 """
 from __future__ import annotations
 
@@ -257,8 +257,8 @@ class JoinReviewer:
             if v.accepted:
                 k = self.store.add(_accepted_count_key(self.nonce), 1)
                 self.store.set(_accepted_key(self.nonce, k), v.to_bytes(""))
-                log.info("join request %s (slot %d) from %s: %s (recorded; the world is not "
-                         "re-formed yet)", v.request_id, slot, v.origin, v)
+                log.info("join request %s (slot %d) from %s: %s (the world grows at this "
+                         "step boundary)", v.request_id, slot, v.origin, v)
             else:
                 log.warning("join request %s (slot %d) claiming origin %s: %s; the job is "
                             "untouched", v.request_id or "?", slot, v.origin, v)

@@ -42,6 +42,10 @@ def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="the dist_checkpointing directory to resume from when a rank dies "
                         "holding the only copy of some state (with --dynatrain-rendezvous-dir; "
                         "nothing is needed when every shard is replicated, doi > 1)")
+    g.add_argument("--dynatrain-join", action="store_true",
+                   help="this process asks the job running in --dynatrain-rendezvous-dir to "
+                        "take it in (proving the job's secret: --dynatrain-secret-file or "
+                        "$DYNATRAIN_JOB_SECRET) and waits on standby for a scale-out")
     g.add_argument("--dynatrain-rendezvous-dir", default=None,
                    help="shared directory of the FileStore the job's processes (and processes "
                         "asking to join, `dynatrain join`) meet in; torchrun's agent store is "

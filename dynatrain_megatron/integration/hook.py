@@ -83,6 +83,7 @@ class DynatrainHook:
         self.recovery_checkpoint = recovery_checkpoint
         self.max_recoveries = max_recoveries
         self.recoveries: list[dict] = []
+        self.admitted: list[dict] = []  # joiners that grew the world (integration/grow.py)
         self.faults = FaultPlan.from_env()  # DYNATRAIN_FAULTS, e.g. a rank killed at a step
 
     @classmethod
@@ -122,8 +123,9 @@ class DynatrainHook:
             if self.devices.ready():
                 return self._switch(trainer)
             return trainer
-        self._on_decision(self.controller.poll(trainer.iteration, self.layout.world_size),
-                          trainer.iteration)
+        d = self.controller.poll(trainer.iteration, self.layout.world_size)
+        trainer = self._admit(trainer, d)
+        self._on_decision(d, trainer.iteration)
         if self._sync_target is not None:
             return self._switch(trainer)
         return trainer
@@ -143,6 +145,7 @@ class DynatrainHook:
             if d.stop:
                 self.stopped = True
                 return None
+            self._admit(None, d)
             self._on_decision(d, None)
             if self._sync_target is not None:
                 trainer = self._switch(None)
@@ -227,6 +230,50 @@ class DynatrainHook:
             os.makedirs(self.log_dir, exist_ok=True)
             with open(os.path.join(self.log_dir, "switches.jsonl"), "a") as f:
                 f.write(json.dumps(asdict(rec)) + "\n")
+        return trainer
+
+    def _admit(self, trainer: Optional[Trainer], d: Decision) -> Optional[Trainer]:
+        """Grow the world with the joiners accepted at this poll (every process calls it
+        with the same decision; integration/grow.py). Returns the trainer rebuilt on it."""
+        accepted = [v for v in d.joins if v.accepted]
+        if not accepted:
+            return trainer
+        if not self.rendezvous_dir:
+            log.warning("%d joiner(s) accepted but not admitted: growing the world needs "
+                        "--dynatrain-rendezvous-dir", len(accepted))
+            return trainer
+        from ..elastic.rejoin import rendezvous_store
+        from . import grow
+
+        generation = accepted[0].generation
+        world = dist.get_world_size() + len(accepted)
+        store = rendezvous_store(self.rendezvous_dir)
+        # only a joiner that is a training process (`--dynatrain-join`) says it is ready; an
+        # accepted `dynatrain join` (which only asks) never does, and the world stays as is
+        box = [grow.all_ready(store, generation, [v.rank for v in accepted])
+               if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        reviewer = self.controller.joins
+        if not box[0]:
+            log.warning("%d accepted joiner(s) did not come to enter the world: not admitted",
+                        len(accepted))
+            if reviewer is not None:
+                reviewer.accepted.clear()
+            return trainer
+        if dist.get_rank() == 0:
+            grow.announce(store, generation, world, self.layout, self.layout_placement)
+        self.devices = DeviceManager()  # groups under construction belong to the old world
+        t0 = time.perf_counter()
+        trainer = grow.grow_world(trainer, self.spec, self.builder.train, store, generation,
+                                  world, self.layout, self.layout_placement, self.timeout)
+        if reviewer is not None:  # rank 0: number the next joiners after these
+            reviewer.world_size, reviewer.generation = world, generation + 1
+            reviewer.accepted.clear()
+        self.admitted.append(dict(iteration=trainer.iteration if trainer else None,
+                                  joiners=[v.origin for v in accepted], world=world,
+                                  pause_s=round(time.perf_counter() - t0, 4)))
+        log.info("admitted %d joiner(s): the world has %d processes (%.3f s)", len(accepted),
+                 world, time.perf_counter() - t0)
         return trainer
 
     def can_recover(self, error: BaseException) -> bool:

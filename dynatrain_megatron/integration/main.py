@@ -70,7 +70,7 @@ def _write_summary(log_dir: str, trainer: Trainer, hook) -> None:
         json.dump(dict(iteration=trainer.iteration, layout=str(trainer.objs.layout),
                        world=dist.get_world_size(), switches=len(hook.history),
                        rejected=hook.rejected, rolled_back=hook.failed,
-                       recoveries=hook.recoveries), f, indent=1)
+                       recoveries=hook.recoveries, admitted=hook.admitted), f, indent=1)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -81,6 +81,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from .session import init_distributed, start_job
 
+    if args.dynatrain and args.dynatrain_join:
+        return _join_and_run(args)
     init_distributed()
     setup_logging()
     spec = ModelSpec.from_yaml(args.model_config)
@@ -107,6 +109,57 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         share_with_ranks(args.dynatrain_secret_file, args.dynatrain_rendezvous_dir)
         hook = DynatrainHook.from_args(args, spec, train)
         hook.start(trainer, layout, placement)
+    return _run(args, spec, train, trainer, hook)
+
+
+def _join_and_run(args: argparse.Namespace) -> int:
+    """`--dynatrain-join`: ask the running job (through the rendezvous directory) to take
+    this process in, proving the job's secret; once accepted, enter its grown world on
+    standby (integration/grow.py) and follow it like any standby rank."""
+    import torch.distributed.nn.functional  # noqa: F401  (before any world: see rejoin)
+
+    from ..compat import prepare_runtime
+    from ..elastic.job_secret import load_secret
+    from ..elastic.join import post_request, wait_verdict
+    from ..elastic.rejoin import rendezvous_store
+    from .grow import join_world
+    from .hook import DynatrainHook
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s joiner] %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    if not args.dynatrain_rendezvous_dir:
+        log.error("--dynatrain-join needs --dynatrain-rendezvous-dir (where the job meets)")
+        return 2
+    spec = ModelSpec.from_yaml(args.model_config)
+    if args.bf16:
+        spec = spec.replace(params_dtype="bf16")
+    train = train_config_from_args(args)
+    store = rendezvous_store(args.dynatrain_rendezvous_dir)
+    secret = load_secret(args.dynatrain_secret_file, rendezvous_dir=None)
+    # everything slow first: once accepted, the job waits for this process in the new world
+    prepare_runtime()
+    from .session import freeze_long_lived_objects
+
+    freeze_long_lived_objects()
+    slot, _ = post_request(store, secret)
+    verdict = wait_verdict(store, slot, secret)
+    if not verdict.accepted:
+        log.error("the job refused this process: %s", verdict.reason)
+        return 1
+    log.info("accepted: generation %d, rank %d", verdict.generation, verdict.rank)
+    from .grow import ready
+
+    ready(store, verdict.generation, verdict.rank)
+    layout, placement = join_world(spec, train, store, verdict.generation, verdict.rank)
+    setup_logging()
+    hook = DynatrainHook.from_args(args, spec, train)
+    hook.start(None, layout, placement)
+    return _run(args, spec, train, None, hook)
+
+
+def _run(args: argparse.Namespace, spec: ModelSpec, train, trainer: Optional[Trainer],
+         hook) -> int:
+    """The training loop of every process (standby ones start with `trainer` None)."""
     while True:
         failure: Optional[str] = None
         try:
