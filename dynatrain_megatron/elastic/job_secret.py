@@ -18,12 +18,12 @@ import logging
 import os
 import secrets
 import stat
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, MutableMapping, Optional
 
 from ..vps.errors import DynatrainError
+from .private_file import write_private
 
 log = logging.getLogger(__name__)
 
@@ -117,21 +117,7 @@ def read_secret_file(path: str | Path) -> JobSecret:
 def write_secret_file(path: str | Path, secret: JobSecret) -> Path:
     """Write `secret` to `path` with mode 0600, atomically (a reader never sees a partial
     secret, nor a moment where the file is readable by others)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # created 0600
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secret.value + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return write_private(path, secret.value + b"\n")
 
 
 def load_secret(secret_file: Optional[str | Path] = None,

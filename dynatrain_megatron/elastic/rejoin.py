@@ -90,11 +90,7 @@ def reform_world(store: dist.Store, old_rank: int, old_world: int, generation: i
     `elastic.groups.forget_megatron_groups`, the layout's objects). A survivor that still
     notices after the quiet period is left out of the new world and leaves; the
     recovery decides on the survivors actually in the roster."""
-    forget_default_group_defaults()
-    try:
-        dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001 - it is broken; only its resources are freed here
-        log.debug("destroying the broken default group: %s", e)
+    drop_default_group()
     prefix = f"dynatrain/gen{generation}"
     store.set(f"{prefix}/alive/{old_rank}", "1")
     start = last_change = time.monotonic()
@@ -121,10 +117,28 @@ def reform_world(store: dist.Store, old_rank: int, old_world: int, generation: i
     if old_rank not in members:
         return NewWorld(old_world, survivors, members, None, generation)
     new_rank = members.index(old_rank)
-    dist.init_process_group("gloo" if not _cuda() else "nccl",
-                            store=dist.PrefixStore(f"{prefix}/pg", store), rank=new_rank,
-                            world_size=n, timeout=datetime.timedelta(seconds=timeout_s))
+    start_default_group(store, f"{prefix}/pg", new_rank, n, timeout_s)
     return NewWorld(old_world, survivors, members, new_rank, generation)
+
+
+def drop_default_group() -> None:
+    """Let go of the default group (broken after a death, or too small after a join)
+    and of every reference torch keeps to it (`forget_default_group_defaults`)."""
+    forget_default_group_defaults()
+    if not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - it is broken; only its resources are freed here
+        log.debug("destroying the default group: %s", e)
+
+
+def start_default_group(store: dist.Store, prefix: str, rank: int, world: int,
+                        timeout_s: float = 300.0) -> None:
+    """A new default group of `world` processes meeting under `prefix` in `store`."""
+    dist.init_process_group("gloo" if not _cuda() else "nccl",
+                            store=dist.PrefixStore(prefix, store), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _cuda() -> bool:

@@ -16,13 +16,13 @@ import json
 import os
 import socket
 import stat
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
 from ..vps.errors import DynatrainError
+from .private_file import write_private
 
 
 class RequestError(DynatrainError):
@@ -49,19 +49,7 @@ def write_request(path: str | Path, layout: str, world: Optional[int] = None) ->
     req = SwitchRequest(layout=layout, world=world,
                         origin=f"{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}",
                         requested_at=time.time())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(req), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_private(path, json.dumps(asdict(req)).encode())
     return req
 
 

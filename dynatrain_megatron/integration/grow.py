@@ -12,25 +12,21 @@ work like any standby rank.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import logging
+import time
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from ..adapters.live import LiveState
-from ..elastic.groups import build_groups, forget_megatron_groups, install
 from ..elastic.join import JoinError
-from ..elastic.rejoin import forget_default_group_defaults
-from ..transition.switch import read_scalars, switch_layout
-from ..vps.errors import DynatrainError
+from ..elastic.rejoin import drop_default_group, start_default_group
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
-from .builders import MegatronBuilder
-from .session import freeze_long_lived_objects, release
+from .recovery import let_go_of_layout, switch_from_held
+from .session import freeze_long_lived_objects
 from .train_config import TrainConfig
 from .training import Trainer
 
@@ -48,8 +44,6 @@ def all_ready(store: dist.Store, generation: int, ranks: list[int],
               wait_seconds: float = 10.0) -> bool:
     """Rank 0: whether every accepted joiner said `ready` (it does so right after reading
     its verdict, which this poll just wrote)."""
-    import time
-
     keys = [f"{PREFIX}{generation}/ready/{r}" for r in ranks]
     deadline = time.monotonic() + wait_seconds
     while not store.check(keys):
@@ -72,18 +66,7 @@ def grow_world(trainer: Optional[Trainer], spec: ModelSpec, train: TrainConfig,
                placement: Placement, timeout: Optional[float] = None) -> Optional[Trainer]:
     """Every process of the job (standby ones with `trainer` None). Returns the trainer
     rebuilt on the grown world, or None on a standby process."""
-    old = trainer.objs if trainer is not None else None
-    scalars = held = None
-    if old is not None:
-        scalars = read_scalars(old, trainer.iteration, trainer.consumed_samples)
-        vr = placement.virtual_rank(dist.get_rank())
-        held = (LiveState(old.model, old.optimizer, vr, spec.vocab_size).detach_from_objects()
-                if vr is not None else None)
-        trainer.release_references()
-    forget_megatron_groups()
-    if old is not None:
-        release(old)
-    del old
+    held, scalars = let_go_of_layout(trainer, spec, placement, broken=False)
     _reinit(store, generation, dist.get_rank(), world)
     return _rebuild(spec, train, layout, placement, held, scalars, timeout)
 
@@ -109,13 +92,8 @@ def join_world(spec: ModelSpec, train: TrainConfig, store: dist.Store, generatio
 
 
 def _reinit(store: dist.Store, generation: int, rank: int, world: int) -> None:
-    forget_default_group_defaults()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=dist.PrefixStore(f"{PREFIX}{generation}/pg", store),
-                            rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    drop_default_group()
+    start_default_group(store, f"{PREFIX}{generation}/pg", rank, world)
     log.warning("world grown (generation %d): rank %d of %d", generation, rank, world)
 
 
@@ -123,15 +101,9 @@ def _rebuild(spec: ModelSpec, train: TrainConfig, layout: Layout, placement: Pla
              held: Optional[LiveState], scalars, timeout: Optional[float]) -> Optional[Trainer]:
     """The switch from `layout` to itself on the new world: local copies only."""
     freeze_long_lived_objects()
-    res = switch_layout(spec, MegatronBuilder(spec, train), None, layout, placement, layout,
-                        build_groups, scalars, dst_devices=placement.devices, placement="default",
-                        src_state=held, timeout=timeout)
-    if res.aborted:
-        raise DynatrainError(f"rebuilding {layout} on the grown world failed: {res.aborted}")
-    if res.objs is None:
-        res.groups.destroy()
-        return None
-    install(res.groups)
+    trainer, report = switch_from_held(spec, train, layout, placement, layout,
+                                       placement.devices, held, scalars, timeout,
+                                       f"rebuilding {layout} on the grown world")
     log.info("rebuilt %s on the grown world: %d bytes moved, %.3f s", layout,
-             res.report.bytes_moved, res.report.pause_seconds)
-    return Trainer(spec, train, res.objs, res.scalars.iteration, res.scalars.consumed_samples)
+             report.bytes_moved, report.pause_seconds)
+    return trainer

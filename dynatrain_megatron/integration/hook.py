@@ -226,11 +226,15 @@ class DynatrainHook:
                  r.bytes_moved / 1e6, r.lower_bound_bytes / 1e6, pause, r.phases.get("bind", 0),
                  r.phases.get("plan", 0), r.phases.get("transfer", 0), r.phases.get("rebuild", 0),
                  groups_s, "inside the pause" if rec.groups_in_pause else "in the background")
+        self._log_event(asdict(rec))
+        return trainer
+
+    def _log_event(self, entry: dict) -> None:
+        """One line of `switches.jsonl` in the log directory (rank 0)."""
         if self.log_dir and dist.get_rank() == 0:
             os.makedirs(self.log_dir, exist_ok=True)
             with open(os.path.join(self.log_dir, "switches.jsonl"), "a") as f:
-                f.write(json.dumps(asdict(rec)) + "\n")
-        return trainer
+                f.write(json.dumps(entry) + "\n")
 
     def _admit(self, trainer: Optional[Trainer], d: Decision) -> Optional[Trainer]:
         """Grow the world with the joiners accepted at this poll (every process calls it
@@ -269,11 +273,12 @@ class DynatrainHook:
         if reviewer is not None:  # rank 0: number the next joiners after these
             reviewer.world_size, reviewer.generation = world, generation + 1
             reviewer.accepted.clear()
+        pause = time.perf_counter() - t0
         self.admitted.append(dict(iteration=trainer.iteration if trainer else None,
                                   joiners=[v.origin for v in accepted], world=world,
-                                  pause_s=round(time.perf_counter() - t0, 4)))
+                                  pause_s=round(pause, 4)))
         log.info("admitted %d joiner(s): the world has %d processes (%.3f s)", len(accepted),
-                 world, time.perf_counter() - t0)
+                 world, pause)
         return trainer
 
     def can_recover(self, error: BaseException) -> bool:
@@ -317,10 +322,7 @@ class DynatrainHook:
         self.recoveries.append(entry)
         if rec.world.rank is None:
             return "leave", None
-        if self.log_dir and dist.get_rank() == 0:
-            os.makedirs(self.log_dir, exist_ok=True)
-            with open(os.path.join(self.log_dir, "switches.jsonl"), "a") as f:
-                f.write(json.dumps(entry) + "\n")
+        self._log_event(entry)
         if rec.trainer is None:
             return "standby", None
         return "train", rec.trainer

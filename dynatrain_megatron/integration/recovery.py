@@ -23,7 +23,7 @@ from ..adapters.live import LiveState
 from ..elastic.groups import build_groups, forget_megatron_groups, install
 from ..elastic.rejoin import NewWorld, reform_world, rendezvous_store
 from ..routing.recovery import lost_state
-from ..transition.switch import SwitchReport, read_scalars, switch_layout
+from ..transition.switch import Scalars, SwitchReport, read_scalars, switch_layout
 from ..vps.fragment import OPT_KINDS
 from ..vps.placement import Placement
 from ..vps.errors import DynatrainError, LayoutError
@@ -95,23 +95,11 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     else:
         raise ValueError("recover_after_death needs the trainer, or the layout and placement")
     bs = bucket_size_of(train, src)
-    # what this rank holds at A, bound before the objects (and their broken
-    # communicators) go: only the tensors stay referenced
-    scalars = held = None
-    if old is not None:
-        scalars = read_scalars(old, trainer.iteration, trainer.consumed_samples)
-        vr = pa.virtual_rank(old_rank)
-        held = (LiveState(old.model, old.optimizer, vr, spec.vocab_size).detach_from_objects()
-                if vr is not None else None)
-        trainer.release_references()
-    # drop every reference to the broken communicators: a gloo communicator's sockets
-    # close only with its last reference, and a closed socket is how the survivors still
-    # blocked in a collective with this rank learn of the failure (measured: a survivor
-    # blocked on us otherwise waits until we are done with the roster and leave it out)
-    forget_megatron_groups()
-    if old is not None:
-        release(old, broken=True)
+    # a closed socket is how the survivors still blocked in a collective with this rank
+    # learn of the failure (measured: one blocked on us otherwise waits until we are done
+    # with the roster, and is left out)
     del old
+    held, scalars = let_go_of_layout(trainer, spec, pa, broken=True)
 
     def dead_of(survivors) -> list[int]:
         return [d for d in pa.devices if d not in survivors]
@@ -149,6 +137,52 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     return Recovery(new, nw, what, mode, dst)
 
 
+def let_go_of_layout(trainer: Optional[Trainer], spec: ModelSpec, placement: Placement,
+                     broken: bool) -> tuple[Optional[LiveState], Optional[Scalars]]:
+    """Before the default group is re-formed (a death, a join): bind this rank's tensors
+    and scalars at the current layout, then free its megatron objects and every reference
+    to their communicators (a gloo communicator's sockets close only with its last
+    reference). Returns (held tensors, scalars); both None on a rank holding nothing."""
+    scalars = held = None
+    old = trainer.objs if trainer is not None else None
+    if old is not None:
+        scalars = read_scalars(old, trainer.iteration, trainer.consumed_samples)
+        vr = placement.virtual_rank(dist.get_rank())
+        held = (LiveState(old.model, old.optimizer, vr, spec.vocab_size).detach_from_objects()
+                if vr is not None else None)
+        trainer.release_references()
+    forget_megatron_groups()
+    if old is not None:
+        release(old, broken=broken)
+    return held, scalars
+
+
+def switch_from_held(spec: ModelSpec, train: TrainConfig, src: Layout, src_placement: Placement,
+                     dst: Layout, dst_devices, held: Optional[LiveState],
+                     scalars: Optional[Scalars], timeout: Optional[float], what: str,
+                     unavailable=()) -> tuple[Optional[Trainer], SwitchReport]:
+    """The switch `src` -> `dst` on a re-formed world from the tensors `let_go_of_layout`
+    kept (B's placement: `dst_devices` in order). Returns (the trainer at B, or None on a
+    rank B does not use; the report). Raises, having released B, if it aborted: there is
+    no A to roll back to (its objects are gone)."""
+    res = switch_layout(spec, MegatronBuilder(spec, train), None, src, src_placement, dst,
+                        build_groups, scalars, dst_devices=dst_devices, placement="default",
+                        timeout=timeout, src_state=held, unavailable=unavailable)
+    del held
+    if res.aborted:
+        if res.objs is not None:
+            release(res.objs)
+        elif res.groups is not None:
+            res.groups.destroy()
+        raise DynatrainError(f"{what} failed ({res.aborted}); restart from the last checkpoint")
+    if res.objs is None:
+        res.groups.destroy()
+        return None, res.report
+    install(res.groups)
+    return (Trainer(spec, train, res.objs, res.scalars.iteration, res.scalars.consumed_samples),
+            res.report)
+
+
 def _recover_in_memory(spec: ModelSpec, train: TrainConfig, src: Layout, pa: Placement,
                        dst: Layout, nw: NewWorld, held, scalars, what: str,
                        timeout: Optional[float]) -> Recovery:
@@ -160,23 +194,9 @@ def _recover_in_memory(spec: ModelSpec, train: TrainConfig, src: Layout, pa: Pla
     src_pl = Placement(tuple(new_rank[d] if d in new_rank else next(placeholders)
                              for d in pa.devices))
     unavailable = tuple(d for d in src_pl.devices if d >= n)
-    builder = MegatronBuilder(spec, train)
-    res = switch_layout(spec, builder, None, src, src_pl, dst, build_groups, scalars,
-                        dst_devices=range(dst.world_size), timeout=timeout, src_state=held,
-                        unavailable=unavailable)
-    del held
-    if res.aborted:
-        if res.objs is not None:
-            release(res.objs)
-        elif res.groups is not None:
-            res.groups.destroy()
-        raise DynatrainError(f"in-memory recovery after the death of ranks {list(nw.dead)} "
-                             f"failed ({res.aborted}); restart from the last checkpoint")
+    new, report = switch_from_held(
+        spec, train, src, src_pl, dst, range(dst.world_size), held, scalars, timeout,
+        f"in-memory recovery after the death of ranks {list(nw.dead)}", unavailable)
     log.warning("recovered in memory: %s -> %s on %d ranks, %d bytes moved in %.2f s",
-                src, dst, dst.world_size, res.report.bytes_moved, res.report.pause_seconds)
-    if res.objs is None:
-        res.groups.destroy()
-        return Recovery(None, nw, what, "memory", dst, res.report)
-    install(res.groups)
-    new = Trainer(spec, train, res.objs, res.scalars.iteration, res.scalars.consumed_samples)
-    return Recovery(new, nw, what, "memory", dst, res.report)
+                src, dst, dst.world_size, report.bytes_moved, report.pause_seconds)
+    return Recovery(new, nw, what, "memory", dst, report)
