@@ -140,8 +140,7 @@ def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before
     train = switch_train_config(overrides)
     s = spec_variant(model)
     ta = start_job(s, a, train)
-    for _ in range(steps_before):
-        ta.step()
+    losses_before = [ta.step().loss for _ in range(steps_before)]
     world = ta.objs.groups.layout_group
     full_a = G.gather_full_state(LiveState(ta.objs.model, ta.objs.optimizer,
                                            ta.objs.groups.virtual_rank, s.vocab_size), s, world)
@@ -156,13 +155,36 @@ def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before
     losses = [tb.step().loss for _ in range(steps_after)]
     release(tb.objs)
     diff = None if full_a is None else G.states_equal(full_a, full_b)
-    return dict(losses=losses, state_diff=diff, iteration=it)
+    return dict(losses=losses, state_diff=diff, iteration=it, losses_before=losses_before)
 
 
 def _sum_over_ranks(x: int) -> int:
     t = torch.tensor([x], dtype=torch.int64)
     dist.all_reduce(t)
     return int(t.item())
+
+
+def _prepare_while_training(tr, builder, la, pa, lb, placement, rpn, budget, move_weights):
+    """Start B's preparation in the background (device manager) and train at A until every
+    rank is ready (at least one step). Returns the switch's keyword arguments and the
+    number of steps trained meanwhile."""
+    from dynatrain_megatron.elastic.device_manager import DeviceManager
+    from dynatrain_megatron.transition.switch import choose_dst_placement, prepare_switch
+
+    dst_p = choose_dst_placement(builder.spec, builder, la, pa, lb, tuple(range(lb.world_size)),
+                                 placement, rpn, move_weights)
+    dm = DeviceManager()
+    dm.prepare(lb, dst_p, then=lambda g: prepare_switch(
+        builder.spec, builder, la, pa, lb, g, move_weights=move_weights, ranks_per_node=rpn,
+        memory_budget=budget, background=True))
+    steps = 0
+    while True:
+        tr.step()
+        steps += 1
+        if dm.ready():
+            break
+    groups = dm.take()
+    return dict(new_groups=groups, prepared=dm.take_prepared()), steps
 
 
 def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
@@ -194,16 +216,29 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
         for _ in range(2):
             tr.step()
         la, pa = tr.objs.layout, tr.objs.groups.placement
+        lb = Layout.parse(b, world)
+        kw, steps_while_preparing = {}, 0
+        if opts.get("background"):
+            # as the hook does it: B prepared in a thread while A trains on
+            kw, steps_while_preparing = _prepare_while_training(
+                tr, builder, la, pa, lb, opts.get("placement", "best"), opts.get("ranks_per_node", 4),
+                opts.get("memory_budget"), opts.get("move_weights", False))
         tr.sync_params()  # with overlap_param_gather the weights lag until the next forward
         before = full(tr)
-        lb = Layout.parse(b, world)
         # 0: every piece travels on its own, straight from/into live storage where contiguous
         executor.SMALL_PIECE_BYTES = opts.get("small_piece_bytes", small_default)
         tr, res = switch_trainer(tr, builder, la, pa, lb, placement=opts.get("placement", "best"),
                                  ranks_per_node=opts.get("ranks_per_node", 4),
                                  memory_budget=opts.get("memory_budget"),
-                                 move_weights=opts.get("move_weights", False))
+                                 move_weights=opts.get("move_weights", False), **kw)
         after = full(tr)
+        bound_in_background = None
+        if kw:
+            # B was bound while megatron's globals still described A: the same fragments
+            # (main replicas included) as binding it now, with B current
+            fresh = LiveState(tr.objs.model, tr.objs.optimizer, tr.objs.groups.virtual_rank,
+                              s.vocab_size)
+            bound_in_background = kw["prepared"].live.fragments() == fresh.fragments()
         # every replica (not only the main ones) must hold the state
         objs = tr.objs
         ref = G.broadcast_full_state(after, group=objs.groups.layout_group,
@@ -220,6 +255,8 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
                    zero_copy=_sum_over_ranks(r.zero_copy_bytes),
                    net_all=_sum_over_ranks(r.sent_bytes + r.recv_bytes),
                    replica_mismatches=[b for part in bad_all for b in part],
+                   steps_while_preparing=steps_while_preparing,
+                   bound_in_background=bound_in_background, background=r.background,
                    placement_devices=tr.objs.groups.placement.devices)
         if opts.get("back"):
             tr, res2 = switch_trainer(tr, builder, tr.objs.layout, tr.objs.groups.placement, la,
@@ -232,8 +269,8 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
             import os
 
             d = os.path.join(ckpt_root, f"{len(out)}-{a}-{b}")
-            ref = checkpoint_path_case(model, a, b, d, 2, opts["steps_after"], overrides,
-                                       rec["placement_devices"])
+            ref = checkpoint_path_case(model, a, b, d, rec["iteration"], opts["steps_after"],
+                                       overrides, rec["placement_devices"])
             rec["ckpt_losses"] = ref["losses"]
         out.append(rec)
     return out
@@ -278,12 +315,16 @@ def hook_cases(root: str) -> dict:
     losses, hook, layout = run(sig, {2: "tp1pp2dp2"}, 6)
     h = hook.history[0] if hook.history else None
     out["switch"] = dict(losses=losses, layout=layout, iteration=h.iteration if h else None,
-                         groups_in_pause=h.phases.get("groups") if h else None,
+                         phases=h.phases if h else None,
                          groups_bg=h.groups_s if h else None, pause=h.pause_s if h else None,
                          files=sorted(p.name for p in Path(root).glob("a.json.*")))
+    # B is prepared in the background: the switch comes at the first step boundary where
+    # every rank is ready (iteration 3 or later); the reference restarts there
+    it = h.iteration if h else 3
     ref = checkpoint_path_case("tiny-gpt", "tp2pp2dp1", "tp1pp2dp2", os.path.join(root, "ck"),
-                               steps_before=3, steps_after=3)
+                               steps_before=it, steps_after=6 - it)
     out["switch"]["ckpt_losses"] = ref["losses"]
+    out["switch"]["ckpt_losses_before"] = ref["losses_before"]
 
     # the same request with the groups built inside the switch (the classic way), side by side
     losses, hook, layout = run(os.path.join(root, "c.json"), {2: "tp1pp2dp2"}, 4, background=False)

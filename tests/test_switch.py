@@ -23,11 +23,16 @@ DENSE_4 = [
     # partial distributed optimizer (--num-distributed-optimizer-instances): on, and off again
     ("tp1pp2dp2", "tp1pp2doi2dp2", {"ckpt": True, "steps_after": 4}),
     ("tp1pp1doi2dp4", "tp2pp1dp2", {"back": True}),
+    # B prepared in the background (built, bound, planned) while A trains on, as the hook
+    # does it: the same state and the same losses as the checkpoint path at that iteration
+    ("tp2pp2dp1", "tp1pp4dp1", {"ckpt": True, "steps_after": 3, "background": True}),
+    ("tp1pp2vpp2dp2", "tp2pp2dp1", {"back": True, "background": True}),
 ]
 MOE_4 = [
     ("tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4", {"back": True}),  # EP 2->4
     ("tp2pp1ep2etp1dp2", "tp2pp1ep2etp2dp2", {"ckpt": True, "steps_after": 5}),  # ETP 1->2
     ("tp2pp1ep2etp1dp2", "tp1pp2ep2etp1dp2", {"small_piece_bytes": 0, "back": True}),
+    ("tp1pp2ep2etp1dp2", "tp2pp1ep2etp2dp2", {"ckpt": True, "steps_after": 3, "background": True}),
 ]
 DENSE_8 = [
     ("tp2pp2dp2", "tp1pp4dp2", {"ckpt": True, "steps_after": 5}),
@@ -42,6 +47,7 @@ BF16 = {"overlap_grad_reduce": True, "overlap_param_gather": True}
 BF16_4 = [
     ("tp2pp2dp1", "tp1pp2dp2", {"ckpt": True, "steps_after": 3}),
     ("tp1pp2dp2", "tp2pp1dp2", {"ckpt": True, "steps_after": 3, "move_weights": True}),
+    ("tp2pp2dp1", "tp1pp2dp2", {"ckpt": True, "steps_after": 3, "background": True}),
 ]
 MOE_8 = [
     ("tp1pp2ep4etp1dp4", "tp2pp2ep2etp1dp2", {"back": True}),
@@ -89,7 +95,14 @@ def _check(rec, opts):
     if opts.get("ckpt"):
         # bit-identical to dist_checkpointing save at A + load at B
         assert rec["losses"] == rec["ckpt_losses"], (rec["losses"], rec["ckpt_losses"])
-    assert rec["iteration"] == 2
+    if opts.get("background"):
+        # trained on while B was prepared; B bound off the main thread equals B bound with
+        # megatron's globals pointing at it; the build is not in the pause
+        assert rec["steps_while_preparing"] >= 1 and rec["iteration"] == 2 + rec["steps_while_preparing"]
+        assert rec["bound_in_background"] is True
+        assert "build" in rec["background"] and "build" not in rec["phases"]
+    else:
+        assert rec["iteration"] == 2 and rec["background"] == {}
     if opts.get("small_piece_bytes") == 0 and rec["moved"]:
         # pieces went straight from/into live storage (the contiguous ones), the rest staged
         assert 0 < rec["zero_copy"] < rec["net_all"], rec

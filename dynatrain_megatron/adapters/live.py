@@ -152,7 +152,12 @@ class LiveState:
         self._opt_main: dict[tuple[int, str], bool] = {}
         self._sorted_ptrs = [sorted((p.data_ptr(), n) for n, p in ps.items()) for ps in self.params]
         for ci, chunk in enumerate(self.chunks):
-            sd = chunk.sharded_state_dict(prefix="")
+            # the chunk's own data-parallel group, not megatron's global one: B is bound
+            # while megatron's globals still describe A (a switch prepared in the background)
+            pgc = getattr(chunk, "pg_collection", None)
+            dp_cp = getattr(pgc, "dp_cp", None)
+            sd = chunk.sharded_state_dict(prefix="", metadata=None if dp_cp is None
+                                          else {"dp_cp_group": dp_cp})
             apply_factories(sd)
             for sh in nested_values(sd):
                 if not isinstance(sh, ShardedTensor) or not torch.is_tensor(sh.data):

@@ -7,3 +7,8 @@ def prepare_runtime() -> bool:
     is_cpu = cpu.apply_if_needed()
     megatron_fixes.apply()
     return is_cpu
+
+
+def runtime_in_this_thread():
+    """Context manager: what `prepare_runtime` set up, for a thread started after it."""
+    return cpu.in_this_thread()

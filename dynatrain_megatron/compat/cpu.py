@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 log = logging.getLogger(__name__)
 
 _CPU = torch.device("cpu")
-_state = {"applied": False, "mode": None}
+_state = {"applied": False, "mode": None, "thread": None}
 
 
 def _to_cpu_device(d: Any) -> Any:
@@ -232,6 +233,19 @@ def _patch_uneven_collectives() -> None:
     mappings._reduce_scatter_along_first_dim = reduce_scatter
 
 
+@contextlib.contextmanager
+def in_this_thread():
+    """The CPU runtime for the current thread. Torch-function modes are thread-local: a
+    thread started after `apply_if_needed` (a switch prepared in the background) would
+    otherwise build megatron modules on "cuda" devices. A no-op on a GPU machine and in
+    the thread that applied the runtime."""
+    if not _state["applied"] or threading.get_ident() == _state["thread"]:
+        yield
+        return
+    with _CudaToCpuMode():
+        yield
+
+
 def apply_if_needed() -> bool:
     """Apply the CPU runtime when no CUDA device is present. Returns True if active."""
     if _state["applied"]:
@@ -245,6 +259,6 @@ def apply_if_needed() -> bool:
     _patch_uneven_collectives()
     mode = _CudaToCpuMode()
     mode.__enter__()
-    _state.update(applied=True, mode=mode)
+    _state.update(applied=True, mode=mode, thread=threading.get_ident())
     log.info("megatron-core CPU runtime applied (no CUDA device)")
     return True

@@ -7,17 +7,24 @@ thread; training keeps stepping on the old groups; at a later step boundary the 
 (one tiny all-reduce) that every rank's groups are ready, and only then the switch starts.
 Group creation synchronises through the job's rendezvous store, not through collectives on
 the training groups, which is what makes it safe to overlap.
+
+The same thread then prepares the switch itself (`transition.switch.prepare_switch`):
+B's model, DDP and optimizer built without weights and without touching the globals A
+trains with, bound, checked against the analytic layout, planned and scheduled. Its
+only collectives run on B's new groups. So the pause at the step boundary is A's binding,
+one vote, the data movement and the commit.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..compat import runtime_in_this_thread
 from ..transition.transport import collective_device
 from ..vps.layout import Layout
 from ..vps.placement import Placement
@@ -30,41 +37,53 @@ class DeviceManager:
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
         self._result: Optional[ParallelGroups] = None
+        self._prepared: Any = None
         self._error: Optional[BaseException] = None
         self.build_seconds = 0.0
+        self.prepare_seconds = 0.0
         self.target: Optional[tuple[Layout, Placement]] = None
 
     @property
     def pending(self) -> bool:
         return self.target is not None
 
-    def prepare(self, layout: Layout, placement: Placement, background: bool = True) -> None:
-        """Start building `layout`'s groups on `placement` (every rank, same order)."""
+    def prepare(self, layout: Layout, placement: Placement, background: bool = True,
+                then: Optional[Callable[[ParallelGroups], Any]] = None) -> None:
+        """Start building `layout`'s groups on `placement` (every rank, same order); then,
+        in the same thread, `then(groups)` (the switch's preparation: B's objects built,
+        bound and planned while A trains; it must not raise and must only communicate
+        on B's new groups, which nothing else uses yet)."""
         self.target = (layout, placement)
-        self._result, self._error = None, None
+        self._result, self._prepared, self._error = None, None, None
 
         def work() -> None:
-            t0 = time.perf_counter()
-            try:
-                self._result = build_groups(layout, placement)
-            except BaseException as e:  # surfaced by ready()
-                self._error = e
-            self.build_seconds = time.perf_counter() - t0
+            with runtime_in_this_thread():
+                t0 = time.perf_counter()
+                try:
+                    self._result = build_groups(layout, placement)
+                except BaseException as e:  # surfaced by take()
+                    self._error = e
+                self.build_seconds = time.perf_counter() - t0
+                if then is not None and self._result is not None:
+                    t0 = time.perf_counter()
+                    self._prepared = then(self._result)
+                    self.prepare_seconds = time.perf_counter() - t0
 
         if background:
-            self._thread = threading.Thread(target=work, name="dynatrain-groups", daemon=True)
+            self._thread = threading.Thread(target=work, name="dynatrain-prepare", daemon=True)
             self._thread.start()
         else:
             work()
 
     def ready(self) -> bool:
-        """Collective: True when the groups are built on every rank."""
+        """Collective: True when the groups (and the preparation) are done on every rank."""
         done = self._thread is None or not self._thread.is_alive()
         flag = torch.tensor([1 if done else 0], dtype=torch.int32, device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def take(self) -> ParallelGroups:
+        """The groups built; the preparation, if one was asked for, is `take_prepared()`."""
         if self._thread is not None:
             self._thread.join()
         self._thread = None
@@ -74,3 +93,24 @@ class DeviceManager:
         res, self._result, self.target = self._result, None, None
         assert res is not None
         return res
+
+    def take_prepared(self) -> Any:
+        """What `then` returned (None without one); after `take()`."""
+        prepared, self._prepared = self._prepared, None
+        return prepared
+
+    def abandon(self, timeout: float = 10.0) -> tuple[Optional[ParallelGroups], Any]:
+        """Give up the pending target (the world changed under it): wait up to `timeout` s
+        for the background work, then hand back what it built, (groups, prepared), for the
+        caller to free. A thread still blocked on a dead peer is left behind (daemon)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the background preparation of %s did not end within %.0f s; "
+                            "left behind", self.target[0] if self.target else "?", timeout)
+                self._thread, self.target = None, None
+                return None, None
+        self._thread, self.target = None, None
+        out = (self._result, self._prepared)
+        self._result, self._prepared, self._error = None, None, None
+        return out

@@ -236,6 +236,39 @@ class _Progress:
 
 
 # ---------------------------------------------------------------------------- the rank side
+def _prepare_while_training(tr, builder, src_l, src_p, dst_l, cfg: dict, prep: dict
+                            ) -> tuple[dict, dict]:
+    """What the hook does on a request: choose B's placement, then build B's groups and
+    prepare the switch in a background thread while A keeps training; at each step
+    boundary one tiny all-reduce asks whether every rank is ready. Returns the switch's
+    keyword arguments and the figures of the preparation (wall, steps trained meanwhile
+    and their mean time)."""
+    from ..elastic.device_manager import DeviceManager
+    from ..transition.switch import choose_dst_placement, prepare_switch
+
+    t0 = time.perf_counter()
+    dst_p = choose_dst_placement(builder.spec, builder, src_l, src_p, dst_l,
+                                 tuple(range(dst_l.world_size)), cfg["placement"],
+                                 cfg["ranks_per_node"], cfg["move_weights"])
+    t_placement = time.perf_counter() - t0
+    dm = DeviceManager()
+    dm.prepare(dst_l, dst_p, then=lambda groups: prepare_switch(
+        builder.spec, builder, src_l, src_p, dst_l, groups, move_weights=cfg["move_weights"],
+        ranks_per_node=cfg["ranks_per_node"], memory_budget=cfg["memory_budget"],
+        background=True))
+    steps = []
+    while True:
+        steps.append(tr.step().seconds)
+        if dm.ready():
+            break
+    groups = dm.take()
+    prepared = dm.take_prepared()
+    prep.update(wall=_max(time.perf_counter() - t0), placement=_max(t_placement),
+                steps=len(steps), step_during=_max(sum(steps) / len(steps)),
+                groups=_max(dm.build_seconds), work=_max(dm.prepare_seconds))
+    return dict(new_groups=groups, prepared=prepared), prep
+
+
 def bench_rank(cfg: dict) -> dict:
     """Runs on every rank of the spawned group (module doc). Returns the same dict on every
     rank (rank-dependent figures are reduced), plus this rank's own traffic."""
@@ -289,15 +322,24 @@ def bench_rank(cfg: dict) -> dict:
     fwd, back = [], []
     rss_ok = _rss_reset()
     probe = _TransferProbe()
+    background = cfg.get("prepare", "background") == "background"
     for i in range(repeat):
         for direction in ("fwd", "back"):
             src_l, src_p = tr.objs.layout, tr.objs.groups.placement
             dst_l = lb if direction == "fwd" else la
+            prep = {}
+            if background:
+                # as the hook does it: B is prepared while A trains; one plain step first,
+                # the baseline the steps during the preparation are compared with
+                prep["step_alone"] = _max(tr.step().seconds)
             _rss_reset()
             rss0 = _rss_bytes()[0]
+            kw = {}
+            if background:
+                kw, prep = _prepare_while_training(tr, builder, src_l, src_p, dst_l, cfg, prep)
             (tr, res), wall = _timed(switch_trainer, tr, builder, src_l, src_p, dst_l,
                                      placement=cfg["placement"], ranks_per_node=rpn,
-                                     memory_budget=budget, move_weights=move_weights)
+                                     memory_budget=budget, move_weights=move_weights, **kw)
             r, dst_p = res.report, res.placement
             del res
             # A's model/DDP/optimizer are left in reference cycles (DDP hooks, bound methods
@@ -317,6 +359,8 @@ def bench_rank(cfg: dict) -> dict:
                        rss_before=int(_max(rss0)), rss_peak=int(_max(_rss_bytes()[1])),
                        rss_before_gc=int(_max(rss_kept)), rss_after_gc=int(_max(_rss_bytes()[0])),
                        gc_seconds=t_gc,
+                       background={k: _max(v) for k, v in sorted(r.background.items())},
+                       prepare=prep,
                        sent=r.sent_bytes, recv=r.recv_bytes, rounds=r.rounds,
                        bytes_moved=r.bytes_moved, lower_bound=r.lower_bound_bytes,
                        local=r.local_bytes, placement=r.placement,
@@ -511,6 +555,15 @@ def summarize(r: dict, cfg: dict) -> dict:
         load_average_start=cfg.get("load_average_start"), load_average_end=_loadavg(),
         cpu_count=os.cpu_count(),
     )
+    s["prepare"] = cfg.get("prepare", "background")
+    if fwd[0]["prepare"]:
+        bg = {k: _median([x["background"].get(k, 0.0) for x in fwd]) for k in fwd[0]["background"]}
+        pr = {k: _median([x["prepare"][k] for x in fwd + back]) for k in fwd[0]["prepare"]}
+        s.update(prepare_phases=bg, prepare_wall_seconds=pr["wall"],
+                 prepare_placement_seconds=pr["placement"], prepare_groups_seconds=pr["groups"],
+                 prepare_steps=pr["steps"], step_seconds_alone=pr["step_alone"],
+                 step_seconds_during_prepare=pr["step_during"],
+                 step_slowdown_during_prepare=_ratio(pr["step_during"], pr["step_alone"]))
     s["checkpoint_over_dynatrain"] = _ratio(s["dist_checkpoint_seconds"], ours)
     s["refit_over_dynatrain"] = _ratio(s["refit_seconds"], ours)
     if s["refit_max_rank_recv_bytes"] is not None:
@@ -571,7 +624,13 @@ def format_summary(s: dict) -> str:
          f"{_s(s['dynatrain_first_seconds'])}; back B->A {_s(s['dynatrain_back_seconds'])}; wall "
          f"incl. groups + release of A {_s(s['dynatrain_wall_seconds'])})",
          "    phases              " + ", ".join(f"{k} {_s(v)}" for k, v in ph.items())
-         + "  (groups: background, not in the pause)",
+         + ("  (groups: background, not in the pause)" if "groups" in ph else "  (the pause)"),
+         *([f"    prepared meanwhile  {_s(s['prepare_wall_seconds'])} in the background "
+            "(placement, groups, then " + ", ".join(f"{k} {_s(v)}" for k, v in
+                                                    s["prepare_phases"].items())
+            + f") while A trained {s['prepare_steps']:g} step(s) of {_s(s['step_seconds_during_prepare'])}"
+            f" ({_x(s['step_slowdown_during_prepare'])} a step alone, {_s(s['step_seconds_alone'])})"]
+           if s.get("prepare_phases") is not None else []),
          "    transfer split      " + ", ".join(f"{k} {_s(v)}" for k, v in
                                                 s["dynatrain_transfer_parts"].items())
          + "  (each: max over ranks)",

@@ -242,7 +242,11 @@ class TrainingObjects:
 
 def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGroups,
                            train: TrainConfig, init_weights: bool = True) -> TrainingObjects:
-    """Model chunks, DDP, optimizer and scheduler for `layout` on `groups` (a member rank)."""
+    """Model chunks, DDP, optimizer and scheduler for `layout` on `groups` (a member rank).
+
+    With `init_weights` the RNGs are seeded for this rank's coordinates first (the weights
+    draw from them); without, no RNG and no megatron global is touched, so the objects can
+    be built while another layout trains (a switch seeds at its commit: `activate`)."""
     from megatron.core.distributed import finalize_model_grads
 
     layout.check_model(spec)
@@ -252,7 +256,8 @@ def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGrou
         raise LayoutError(f"layout {layout}: context parallelism needs Transformer Engine's "
                           f"attention; megatron-core's local DotProductAttention refuses "
                           f"context_parallel_size > 1 (plan and check CP analytically on CPU)")
-    seed_rngs(train.seed, groups)
+    if init_weights:
+        seed_rngs(train.seed, groups)
     config = make_transformer_config(spec, layout)
     chunks = build_model_chunks(spec, layout, groups, config, init_weights=init_weights)
     if not init_weights:
@@ -284,10 +289,29 @@ class MegatronBuilder:
         return bucket_size_of(self.train, layout)
 
     def build(self, layout: Layout, groups: ParallelGroups, init_weights: bool = True) -> TrainingObjects:
+        """The objects of a layout made current at once (a job's first layout)."""
         from ..elastic.groups import install
 
-        # megatron-core 0.16.1 still reads some ranks (e.g. the pipeline layer offset) from
-        # parallel_state globals at construction: point them at B's groups first (A's live
-        # objects keep their own group references)
+        # megatron reads some ranks from parallel_state globals outside pg_collection (the
+        # data-parallel rank of a checkpoint's sharded state dict): point them at `groups`
         install(groups)
+        if not init_weights:
+            seed_rngs(self.train.seed, groups)
         return build_training_objects(self.spec, layout, groups, self.train, init_weights=init_weights)
+
+    def build_detached(self, layout: Layout, groups: ParallelGroups) -> TrainingObjects:
+        """Layout B's objects for a switch (no weight initialisation), without touching what
+        layout A trains with: megatron's parallel_state globals and the RNGs stay A's (every
+        megatron-core 0.16.1 constructor we use takes its groups from `pg_collection`), so
+        this may run in a background thread while A trains. `activate` makes them current
+        at the commit."""
+        return build_training_objects(self.spec, layout, groups, self.train, init_weights=False)
+
+    def activate(self, objs: TrainingObjects) -> None:
+        """Make `objs` the current layout: megatron's globals point at its groups and the
+        RNGs are seeded for this rank's coordinates (Megatron-LM's `_set_random_seed`,
+        deterministic per coordinate, so a switch re-derives them)."""
+        from ..elastic.groups import install
+
+        install(objs.groups)
+        seed_rngs(self.train.seed, objs.groups)

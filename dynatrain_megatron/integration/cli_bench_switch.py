@@ -40,6 +40,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="staging bytes per rank and round for our switch (e.g. 64M, 1GiB)")
     p.add_argument("--placement", choices=("best", "default"), default="best",
                    help="placement of B for our switch: chosen by the planner or megatron's order")
+    p.add_argument("--prepare", choices=("background", "inline"), default="background",
+                   help="background (default, as the training hook does it): B's groups and "
+                        "objects are built, bound and planned in a thread while A trains, "
+                        "and the pause is the rest; inline: all of it inside the pause")
     p.add_argument("--move-weights", action="store_true",
                    help="move the weights too instead of rebuilding them from fp32 masters")
     p.add_argument("--ranks-per-node", type=int, default=None,
@@ -133,7 +137,7 @@ def validate(args: argparse.Namespace) -> dict:
                 src=str(a), dst=str(b), iters_before=args.iters_before, repeat=args.repeat,
                 memory_budget=budget, placement=args.placement, move_weights=args.move_weights,
                 ranks_per_node=rpn, link_bytes=link, skip=skip, ckpt_dir=args.ckpt_dir,
-                progress=not args.quiet,
+                progress=not args.quiet, prepare=args.prepare,
                 train=_train_overrides(a.dp, b.dp))
 
 

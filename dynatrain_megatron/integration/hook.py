@@ -23,7 +23,7 @@ from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import build_groups
 from ..elastic.join import open_reviewer
 from ..transition.faults import FaultPlan
-from ..transition.switch import choose_dst_placement
+from ..transition.switch import choose_dst_placement, prepare_switch
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
@@ -174,9 +174,17 @@ class DynatrainHook:
             self._sync_target = (dst, placement)
             return
         log.info("iteration %s: switch %s (%d ranks) -> %s (%d ranks) requested; building "
-                 "groups in the background", iteration, src, src.world_size, dst,
-                 dst.world_size)
-        self.devices.prepare(dst, placement, background=True)
+                 "its groups and objects in the background while training goes on",
+                 iteration, src, src.world_size, dst, dst.world_size)
+        src_placement = self.layout_placement
+
+        def prepare(groups):
+            return prepare_switch(self.spec, self.builder, src, src_placement, dst, groups,
+                                  ranks_per_node=self.ranks_per_node,
+                                  memory_budget=self.memory_budget, background=True,
+                                  faults=self.faults)
+
+        self.devices.prepare(dst, placement, background=True, then=prepare)
 
     def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
         src, src_placement = self.layout, self.layout_placement
@@ -185,10 +193,12 @@ class DynatrainHook:
             # the classic way, for comparison: the new groups are part of the pause
             (dst, dst_placement), self._sync_target = self._sync_target, None
             groups = build_groups(dst, dst_placement)
+            prepared = None  # B is built inside the pause too
             groups_s = time.perf_counter() - t0
         else:
             dst, dst_placement = self.devices.target
             groups = self.devices.take()
+            prepared = self.devices.take_prepared()
             groups_s = self.devices.build_seconds
             t0 = time.perf_counter()
         try:
@@ -196,7 +206,7 @@ class DynatrainHook:
                                           dst, dst_devices=dst_placement.devices,
                                           ranks_per_node=self.ranks_per_node,
                                           memory_budget=self.memory_budget, new_groups=groups,
-                                          timeout=self.timeout)
+                                          timeout=self.timeout, prepared=prepared)
         except Exception:
             self.controller.done(self.decision, "failed", "switch raised; see the job log")
             raise
@@ -266,7 +276,7 @@ class DynatrainHook:
             return trainer
         if dist.get_rank() == 0:
             grow.announce(store, generation, world, self.layout, self.layout_placement)
-        self.devices = DeviceManager()  # groups under construction belong to the old world
+        self._drop_preparation(broken=False)  # it belongs to the old world
         t0 = time.perf_counter()
         trainer = grow.grow_world(trainer, self.spec, self.builder.train, store, generation,
                                   world, self.layout, self.layout_placement, self.timeout)
@@ -280,6 +290,18 @@ class DynatrainHook:
         log.info("admitted %d joiner(s): the world has %d processes (%.3f s)", len(accepted),
                  world, pause)
         return trainer
+
+    def _drop_preparation(self, broken: bool) -> None:
+        """Free a switch being prepared in the background (groups, B's objects) and start
+        afresh: the world it was prepared for is changing."""
+        from .switching import discard_prepared
+
+        groups, prepared = self.devices.abandon()
+        if prepared is not None:
+            discard_prepared(prepared, broken=broken)
+        elif groups is not None:
+            groups.destroy(broken)
+        self.devices = DeviceManager()
 
     def can_recover(self, error: BaseException) -> bool:
         """Whether `error` looks like a dead peer and this job can recover from it: a
@@ -303,7 +325,7 @@ class DynatrainHook:
         from .recovery import recover_after_death
 
         log.error("communication failed (%s): a rank is gone; recovering", error[:200])
-        self.devices = DeviceManager()  # a group build for the old world cannot finish
+        self._drop_preparation(broken=True)  # built for the old world: cannot finish
         self._sync_target = None
         if self.decision is not None and self.decision.target is not None:
             self.controller.done(self.decision, "failed", "a rank died; the job recovered")

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 from ..elastic.groups import ParallelGroups, build_groups, install
 from ..transition.faults import FaultPlan
-from ..transition.switch import SwitchResult, read_scalars, switch_layout
+from ..transition.switch import Prepared, SwitchResult, read_scalars, switch_layout
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.placement import Placement
@@ -23,9 +23,12 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
                    dst_devices: Optional[Sequence[int]] = None, placement: str = "best",
                    ranks_per_node: int = 8, memory_budget: Optional[int] = None,
                    move_weights: bool = False, new_groups: Optional[ParallelGroups] = None,
-                   timeout: Optional[float] = None, faults: Optional[FaultPlan] = None
-                   ) -> tuple[Optional[Trainer], SwitchResult]:
+                   timeout: Optional[float] = None, faults: Optional[FaultPlan] = None,
+                   prepared: Optional[Prepared] = None) -> tuple[Optional[Trainer], SwitchResult]:
     """Every rank of the world calls this at the same step boundary.
+
+    `prepared`: B made ready in the background (`elastic.device_manager`), which leaves
+    only the data movement to the pause.
 
     Returns the trainer rebound to layout B (None on a rank that is not part of B) and the
     switch result; A's objects and process groups are released. If the switch aborted
@@ -44,12 +47,14 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
                             scalars, dst_devices=dst_devices, placement=placement,
                             ranks_per_node=ranks_per_node, memory_budget=memory_budget,
                             move_weights=move_weights, new_groups=new_groups, timeout=timeout,
-                            faults=faults)
+                            faults=faults, prepared=prepared)
     except Exception as e:  # noqa: BLE001 - the switch's own collectives (votes) failed
         broken = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     if broken is not None:
         # outside the handler, so that no traceback keeps B's objects (and their sockets)
         # alive; A was only read, so the trainer still holds it intact
+        if prepared is not None:
+            discard_prepared(prepared, broken=True)
         if old is not None:
             install(old.groups)
         rng.restore()
@@ -63,8 +68,8 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
         elif res.groups is not None:
             res.groups.destroy()
         if old is not None:
-            install(old.groups)  # building B pointed megatron's globals at B's groups
-        rng.restore()  # and re-seeded the RNGs for B's coordinates
+            install(old.groups)  # B is only activated at the commit: a safety net
+        rng.restore()
         return trainer, res
     if old is not None:
         release(old)
@@ -122,3 +127,14 @@ class _RngSnapshot:
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
         get_cuda_rng_tracker().set_states(tracker)
+
+
+def discard_prepared(prepared: Prepared, broken: bool = False) -> None:
+    """Free a switch prepared in the background that will not run (its objects and its
+    groups' communicators: after a death, a communicator's sockets close only with its
+    last reference)."""
+    if prepared.objs is not None:
+        release(prepared.objs, broken=broken)
+    elif prepared.groups is not None:
+        prepared.groups.destroy(broken)
+    prepared.objs = prepared.live = prepared.groups = None

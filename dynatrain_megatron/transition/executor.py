@@ -179,8 +179,6 @@ class Executor:
             sends[peer], n = self._outgoing(peer, ps)
             staging += n
             keep += sends[peer]
-            if self.checksums:
-                send_sums[peer] = [checksum(m) for m in sends[peer]]
         for peer, ps in inc.items():
             recvs[peer], n = self._incoming(peer, ps, packed, staged)
             staging += n
@@ -192,6 +190,9 @@ class Executor:
                                f"{str(e).splitlines()[0]}")
             self._stalled = True
             pending = None
+        if self.checksums:  # while the messages are on the wire (both only read them)
+            for peer, msgs in sends.items():
+                send_sums[peer] = [checksum(m) for m in msgs]
         return _Round(index, pending, recvs, send_sums, packed, staged, keep,
                       sum(p.nbytes for ps in out.values() for p in ps),
                       sum(p.nbytes for ps in inc.values() for p in ps), t0)

@@ -47,7 +47,12 @@ class Builder(Protocol):
 
     def bucket_size(self, layout: Layout) -> Optional[int]: ...
 
-    def build(self, layout: Layout, groups: Any, init_weights: bool = True) -> Any: ...
+    def build_detached(self, layout: Layout, groups: Any) -> Any:
+        """B's objects without weight initialisation and without touching the globals A
+        trains with (may run in a background thread)."""
+
+    def activate(self, objs: Any) -> None:
+        """Make `objs` current (globals, RNG seeds): called at the commit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +83,8 @@ class SwitchReport:
     zero_copy_bytes: int = 0  # network bytes sent from / received into live storage directly
     checksummed_messages: int = 0
     phases: dict = field(default_factory=dict)
+    # seconds of what was prepared in the background while A trained (not in the pause)
+    background: dict = field(default_factory=dict)
 
     @property
     def pause_seconds(self) -> float:
@@ -95,6 +102,94 @@ class SwitchResult:
     aborted: Optional[str] = None  # why every rank stays at A (the objects at B are discarded)
 
 
+@dataclass
+class Prepared:
+    """Layout B made ready for a switch from A: built (no weights), bound, checked against
+    the analytic layout, planned and scheduled. Nothing of A is read, so this can run in
+    the background while A trains (elastic.device_manager), leaving only the data
+    movement to the pause. `error` (this rank's) makes the switch abort at its first vote.
+    B's objects hold storage: a Prepared that is not switched to must be released."""
+
+    src: Layout
+    src_placement: Placement
+    dst: Layout
+    dst_placement: Placement
+    groups: Any
+    kinds: tuple[str, ...]
+    unavailable: tuple[int, ...] = ()
+    objs: Any = None  # B's objects, None on a rank outside B
+    live: Optional[LiveState] = None
+    plan: Any = None
+    rounds: Optional[list] = None
+    phases: dict = field(default_factory=dict)
+    background: bool = False
+    error: Optional[str] = None
+    # this rank's pieces, materialised once: local copies, then each round's sends + recvs
+    local_pieces: list = field(default_factory=list)
+    round_pieces: list = field(default_factory=list)
+    # the destination views of the pieces this rank receives or copies (by id of the piece)
+    dst_views: dict = field(default_factory=dict)
+
+    def check_for(self, src: Layout, src_placement: Placement, dst: Layout, kinds: tuple,
+                  unavailable: tuple) -> None:
+        if (self.src, self.src_placement, self.dst, self.kinds, self.unavailable) != \
+                (src, src_placement, dst, kinds, unavailable):
+            raise ValueError(f"prepared switch {self.src} -> {self.dst} ({self.kinds}) does "
+                             f"not match the requested {src} -> {dst} ({kinds})")
+
+
+def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement: Placement,
+                   dst: Layout, groups: Any, *, move_weights: bool = False,
+                   ranks_per_node: int = 8, memory_budget: Optional[int] = None,
+                   verify: bool = True, unavailable: Sequence[int] = (),
+                   background: bool = False, faults: Optional[FaultPlan] = None) -> Prepared:
+    """B's side of a switch (module doc, steps 4-6): never raises, a failure is recorded
+    in `error`. `groups` are B's (their placement is B's placement)."""
+    t = time.perf_counter
+    me = dist.get_rank()
+    dst_placement = groups.placement
+    kinds = KINDS if move_weights else OPT_KINDS
+    prep = Prepared(src, src_placement, dst, dst_placement, groups, kinds, tuple(unavailable),
+                    background=background)
+    vr_b = dst_placement.virtual_rank(me)
+    try:
+        t0 = t()
+        prep.objs = builder.build_detached(dst, groups) if vr_b is not None else None
+        prep.phases["build"] = t() - t0
+        t0 = t()
+        if prep.objs is not None:
+            prep.live = LiveState(prep.objs.model, prep.objs.optimizer, vr_b, spec.vocab_size)
+        prep.phases["bind"] = t() - t0
+        t0 = t()
+        if verify and prep.live is not None:
+            check_live_matches_analytic(
+                prep.live.fragments(kinds),
+                analytic_layout(spec, dst, builder.bucket_size(dst)).fragments(vr_b, kinds), vr_b)
+        prep.phases["verify"] = t() - t0
+        t0 = t()
+        prep.plan = build_plan(spec, (src, src_placement), (dst, dst_placement), kinds=kinds,
+                               ranks_per_node=ranks_per_node,
+                               bucket_size=(builder.bucket_size(src), builder.bucket_size(dst)),
+                               unavailable=unavailable)
+        prep.rounds = schedule(prep.plan, memory_budget, align=_PACK_ALIGN)
+        prep.phases["plan"] = t() - t0
+        t0 = t()
+        prep.local_pieces = [p for p in prep.plan.pieces_for(me) if p.is_local]
+        prep.round_pieces = [rnd.sends(me) + rnd.recvs(me) for rnd in prep.rounds]
+        if prep.live is not None:
+            for p in prep.local_pieces + [p for ps in prep.round_pieces for p in ps]:
+                if p.dst_device == me:
+                    prep.dst_views[id(p)] = prep.live.view(p.kind, p.dst_chunk,
+                                                           p.dst_local_name, p.dst_local_box)
+        prep.phases["views"] = t() - t0
+        (faults or _NO_FAULTS).fail(me, "prepare")
+    except Exception as e:  # noqa: BLE001 - every rank learns it at the switch's first vote
+        prep.error = f"rank {me}: prepare: {type(e).__name__}: {e}"
+        log.error("rank %d: preparing the switch %s -> %s failed (nothing has moved): %s",
+                  me, src, dst, e)
+    return prep
+
+
 _ATTEMPTS = {"n": 0}
 _NO_FAULTS = FaultPlan()
 
@@ -108,18 +203,26 @@ def _next_attempt() -> int:
 
 
 def _agree(errors: list[str]) -> list[str]:
-    """Collective over the world: everyone's errors (empty on every rank: all went well)."""
+    """Collective over the world: everyone's errors (empty on every rank: all went well).
+    One 4-byte all-reduce when all went well (the vote is in the pause); the messages are
+    gathered only when some rank has one."""
+    flag = torch.tensor([1 if errors else 0], dtype=torch.int32, device=collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not int(flag.item()):
+        return []
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, errors)
     return [e for errs in everyone for e in errs]
 
 
 def _aborted(src: Layout, dst: Layout, dst_placement: Placement, groups: Any, new_objs: Any,
-             stage: str, errors: list[str], phases: dict) -> SwitchResult:
+             stage: str, errors: list[str], phases: dict,
+             background: Optional[dict] = None) -> SwitchResult:
     reason = f"switch {src} -> {dst} aborted in {stage}: " + "; ".join(errors[:4]) + \
         (f" (+{len(errors) - 4} more)" if len(errors) > 4 else "")
     log.error("%s; every rank stays at %s", reason, src)
-    report = SwitchReport(src=str(src), dst=str(dst), placement=str(dst_placement), phases=phases)
+    report = SwitchReport(src=str(src), dst=str(dst), placement=str(dst_placement), phases=phases,
+                          background=background or {})
     return SwitchResult(new_objs, dst, dst_placement, groups, None, report, aborted=reason)
 
 
@@ -209,13 +312,19 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                   verify: bool = True, timeout: Optional[float] = None,
                   checksums: bool = True, faults: Optional[FaultPlan] = None,
                   src_state: Optional[LiveState] = None,
-                  unavailable: Sequence[int] = ()) -> SwitchResult:
+                  unavailable: Sequence[int] = (),
+                  prepared: Optional[Prepared] = None) -> SwitchResult:
     """Switch this rank from `src` to `dst`. Collective over the default (world) group.
 
     `old_objs` is None on a rank that holds nothing at A (a joining rank). `make_groups(
     layout, placement)` builds B's groups (collective) unless `new_groups` is given.
     `move_weights=False` moves only the optimizer kinds and rebuilds the weights from the
     fp32 masters (fewer bytes: weights are replicated over DP, masters are not).
+
+    `prepared` (from `prepare_switch`, typically run in the background while A trained)
+    holds B built, bound, checked and planned: the switch then only binds A, votes, moves
+    the data and commits, and B's groups and placement are the prepared ones. Its
+    timings are reported as `report.background`, outside the pause.
 
     A transaction: A's state is only read. Every rank votes after preparing (B built,
     bound, checked, planned) and again after the transfer (every message checksummed on
@@ -232,40 +341,46 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     """
     t = time.perf_counter
     phases: dict[str, float] = {}
-    t0 = t()
+    background: dict[str, float] = {}
     me = dist.get_rank()
-    dst.check_model(spec)
-    devices = tuple(dst_devices) if dst_devices is not None else tuple(range(dst.world_size))
-    if len(devices) != dst.world_size:
-        raise LayoutError(f"layout {dst} needs {dst.world_size} devices, got {len(devices)}")
-    if max(devices) >= dist.get_world_size():
-        raise LayoutError(f"devices {devices} exceed the world of {dist.get_world_size()} ranks")
-    bs_a, bs_b = builder.bucket_size(src), builder.bucket_size(dst)
     kinds = KINDS if move_weights else OPT_KINDS
-    if new_groups is not None:
-        dst_placement = new_groups.placement
-    elif unavailable:
-        dst_placement = Placement(devices)
+    faults = faults or FaultPlan.from_env() or _NO_FAULTS
+    if prepared is None:
+        t0 = t()
+        dst.check_model(spec)
+        devices = tuple(dst_devices) if dst_devices is not None else tuple(range(dst.world_size))
+        if len(devices) != dst.world_size:
+            raise LayoutError(f"layout {dst} needs {dst.world_size} devices, got {len(devices)}")
+        if max(devices) >= dist.get_world_size():
+            raise LayoutError(f"devices {devices} exceed the world of {dist.get_world_size()} ranks")
+        if new_groups is not None:
+            dst_placement = new_groups.placement
+        elif unavailable:
+            dst_placement = Placement(devices)
+        else:
+            dst_placement = choose_dst_placement(spec, builder, src, src_placement, dst, devices,
+                                                 placement, ranks_per_node, move_weights)
+        phases["placement"] = t() - t0
+        t1 = t()
+        groups = new_groups if new_groups is not None else make_groups(dst, dst_placement)
+        phases["groups"] = t() - t1
+        prepared = prepare_switch(spec, builder, src, src_placement, dst, groups,
+                                  move_weights=move_weights, ranks_per_node=ranks_per_node,
+                                  memory_budget=memory_budget, verify=verify,
+                                  unavailable=unavailable, faults=faults)
     else:
-        dst_placement = choose_dst_placement(spec, builder, src, src_placement, dst, devices,
-                                             placement, ranks_per_node, move_weights)
-    phases["placement"] = t() - t0
-
-    t1 = t()
-    groups = new_groups if new_groups is not None else make_groups(dst, dst_placement)
-    phases["groups"] = t() - t1
+        prepared.check_for(src, src_placement, dst, kinds, tuple(unavailable))
+    (background if prepared.background else phases).update(prepared.phases)
+    dst_placement, groups, new_objs = prepared.dst_placement, prepared.groups, prepared.objs
+    plan, rounds, new_live = prepared.plan, prepared.rounds, prepared.live
 
     attempt = _next_attempt()
-    faults = faults or FaultPlan.from_env() or _NO_FAULTS
-    vr_a, vr_b = src_placement.virtual_rank(me), dst_placement.virtual_rank(me)
-    new_objs = old_live = new_live = plan = rounds = None
-    errors: list[str] = []
-    # -- prepare: build B, bind both, check them, plan. Nothing has moved yet.
+    vr_a = src_placement.virtual_rank(me)
+    old_live = None
+    errors: list[str] = [prepared.error] if prepared.error else []
+    # -- A's side: bind and check it. Nothing has moved yet.
+    t3 = t()
     try:
-        t2 = t()
-        new_objs = builder.build(dst, groups, init_weights=False) if vr_b is not None else None
-        phases["build"] = t() - t2
-        t3 = t()
         if move_weights and old_objs is not None:
             # with overlap_param_gather the weights lag the DistOpt shards until the next
             # forward: bring them up to date before reading them
@@ -277,25 +392,13 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         else:
             old_live = (LiveState(old_objs.model, old_objs.optimizer, vr_a, spec.vocab_size)
                         if old_objs is not None and vr_a is not None else None)
-        new_live = (LiveState(new_objs.model, new_objs.optimizer, vr_b, spec.vocab_size)
-                    if new_objs is not None else None)
-        phases["bind"] = t() - t3
+        phases["bind"] = phases.get("bind", 0.0) + t() - t3
         t3 = t()
-        if verify:
-            if old_live is not None:
-                check_live_matches_analytic(old_live.fragments(kinds),
-                                            analytic_layout(spec, src, bs_a).fragments(vr_a, kinds), vr_a)
-            if new_live is not None:
-                check_live_matches_analytic(new_live.fragments(kinds),
-                                            analytic_layout(spec, dst, bs_b).fragments(vr_b, kinds), vr_b)
-        phases["verify"] = t() - t3
-        t4 = t()
-        plan = build_plan(spec, (src, src_placement), (dst, dst_placement), kinds=kinds,
-                          ranks_per_node=ranks_per_node, bucket_size=(bs_a, bs_b),
-                          unavailable=unavailable)
-        rounds = schedule(plan, memory_budget, align=_PACK_ALIGN)
-        phases["plan"] = t() - t4
-        faults.fail(me, "prepare")
+        if verify and old_live is not None:
+            check_live_matches_analytic(
+                old_live.fragments(kinds),
+                analytic_layout(spec, src, builder.bucket_size(src)).fragments(vr_a, kinds), vr_a)
+        phases["verify"] = phases.get("verify", 0.0) + t() - t3
     except Exception as e:  # noqa: BLE001 - every rank learns it at the vote below
         errors.append(f"rank {me}: prepare: {type(e).__name__}: {e}")
         log.error("rank %d: switch %s -> %s failed before any byte moved: %s", me, src, dst, e)
@@ -303,18 +406,20 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     errors = _agree(errors)
     phases["vote"] = t() - t4
     if errors:
-        return _aborted(src, dst, dst_placement, groups, new_objs, "prepare", errors, phases)
+        return _aborted(src, dst, dst_placement, groups, new_objs, "prepare", errors, phases,
+                        background)
 
     # -- transfer: A is only read; B is written. Checksummed, under a timeout.
     t5 = t()
     xfer_group = getattr(groups, "transfer", None)
     ex = Executor(me, transport or TorchP2PTransport(xfer_group),
                   src_view=lambda p: old_live.view(p.kind, p.src_chunk, p.src_local_name, p.src_local_box),
-                  dst_view=lambda p: new_live.view(p.kind, p.dst_chunk, p.dst_local_name, p.dst_local_box),
+                  dst_view=lambda p: (prepared.dst_views.get(id(p)) if id(p) in prepared.dst_views
+                                      else new_live.view(p.kind, p.dst_chunk, p.dst_local_name,
+                                                         p.dst_local_box)),
                   device=collective_device(xfer_group), tag=attempt, timeout=timeout,
                   checksums=checksums, faults=faults)
-    errors = list(ex.run([p for p in plan.pieces_for(me) if p.is_local],
-                         (rnd.sends(me) + rnd.recvs(me) for rnd in rounds)))
+    errors = list(ex.run(prepared.local_pieces, prepared.round_pieces))
     try:
         # a collective: every rank calls it; after a death any surviving replica serves
         carry_vocab_padding(old_live, new_live, kinds, main_only=not unavailable)
@@ -327,7 +432,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     errors = _agree(errors)
     phases["vote"] += t() - t6
     if errors:
-        return _aborted(src, dst, dst_placement, groups, new_objs, "transfer", errors, phases)
+        return _aborted(src, dst, dst_placement, groups, new_objs, "transfer", errors, phases,
+                        background)
 
     t6 = t()
     # scalars: every rank of A holds them; the first (living) device of A tells everyone
@@ -338,6 +444,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     phases["sync"] = t() - t6
     t6 = t()
     if new_objs is not None:
+        builder.activate(new_objs)
         if not move_weights:
             rebuild_weights_from_masters(new_objs)
         write_scalars(new_objs, scalars)
@@ -351,5 +458,5 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                           sent_bytes=ex.stats.sent_bytes, recv_bytes=ex.stats.recv_bytes,
                           zero_copy_bytes=ex.stats.zero_copy_bytes,
                           checksummed_messages=ex.stats.checksummed_messages,
-                          phases=phases)
+                          phases=phases, background=background)
     return SwitchResult(new_objs, dst, dst_placement, groups, scalars, report)
