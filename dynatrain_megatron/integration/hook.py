@@ -51,6 +51,8 @@ class SwitchRecord:
     groups_s: float  # building the new layout's groups
     phases: dict = field(default_factory=dict)
     groups_in_pause: bool = False  # True only with background_groups=False (comparison)
+    # B's build, binding, check and plan, done in the background while A trained
+    prepared: dict = field(default_factory=dict)
 
 
 class DynatrainHook:
@@ -227,15 +229,19 @@ class DynatrainHook:
             phases["groups"] = round(groups_s, 4)
         rec = SwitchRecord(trainer.iteration, str(src), str(dst), r.placement, r.bytes_moved,
                            r.lower_bound_bytes, pause, groups_s, phases,
-                           groups_in_pause=not self.background_groups)
+                           groups_in_pause=not self.background_groups,
+                           prepared={k: round(v, 4) for k, v in r.background.items()})
         self.history.append(rec)
         self.controller.done(self.decision, "applied", f"switched at iteration {trainer.iteration}")
         log.info("iteration %d: switched %s -> %s (placement %s): %.2f MB moved (lower bound "
                  "%.2f MB), pause %.3f s [bind %.3f, plan %.3f, transfer %.3f, rebuild %.3f], "
-                 "groups %.3f s %s", trainer.iteration, src, dst, r.placement,
+                 "groups %.3f s %s%s", trainer.iteration, src, dst, r.placement,
                  r.bytes_moved / 1e6, r.lower_bound_bytes / 1e6, pause, r.phases.get("bind", 0),
                  r.phases.get("plan", 0), r.phases.get("transfer", 0), r.phases.get("rebuild", 0),
-                 groups_s, "inside the pause" if rec.groups_in_pause else "in the background")
+                 groups_s, "inside the pause" if rec.groups_in_pause else "in the background",
+                 "; B built %.3f s, bound %.3f s, planned %.3f s in the background" % (
+                     r.background.get("build", 0), r.background.get("bind", 0),
+                     r.background.get("plan", 0)) if r.background else "")
         self._log_event(asdict(rec))
         return trainer
 
