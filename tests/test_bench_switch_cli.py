@@ -39,6 +39,7 @@ def _replace(flag: str, value: str) -> list[str]:
     (_replace("--to", "tp1pp2dp4"), "dp4 but world size 4"),
     (_replace("--nproc", "1"), "--nproc must be >= 2"),
     (BASE + ["--repeat", "0"], "--repeat must be >= 1"),
+    (BASE + ["--ckpt-repeat", "0"], "--ckpt-repeat must be >= 1"),
     (BASE + ["--iters-before", "0"], "--iters-before must be >= 1"),
     (BASE + ["--memory-budget", "lots"], "not a byte size"),
     (BASE + ["--memory-budget", "0"], "--memory-budget must be positive"),

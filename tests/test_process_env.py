@@ -1,5 +1,5 @@
-"""The environment every training rank starts with (process_env): huge pages for torch's
-CPU tensors, and a fixed glibc mmap threshold so that freed layouts leave the process."""
+"""The environment every training rank starts with, and giving freed memory back after a
+switch (process_env)."""
 import ctypes
 import ctypes.util
 
@@ -7,33 +7,30 @@ from dynatrain_megatron import process_env
 
 
 def test_rank_env_is_set_unless_the_user_chose():
-    env = process_env.apply({"MALLOC_MMAP_THRESHOLD_": "4096", "X": "1"})
-    assert env["THP_MEM_ALLOC_ENABLE"] == "1"
-    assert env["MALLOC_MMAP_THRESHOLD_"] == "4096"  # the user's value is kept
-    assert env["X"] == "1"
-    assert process_env.apply({})["MALLOC_MMAP_THRESHOLD_"] == str(1 << 20)
+    env = process_env.apply({"THP_MEM_ALLOC_ENABLE": "0", "X": "1"})
+    assert env["THP_MEM_ALLOC_ENABLE"] == "0" and env["X"] == "1"  # the user's values kept
+    assert process_env.apply({})["THP_MEM_ALLOC_ENABLE"] == "1"
 
 
-def test_mmap_threshold_is_fixed_in_this_process():
-    # after it, a freed 2 MiB block goes back to the system: glibc's dynamic threshold
-    # would otherwise have kept the next one of that size on its heap
-    assert process_env.set_mmap_threshold(1 << 20)
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_freed_heap_memory_goes_back_to_the_system():
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in
-                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-                     "uordblks", "fordblks", "keepcost")]
-
-    libc.mallinfo2.restype = MallInfo2
-    before = libc.mallinfo2().hblks
-    blocks = [libc.malloc(2 << 20) for _ in range(3)]
-    assert libc.mallinfo2().hblks == before + 3  # each one an mmap of its own
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    libc.free(libc.malloc(8 << 20))  # glibc now serves blocks up to 8 MiB from its heap
+    blocks = [libc.malloc(2 << 20) for _ in range(64)]  # 128 MiB, touched
     for b in blocks:
+        libc.memset(b, 1, 2 << 20)
+    for b in blocks[::2]:  # holes between live blocks: no automatic trim of the top
         libc.free(b)
-    again = libc.malloc(2 << 20)  # not from the heap: glibc did not raise the threshold
-    assert libc.mallinfo2().hblks == before + 1
-    libc.free(again)
+    held = _rss()
+    assert process_env.release_free_memory()
+    assert held - _rss() > (48 << 20), "freed heap memory stayed in the process"
+    for b in blocks[1::2]:
+        libc.free(b)

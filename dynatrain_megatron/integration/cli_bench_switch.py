@@ -44,6 +44,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="background (default, as the training hook does it): B's groups and "
                         "objects are built, bound and planned in a thread while A trains, "
                         "and the pause is the rest; inline: all of it inside the pause")
+    p.add_argument("--ckpt-repeat", type=int, default=None,
+                   help="runs of the checkpoint path (default: --repeat); each run after the "
+                        "first reloads A from the checkpoint, which needs the most memory")
     p.add_argument("--move-weights", action="store_true",
                    help="move the weights too instead of rebuilding them from fp32 masters")
     p.add_argument("--ranks-per-node", type=int, default=None,
@@ -81,6 +84,8 @@ def validate(args: argparse.Namespace) -> dict:
                              f"got {args.iters_before}")
     if args.repeat < 1:
         raise DynatrainError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.ckpt_repeat is not None and args.ckpt_repeat < 1:
+        raise DynatrainError(f"--ckpt-repeat must be >= 1, got {args.ckpt_repeat}")
     if args.timeout <= 0:
         raise DynatrainError(f"--timeout must be positive, got {args.timeout}")
     rpn = args.ranks_per_node if args.ranks_per_node is not None else args.nproc
@@ -137,7 +142,7 @@ def validate(args: argparse.Namespace) -> dict:
                 src=str(a), dst=str(b), iters_before=args.iters_before, repeat=args.repeat,
                 memory_budget=budget, placement=args.placement, move_weights=args.move_weights,
                 ranks_per_node=rpn, link_bytes=link, skip=skip, ckpt_dir=args.ckpt_dir,
-                progress=not args.quiet, prepare=args.prepare,
+                progress=not args.quiet, prepare=args.prepare, ckpt_repeat=args.ckpt_repeat,
                 train=_train_overrides(a.dp, b.dp))
 
 

@@ -41,6 +41,7 @@ def measure_checkpoint_path(trainer: Trainer) -> float:
     """Seconds of the checkpoint-based path at the final layout (dist_checkpointing save,
     rebuild, load), for the summary's comparison column."""
     import os
+    import shutil
     import tempfile
     import time
 
@@ -51,11 +52,19 @@ def measure_checkpoint_path(trainer: Trainer) -> float:
     box = [tempfile.mkdtemp(prefix="dynatrain-ckpt-", dir=base) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     t0 = time.perf_counter()
-    dist_ckpt.save(trainer.objs, trainer.iteration, trainer.consumed_samples, box[0])
-    objs = MegatronBuilder(trainer.spec, trainer.train).build(trainer.objs.layout, trainer.objs.groups)
-    dist_ckpt.load(objs, box[0])
-    dist.barrier()
-    dt = time.perf_counter() - t0
+    try:
+        dist_ckpt.save(trainer.objs, trainer.iteration, trainer.consumed_samples, box[0])
+        objs = MegatronBuilder(trainer.spec, trainer.train).build(trainer.objs.layout,
+                                                                  trainer.objs.groups)
+        dist_ckpt.load(objs, box[0])
+        dist.barrier()
+        dt = time.perf_counter() - t0
+        # the copy's objects share the trainer's groups: free them without destroying those
+        objs.model.clear()
+        objs.optimizer = objs.scheduler = None
+    finally:
+        if dist.get_rank() == 0:  # a checkpoint in /dev/shm holds memory until removed
+            shutil.rmtree(box[0], ignore_errors=True)
     log.info("checkpoint path at %s (save + rebuild + load): %.2f s", trainer.objs.layout, dt)
     return dt
 

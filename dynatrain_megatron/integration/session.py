@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import process_env
 from ..compat import prepare_runtime
 from ..elastic.groups import Placement, build_groups, install
 from ..vps.layout import Layout
@@ -113,6 +114,7 @@ def release(objs: TrainingObjects, broken: bool = False) -> None:
     objs.scheduler = None
     _clear_module_caches()
     gc.collect()
+    process_env.release_free_memory()  # what the allocator kept of it (see there)
 
 
 def _clear_module_caches() -> None:
