@@ -165,26 +165,21 @@ def _sum_over_ranks(x: int) -> int:
 
 
 def _prepare_while_training(tr, builder, la, pa, lb, placement, rpn, budget, move_weights):
-    """Start B's preparation in the background (device manager) and train at A until every
-    rank is ready (at least one step). Returns the switch's keyword arguments and the
-    number of steps trained meanwhile."""
+    """Start B's preparation in the background, as the hook does, and train at A until
+    every rank is ready (at least one step). Returns the switch's keyword arguments and
+    the number of steps trained meanwhile."""
     from dynatrain_megatron.elastic.device_manager import DeviceManager
-    from dynatrain_megatron.transition.switch import choose_dst_placement, prepare_switch
+    from dynatrain_megatron.integration.switching import prepared_switch_args, start_preparation
 
-    dst_p = choose_dst_placement(builder.spec, builder, la, pa, lb, tuple(range(lb.world_size)),
-                                 placement, rpn, move_weights)
-    dm = DeviceManager()
-    dm.prepare(lb, dst_p, then=lambda g: prepare_switch(
-        builder.spec, builder, la, pa, lb, g, move_weights=move_weights, ranks_per_node=rpn,
-        memory_budget=budget, background=True))
+    dm = start_preparation(DeviceManager(), builder, la, pa, lb, placement=placement,
+                           ranks_per_node=rpn, memory_budget=budget, move_weights=move_weights)
     steps = 0
     while True:
         tr.step()
         steps += 1
         if dm.ready():
             break
-    groups = dm.take()
-    return dict(new_groups=groups, prepared=dm.take_prepared()), steps
+    return prepared_switch_args(dm), steps
 
 
 def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,

@@ -244,29 +244,27 @@ def _prepare_while_training(tr, builder, src_l, src_p, dst_l, cfg: dict, prep: d
     keyword arguments and the figures of the preparation (wall, steps trained meanwhile
     and their mean time)."""
     from ..elastic.device_manager import DeviceManager
-    from ..transition.switch import choose_dst_placement, prepare_switch
+    from ..transition.switch import choose_dst_placement
+    from .switching import prepared_switch_args, start_preparation
 
     t0 = time.perf_counter()
     dst_p = choose_dst_placement(builder.spec, builder, src_l, src_p, dst_l,
                                  tuple(range(dst_l.world_size)), cfg["placement"],
                                  cfg["ranks_per_node"], cfg["move_weights"])
     t_placement = time.perf_counter() - t0
-    dm = DeviceManager()
-    dm.prepare(dst_l, dst_p, then=lambda groups: prepare_switch(
-        builder.spec, builder, src_l, src_p, dst_l, groups, move_weights=cfg["move_weights"],
-        ranks_per_node=cfg["ranks_per_node"], memory_budget=cfg["memory_budget"],
-        background=True))
+    dm = start_preparation(DeviceManager(), builder, src_l, src_p, dst_l, dst_placement=dst_p,
+                           ranks_per_node=cfg["ranks_per_node"],
+                           memory_budget=cfg["memory_budget"], move_weights=cfg["move_weights"])
     steps = []
     while True:
         steps.append(tr.step().seconds)
         if dm.ready():
             break
-    groups = dm.take()
-    prepared = dm.take_prepared()
+    kw = prepared_switch_args(dm)
     prep.update(wall=_max(time.perf_counter() - t0), placement=_max(t_placement),
                 steps=len(steps), step_during=_max(sum(steps) / len(steps)),
                 groups=_max(dm.build_seconds), work=_max(dm.prepare_seconds))
-    return dict(new_groups=groups, prepared=prepared), prep
+    return kw, prep
 
 
 def bench_rank(cfg: dict) -> dict:

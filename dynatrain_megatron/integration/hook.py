@@ -23,14 +23,14 @@ from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import build_groups
 from ..elastic.join import open_reviewer
 from ..transition.faults import FaultPlan
-from ..transition.switch import choose_dst_placement, prepare_switch
+from ..transition.switch import choose_dst_placement
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.memory import check_memory_fit
 from ..vps.placement import Placement
 from .builders import MegatronBuilder, bucket_size_of
-from .switching import WorldBroken, switch_trainer
+from .switching import WorldBroken, prepared_switch_args, start_preparation, switch_trainer
 from .train_config import TrainConfig
 from .training import Trainer
 
@@ -178,15 +178,9 @@ class DynatrainHook:
         log.info("iteration %s: switch %s (%d ranks) -> %s (%d ranks) requested; building "
                  "its groups and objects in the background while training goes on",
                  iteration, src, src.world_size, dst, dst.world_size)
-        src_placement = self.layout_placement
-
-        def prepare(groups):
-            return prepare_switch(self.spec, self.builder, src, src_placement, dst, groups,
-                                  ranks_per_node=self.ranks_per_node,
-                                  memory_budget=self.memory_budget, background=True,
-                                  faults=self.faults)
-
-        self.devices.prepare(dst, placement, background=True, then=prepare)
+        start_preparation(self.devices, self.builder, src, self.layout_placement, dst,
+                          dst_placement=placement, ranks_per_node=self.ranks_per_node,
+                          memory_budget=self.memory_budget, faults=self.faults)
 
     def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
         src, src_placement = self.layout, self.layout_placement
@@ -199,8 +193,8 @@ class DynatrainHook:
             groups_s = time.perf_counter() - t0
         else:
             dst, dst_placement = self.devices.target
-            groups = self.devices.take()
-            prepared = self.devices.take_prepared()
+            kw = prepared_switch_args(self.devices)
+            groups, prepared = kw["new_groups"], kw["prepared"]
             groups_s = self.devices.build_seconds
             t0 = time.perf_counter()
         try:

@@ -5,9 +5,11 @@ import logging
 from typing import Optional, Sequence
 
 
+from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import ParallelGroups, build_groups, install
 from ..transition.faults import FaultPlan
-from ..transition.switch import Prepared, SwitchResult, read_scalars, switch_layout
+from ..transition.switch import (Prepared, SwitchResult, choose_dst_placement, prepare_switch,
+                                 read_scalars, switch_layout)
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.placement import Placement
@@ -138,3 +140,34 @@ def discard_prepared(prepared: Prepared, broken: bool = False) -> None:
     elif prepared.groups is not None:
         prepared.groups.destroy(broken)
     prepared.objs = prepared.live = prepared.groups = None
+
+
+def start_preparation(manager: DeviceManager, builder: MegatronBuilder, src: Layout,
+                      src_placement: Placement, dst: Layout, *,
+                      dst_placement: Optional[Placement] = None, placement: str = "best",
+                      ranks_per_node: int = 8, memory_budget: Optional[int] = None,
+                      move_weights: bool = False, faults: Optional[FaultPlan] = None
+                      ) -> DeviceManager:
+    """What happens when a request is accepted (every rank, same order): B's placement
+    (unless given), then, in `manager`'s background thread, B's groups and the switch's
+    preparation (`prepare_switch`) while A trains on. At each step boundary the caller asks
+    `manager.ready()` (collective) and, once true, switches with
+    `**prepared_switch_args(manager)`."""
+    if dst_placement is None:
+        dst_placement = choose_dst_placement(builder.spec, builder, src, src_placement, dst,
+                                             tuple(range(dst.world_size)), placement,
+                                             ranks_per_node, move_weights)
+
+    def prepare(groups: ParallelGroups) -> Prepared:
+        return prepare_switch(builder.spec, builder, src, src_placement, dst, groups,
+                              move_weights=move_weights, ranks_per_node=ranks_per_node,
+                              memory_budget=memory_budget, background=True, faults=faults)
+
+    manager.prepare(dst, dst_placement, background=True, then=prepare)
+    return manager
+
+
+def prepared_switch_args(manager: DeviceManager) -> dict:
+    """`switch_trainer`'s keyword arguments for what `manager` prepared (after `ready()`)."""
+    groups = manager.take()
+    return dict(new_groups=groups, prepared=manager.take_prepared())
