@@ -26,7 +26,6 @@ DENSE_4 = [
     # B prepared in the background (built, bound, planned) while A trains on, as the hook
     # does it: the same state and the same losses as the checkpoint path at that iteration
     ("tp2pp2dp1", "tp1pp4dp1", {"ckpt": True, "steps_after": 3, "background": True}),
-    ("tp1pp2vpp2dp2", "tp2pp2dp1", {"back": True, "background": True}),
 ]
 MOE_4 = [
     ("tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4", {"back": True}),  # EP 2->4

@@ -7,9 +7,12 @@ for a few steps so the Adam state is real), one measurement after the other:
       a buffer with a partner at the same time, `batch_isend_irecv`, like the executor);
       also a small-message round trip (the cost model's round latency) and a local memcpy
       (the cost model's local-copy bandwidth);
-  (a) ours: `switch_trainer` A -> B, then B -> A, `repeat` times (the job ends at A). The
-      pause is the report's phases except group construction (built in the background by
-      the device manager in production); the wall time around the call is kept too;
+  (a) ours: `switch_trainer` A -> B, then B -> A, `repeat` times (the job ends at A). By
+      default B is prepared as the hook does it (groups, objects, binding, plan in the
+      device manager's thread while A trains: `_prepare_while_training`, whose wall time
+      and training steps are reported); the pause is the switch's phases at the step
+      boundary. `prepare="inline"` puts all of it in the pause except group construction;
+      the wall time around the call is kept too;
   (c) megatron-core's weights-only refit `resharding.swap_model_weights(..., "gloo")` from
       the live A model into a B model built on B's groups (default rank order, as a
       megatron user gets it): first call (builds and caches its plan), then `repeat`
