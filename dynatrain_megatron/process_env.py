@@ -43,6 +43,7 @@ def release_free_memory() -> bool:
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.malloc_trim(0)) or True
+        libc.malloc_trim(0)  # its result only says whether memory was released
+        return True
     except (OSError, AttributeError):
         return False

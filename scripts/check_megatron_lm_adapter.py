@@ -29,7 +29,7 @@ def case(root):
     from megatron.core import parallel_state as ps
     from dynatrain_megatron.compat import prepare_runtime
     from dynatrain_megatron.integration import megatron_lm as mlm
-    from dynatrain_megatron.integration.builders import build_training_objects
+    from dynatrain_megatron.integration.builders import build_training_objects, seed_rngs
     from dynatrain_megatron.integration.training import Trainer
     from dynatrain_megatron.integration.train_config import TrainConfig
     from dynatrain_megatron.vps.layout import Layout
@@ -56,6 +56,7 @@ def case(root):
                         lr_warmup_iters=1, train_iters=20)
     layout = Layout.parse("tp2pp2", 4)
     groups = mlm.wrap_megatron_groups(layout)  # checks megatron's groups == our Layout's
+    seed_rngs(train.seed, groups)  # stands in for Megatron-LM's _set_random_seed
     objs = build_training_objects(spec, layout, groups, train)  # stands in for setup_model_and_optimizer
     runner = Trainer(spec, train, objs)  # stands in for train_step
     signal = os.path.join(root, "switch.json")

@@ -244,9 +244,9 @@ def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGrou
                            train: TrainConfig, init_weights: bool = True) -> TrainingObjects:
     """Model chunks, DDP, optimizer and scheduler for `layout` on `groups` (a member rank).
 
-    With `init_weights` the RNGs are seeded for this rank's coordinates first (the weights
-    draw from them); without, no RNG and no megatron global is touched, so the objects can
-    be built while another layout trains (a switch seeds at its commit: `activate`)."""
+    Touches neither the RNGs nor megatron's globals: the caller seeds and installs
+    (`MegatronBuilder.build` before, a switch's `activate` at its commit), so the objects
+    can be built while another layout trains."""
     from megatron.core.distributed import finalize_model_grads
 
     layout.check_model(spec)
@@ -256,8 +256,6 @@ def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGrou
         raise LayoutError(f"layout {layout}: context parallelism needs Transformer Engine's "
                           f"attention; megatron-core's local DotProductAttention refuses "
                           f"context_parallel_size > 1 (plan and check CP analytically on CPU)")
-    if init_weights:
-        seed_rngs(train.seed, groups)
     config = make_transformer_config(spec, layout)
     chunks = build_model_chunks(spec, layout, groups, config, init_weights=init_weights)
     if not init_weights:
@@ -295,8 +293,7 @@ class MegatronBuilder:
         # megatron reads some ranks from parallel_state globals outside pg_collection (the
         # data-parallel rank of a checkpoint's sharded state dict): point them at `groups`
         install(groups)
-        if not init_weights:
-            seed_rngs(self.train.seed, groups)
+        seed_rngs(self.train.seed, groups)  # the weights draw from them
         return build_training_objects(self.spec, layout, groups, self.train, init_weights=init_weights)
 
     def build_detached(self, layout: Layout, groups: ParallelGroups) -> TrainingObjects:

@@ -188,21 +188,19 @@ class DynatrainHook:
         if self._sync_target is not None:
             # the classic way, for comparison: the new groups are part of the pause
             (dst, dst_placement), self._sync_target = self._sync_target, None
-            groups = build_groups(dst, dst_placement)
-            prepared = None  # B is built inside the pause too
+            kw = dict(new_groups=build_groups(dst, dst_placement))  # B built in the pause too
             groups_s = time.perf_counter() - t0
         else:
             dst, dst_placement = self.devices.target
             kw = prepared_switch_args(self.devices)
-            groups, prepared = kw["new_groups"], kw["prepared"]
             groups_s = self.devices.build_seconds
             t0 = time.perf_counter()
         try:
             trainer, res = switch_trainer(trainer, self.builder, src, src_placement,
                                           dst, dst_devices=dst_placement.devices,
                                           ranks_per_node=self.ranks_per_node,
-                                          memory_budget=self.memory_budget, new_groups=groups,
-                                          timeout=self.timeout, prepared=prepared)
+                                          memory_budget=self.memory_budget,
+                                          timeout=self.timeout, **kw)
         except Exception:
             self.controller.done(self.decision, "failed", "switch raised; see the job log")
             raise
@@ -294,13 +292,13 @@ class DynatrainHook:
     def _drop_preparation(self, broken: bool) -> None:
         """Free a switch being prepared in the background (groups, B's objects) and start
         afresh: the world it was prepared for is changing."""
-        from .switching import discard_prepared
+        from .switching import discard_prepared, free_layout
 
         groups, prepared = self.devices.abandon()
         if prepared is not None:
             discard_prepared(prepared, broken=broken)
-        elif groups is not None:
-            groups.destroy(broken)
+        else:
+            free_layout(None, groups, broken)
         self.devices = DeviceManager()
 
     def can_recover(self, error: BaseException) -> bool:

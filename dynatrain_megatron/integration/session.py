@@ -11,10 +11,10 @@ import torch.distributed as dist
 
 from .. import process_env
 from ..compat import prepare_runtime
-from ..elastic.groups import Placement, build_groups, install
+from ..elastic.groups import Placement, build_groups
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
-from .builders import TrainingObjects, build_training_objects
+from .builders import MegatronBuilder, TrainingObjects
 from .train_config import TrainConfig
 from .training import Trainer
 
@@ -61,9 +61,7 @@ def start_job(spec: ModelSpec, layout: Layout | str, train: TrainConfig,
     if groups.virtual_rank is None:
         groups.destroy()
         return None
-    install(groups)
-    objs = build_training_objects(spec, lay, groups, train)
-    return Trainer(spec, train, objs)
+    return Trainer(spec, train, MegatronBuilder(spec, train).build(lay, groups))
 
 
 _FROZEN = {"done": False}

@@ -13,7 +13,7 @@ from ..transition.switch import (Prepared, SwitchResult, choose_dst_placement, p
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.placement import Placement
-from .builders import MegatronBuilder
+from .builders import MegatronBuilder, TrainingObjects
 from .session import freeze_long_lived_objects, release
 from .training import Trainer
 
@@ -65,10 +65,7 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
         raise WorldBroken(f"switch {src} -> {dst}: {broken}")
     if res.aborted:
         # roll back: drop everything of B; A was only read, so it is exactly as it was
-        if res.objs is not None:
-            release(res.objs)  # destroys B's groups too
-        elif res.groups is not None:
-            res.groups.destroy()
+        free_layout(res.objs, res.groups)
         if old is not None:
             install(old.groups)  # B is only activated at the commit: a safety net
         rng.restore()
@@ -135,11 +132,18 @@ def discard_prepared(prepared: Prepared, broken: bool = False) -> None:
     """Free a switch prepared in the background that will not run (its objects and its
     groups' communicators: after a death, a communicator's sockets close only with its
     last reference)."""
-    if prepared.objs is not None:
-        release(prepared.objs, broken=broken)
-    elif prepared.groups is not None:
-        prepared.groups.destroy(broken)
+    free_layout(prepared.objs, prepared.groups, broken)
     prepared.objs = prepared.live = prepared.groups = None
+
+
+def free_layout(objs: Optional[TrainingObjects], groups: Optional[ParallelGroups],
+                broken: bool = False) -> None:
+    """Free a layout's objects (which destroys their groups), or only its groups on a rank
+    that holds no objects of it."""
+    if objs is not None:
+        release(objs, broken=broken)
+    elif groups is not None:
+        groups.destroy(broken)
 
 
 def start_preparation(manager: DeviceManager, builder: MegatronBuilder, src: Layout,

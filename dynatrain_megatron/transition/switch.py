@@ -414,9 +414,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     xfer_group = getattr(groups, "transfer", None)
     ex = Executor(me, transport or TorchP2PTransport(xfer_group),
                   src_view=lambda p: old_live.view(p.kind, p.src_chunk, p.src_local_name, p.src_local_box),
-                  dst_view=lambda p: (prepared.dst_views.get(id(p)) if id(p) in prepared.dst_views
-                                      else new_live.view(p.kind, p.dst_chunk, p.dst_local_name,
-                                                         p.dst_local_box)),
+                  dst_view=lambda p: prepared.dst_views[id(p)],
                   device=collective_device(xfer_group), tag=attempt, timeout=timeout,
                   checksums=checksums, faults=faults)
     errors = list(ex.run(prepared.local_pieces, prepared.round_pieces))
