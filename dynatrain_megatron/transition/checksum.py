@@ -5,9 +5,16 @@ or byte changes it, and it runs at memory bandwidth, because it is computed on e
 a switch moves while training is paused. Sender and receiver hold the same bytes at
 different addresses (a message may be a view into live storage), so the sum is of the
 bytes' values alone: the 8-byte words are those of the message, not of memory.
+
+A message that starts at an address that is not a multiple of 8 (a view into live
+storage at an odd fp32 element, common) cannot be viewed as int64 by torch. On the CPU
+numpy sums it in place as unaligned int64 words (measured: 27 ms for 180 MB, against 203
+ms for the aligned copy this used to make, and 18 ms when aligned); on a GPU a device copy
+is cheap next to the link.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -21,7 +28,9 @@ def checksum(t: torch.Tensor) -> int:
         body = flat[:n8]
         if body.data_ptr() % 8 == 0:
             s += int(body.view(torch.int64).sum())
-        else:  # a view into storage at an unaligned offset: align a copy
+        elif body.device.type == "cpu":  # numpy views unaligned memory as int64 words
+            s += int(body.numpy().view(np.int64).sum())
+        else:
             s += int(body.clone().view(torch.int64).sum())
     if n > n8:
         s += int(flat[n8:].to(torch.int64).sum())
