@@ -172,7 +172,8 @@ def _prepare_while_training(tr, builder, la, pa, lb, placement, rpn, budget, mov
     from dynatrain_megatron.integration.switching import prepared_switch_args, start_preparation
 
     dm = start_preparation(DeviceManager(), builder, la, pa, lb, placement=placement,
-                           ranks_per_node=rpn, memory_budget=budget, move_weights=move_weights)
+                           ranks_per_node=rpn, memory_budget=budget, move_weights=move_weights,
+                           src_objs=tr.objs)
     steps = 0
     while True:
         tr.step()
@@ -180,6 +181,22 @@ def _prepare_while_training(tr, builder, la, pa, lb, placement, rpn, budget, mov
         if dm.ready():
             break
     return prepared_switch_args(dm), steps
+
+
+def _gathered(x) -> list:
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, x)
+    return everyone
+
+
+def _reallocate_one_moment(optimizer) -> None:
+    from dynatrain_megatron.adapters.live import optimizers_of
+
+    for opt in optimizers_of(optimizer):
+        for st in opt.optimizer.state.values():
+            if "exp_avg" in st:
+                st["exp_avg"] = st["exp_avg"].clone().add_(1.0)
+                return
 
 
 def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
@@ -218,6 +235,10 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
             kw, steps_while_preparing = _prepare_while_training(
                 tr, builder, la, pa, lb, opts.get("placement", "best"), opts.get("ranks_per_node", 4),
                 opts.get("memory_budget"), opts.get("move_weights", False))
+        if opts.get("realloc_after_prepare"):
+            # A's storage changes after it was bound in the background: one Adam moment
+            # reallocated (and changed), so the background binding views stale memory
+            _reallocate_one_moment(tr.objs.optimizer)
         tr.sync_params()  # with overlap_param_gather the weights lag until the next forward
         before = full(tr)
         # 0: every piece travels on its own, straight from/into live storage where contiguous
@@ -252,6 +273,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
                    replica_mismatches=[b for part in bad_all for b in part],
                    steps_while_preparing=steps_while_preparing,
                    bound_in_background=bound_in_background, background=r.background,
+                   source_bound_early=_gathered(r.source_bound_early),
                    placement_devices=tr.objs.groups.placement.devices)
         if opts.get("back"):
             tr, res2 = switch_trainer(tr, builder, tr.objs.layout, tr.objs.groups.placement, la,

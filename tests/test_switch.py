@@ -26,6 +26,8 @@ DENSE_4 = [
     # B prepared in the background (built, bound, planned) while A trains on, as the hook
     # does it: the same state and the same losses as the checkpoint path at that iteration
     ("tp2pp2dp1", "tp1pp4dp1", {"ckpt": True, "steps_after": 3, "background": True}),
+    # A's storage reallocated after its background binding: A is bound again in the pause
+    ("tp2pp2dp1", "tp1pp4dp1", {"background": True, "realloc_after_prepare": True}),
 ]
 MOE_4 = [
     ("tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4", {"back": True}),  # EP 2->4
@@ -100,6 +102,10 @@ def _check(rec, opts):
         assert rec["steps_while_preparing"] >= 1 and rec["iteration"] == 2 + rec["steps_while_preparing"]
         assert rec["bound_in_background"] is True
         assert "build" in rec["background"] and "build" not in rec["phases"]
+        # A was bound and checked in the background too, unless its storage changed since
+        # (then the stale binding must not be used: the state check above catches that)
+        expect = not opts.get("realloc_after_prepare")
+        assert rec["source_bound_early"] == [expect] * len(rec["source_bound_early"])
     else:
         assert rec["iteration"] == 2 and rec["background"] == {}
     if opts.get("small_piece_bytes") == 0 and rec["moved"]:

@@ -86,6 +86,36 @@ def ensure_optimizer_state(optimizer) -> None:
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def optimizer_state_complete(optimizer) -> bool:
+    """Whether every parameter already has its Adam states (after the first step), so that
+    binding creates nothing. Reads only: safe beside a training step in another thread."""
+    for opt in optimizers_of(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state.get(p)  # not [p]: the defaultdict would insert
+                if st is None or "exp_avg" not in st or "exp_avg_sq" not in st:
+                    return False
+    return True
+
+
+def storage_fingerprint(model: list, optimizer) -> tuple:
+    """Where the tensors a `LiveState` of these objects reads live: every parameter's and
+    every optimizer state's address and shape, in a fixed order. Equal fingerprints at two
+    moments mean a binding made at the first still views the live storage at the second
+    (training updates these tensors in place; a reallocation changes the fingerprint). A
+    few microseconds per parameter: cheap enough for the pause, unlike binding."""
+    out = []
+    for m in model:
+        for name, p in unwrap(m).named_parameters():
+            out.append((name, p.data_ptr(), tuple(p.shape)))
+    for opt in optimizers_of(optimizer):
+        for p in opt.model_param_gbuf_map:
+            for k, t in sorted(opt._get_main_param_and_optimizer_states(p).items()):
+                out.append((k, t.data_ptr(), tuple(t.shape)) if torch.is_tensor(t) else (k, None))
+    return tuple(out)
+
+
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -127,7 +127,7 @@ class DynatrainHook:
             return trainer
         d = self.controller.poll(trainer.iteration, self.layout.world_size)
         trainer = self._admit(trainer, d)
-        self._on_decision(d, trainer.iteration)
+        self._on_decision(d, trainer.iteration, trainer.objs)
         if self._sync_target is not None:
             return self._switch(trainer)
         return trainer
@@ -154,7 +154,7 @@ class DynatrainHook:
                 if trainer is not None:
                     return trainer
 
-    def _on_decision(self, d: Decision, iteration: Optional[int]) -> None:
+    def _on_decision(self, d: Decision, iteration: Optional[int], objs=None) -> None:
         if d.rejected:
             self.rejected.append(d.rejected)
         if d.target is None:
@@ -180,7 +180,7 @@ class DynatrainHook:
                  iteration, src, src.world_size, dst, dst.world_size)
         start_preparation(self.devices, self.builder, src, self.layout_placement, dst,
                           dst_placement=placement, ranks_per_node=self.ranks_per_node,
-                          memory_budget=self.memory_budget, faults=self.faults)
+                          memory_budget=self.memory_budget, faults=self.faults, src_objs=objs)
 
     def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
         src, src_placement = self.layout, self.layout_placement

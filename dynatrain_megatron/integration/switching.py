@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 
 from ..elastic.device_manager import DeviceManager
@@ -150,13 +150,14 @@ def start_preparation(manager: DeviceManager, builder: MegatronBuilder, src: Lay
                       src_placement: Placement, dst: Layout, *,
                       dst_placement: Optional[Placement] = None, placement: str = "best",
                       ranks_per_node: int = 8, memory_budget: Optional[int] = None,
-                      move_weights: bool = False, faults: Optional[FaultPlan] = None
-                      ) -> DeviceManager:
+                      move_weights: bool = False, faults: Optional[FaultPlan] = None,
+                      src_objs: Any = None) -> DeviceManager:
     """What happens when a request is accepted (every rank, same order): B's placement
     (unless given), then, in `manager`'s background thread, B's groups and the switch's
     preparation (`prepare_switch`) while A trains on. At each step boundary the caller asks
     `manager.ready()` (collective) and, once true, switches with
-    `**prepared_switch_args(manager)`."""
+    `**prepared_switch_args(manager)`. `src_objs`: A's objects on this rank (None where
+    it holds none), bound in the background too once A has taken a step."""
     if dst_placement is None:
         dst_placement = choose_dst_placement(builder.spec, builder, src, src_placement, dst,
                                              tuple(range(dst.world_size)), placement,
@@ -165,7 +166,8 @@ def start_preparation(manager: DeviceManager, builder: MegatronBuilder, src: Lay
     def prepare(groups: ParallelGroups) -> Prepared:
         return prepare_switch(builder.spec, builder, src, src_placement, dst, groups,
                               move_weights=move_weights, ranks_per_node=ranks_per_node,
-                              memory_budget=memory_budget, background=True, faults=faults)
+                              memory_budget=memory_budget, background=True, faults=faults,
+                              src_objs=src_objs)
 
     manager.prepare(dst, dst_placement, background=True, then=prepare)
     return manager

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from ..adapters.live import LiveState, optimizers_of
+from ..adapters.live import LiveState, optimizer_state_complete, optimizers_of, storage_fingerprint
 from ..adapters.verify import check_live_matches_analytic
 from ..routing.placement import choose_placement
 from ..routing.planner import build_plan
@@ -82,6 +82,7 @@ class SwitchReport:
     recv_bytes: int = 0
     zero_copy_bytes: int = 0  # network bytes sent from / received into live storage directly
     checksummed_messages: int = 0
+    source_bound_early: bool = False  # A's binding came from the background preparation
     phases: dict = field(default_factory=dict)
     # seconds of what was prepared in the background while A trained (not in the pause)
     background: dict = field(default_factory=dict)
@@ -129,6 +130,16 @@ class Prepared:
     round_pieces: list = field(default_factory=list)
     # the destination views of the pieces this rank receives or copies (by id of the piece)
     dst_views: dict = field(default_factory=dict)
+    # A's side bound too (when given A's objects and A had taken a step): the binding, the
+    # fingerprint of the storage it views and the source views of this rank's pieces. The
+    # switch uses them only if A's storage still has that fingerprint at the pause.
+    src_live: Optional[LiveState] = None
+    src_fingerprint: Optional[tuple] = None
+    src_views: dict = field(default_factory=dict)
+
+    def drop_source(self) -> None:
+        """Forget A's binding: its views keep A's storage alive."""
+        self.src_live, self.src_fingerprint, self.src_views = None, None, {}
 
     def check_for(self, src: Layout, src_placement: Placement, dst: Layout, kinds: tuple,
                   unavailable: tuple) -> None:
@@ -142,9 +153,14 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
                    dst: Layout, groups: Any, *, move_weights: bool = False,
                    ranks_per_node: int = 8, memory_budget: Optional[int] = None,
                    verify: bool = True, unavailable: Sequence[int] = (),
-                   background: bool = False, faults: Optional[FaultPlan] = None) -> Prepared:
+                   background: bool = False, faults: Optional[FaultPlan] = None,
+                   src_objs: Any = None) -> Prepared:
     """B's side of a switch (module doc, steps 4-6): never raises, a failure is recorded
-    in `error`. `groups` are B's (their placement is B's placement)."""
+    in `error`. `groups` are B's (their placement is B's placement).
+
+    With `src_objs` (A's objects, which may be training in another thread meanwhile), A's
+    side is bound and checked here too (`_bind_source`), which takes it out of the pause
+    as well; A's values are not read."""
     t = time.perf_counter
     me = dist.get_rank()
     dst_placement = groups.placement
@@ -182,12 +198,44 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
                     prep.dst_views[id(p)] = prep.live.view(p.kind, p.dst_chunk,
                                                            p.dst_local_name, p.dst_local_box)
         prep.phases["views"] = t() - t0
+        t0 = t()
+        if src_objs is not None and not unavailable:
+            _bind_source(prep, spec, builder, src_objs, verify)
+        prep.phases["bind_src"] = t() - t0
         (faults or _NO_FAULTS).fail(me, "prepare")
     except Exception as e:  # noqa: BLE001 - every rank learns it at the switch's first vote
         prep.error = f"rank {me}: prepare: {type(e).__name__}: {e}"
         log.error("rank %d: preparing the switch %s -> %s failed (nothing has moved): %s",
                   me, src, dst, e)
     return prep
+
+
+def _bind_source(prep: Prepared, spec: ModelSpec, builder: Builder, objs: Any,
+                 verify: bool) -> None:
+    """A's binding, analytic check and source views, kept only if nothing of A's storage
+    was reallocated meanwhile. Binding must not create anything in A's optimizer while it
+    trains in another thread, so this waits for A's first step (the Adam states exist);
+    a failure here is no error: the switch then binds A in the pause (and fails there, at
+    its vote, if A is really wrong)."""
+    me = dist.get_rank()
+    vr_a = prep.src_placement.virtual_rank(me)
+    if vr_a is None or not optimizer_state_complete(objs.optimizer):
+        return
+    try:
+        fp = storage_fingerprint(objs.model, objs.optimizer)
+        live = LiveState(objs.model, objs.optimizer, vr_a, spec.vocab_size)
+        if verify:
+            check_live_matches_analytic(
+                live.fragments(prep.kinds),
+                analytic_layout(spec, prep.src, builder.bucket_size(prep.src))
+                .fragments(vr_a, prep.kinds), vr_a)
+        views = {id(p): live.view(p.kind, p.src_chunk, p.src_local_name, p.src_local_box)
+                 for p in prep.local_pieces + [p for ps in prep.round_pieces for p in ps]
+                 if p.src_device == me}
+        if storage_fingerprint(objs.model, objs.optimizer) == fp:
+            prep.src_live, prep.src_fingerprint, prep.src_views = live, fp, views
+    except Exception as e:  # noqa: BLE001 - left to the pause, which reports it at the vote
+        log.info("rank %d: binding A in the background failed (bound in the pause): %s", me, e)
 
 
 _ATTEMPTS = {"n": 0}
@@ -377,8 +425,11 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     attempt = _next_attempt()
     vr_a = src_placement.virtual_rank(me)
     old_live = None
+    src_views: dict = {}
+    bound_early = False  # A bound and checked in the background, storage unchanged since
     errors: list[str] = [prepared.error] if prepared.error else []
-    # -- A's side: bind and check it. Nothing has moved yet.
+    # -- A's side: bind and check it (unless bound in the background and still valid).
+    # Nothing has moved yet.
     t3 = t()
     try:
         if move_weights and old_objs is not None:
@@ -389,12 +440,16 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                     m.start_param_sync(force_sync=True)
         if src_state is not None:
             old_live = src_state
+        elif (prepared.src_live is not None and old_objs is not None and
+              storage_fingerprint(old_objs.model, old_objs.optimizer) == prepared.src_fingerprint):
+            old_live, src_views, bound_early = prepared.src_live, prepared.src_views, True
         else:
             old_live = (LiveState(old_objs.model, old_objs.optimizer, vr_a, spec.vocab_size)
                         if old_objs is not None and vr_a is not None else None)
+        prepared.drop_source()
         phases["bind"] = phases.get("bind", 0.0) + t() - t3
         t3 = t()
-        if verify and old_live is not None:
+        if verify and old_live is not None and not bound_early:
             check_live_matches_analytic(
                 old_live.fragments(kinds),
                 analytic_layout(spec, src, builder.bucket_size(src)).fragments(vr_a, kinds), vr_a)
@@ -413,7 +468,9 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     t5 = t()
     xfer_group = getattr(groups, "transfer", None)
     ex = Executor(me, transport or TorchP2PTransport(xfer_group),
-                  src_view=lambda p: old_live.view(p.kind, p.src_chunk, p.src_local_name, p.src_local_box),
+                  src_view=lambda p: (src_views[id(p)] if id(p) in src_views else
+                                      old_live.view(p.kind, p.src_chunk, p.src_local_name,
+                                                    p.src_local_box)),
                   dst_view=lambda p: prepared.dst_views[id(p)],
                   device=collective_device(xfer_group), tag=attempt, timeout=timeout,
                   checksums=checksums, faults=faults)
@@ -456,5 +513,5 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                           sent_bytes=ex.stats.sent_bytes, recv_bytes=ex.stats.recv_bytes,
                           zero_copy_bytes=ex.stats.zero_copy_bytes,
                           checksummed_messages=ex.stats.checksummed_messages,
-                          phases=phases, background=background)
+                          source_bound_early=bound_early, phases=phases, background=background)
     return SwitchResult(new_objs, dst, dst_placement, groups, scalars, report)
