@@ -13,6 +13,10 @@ for a few steps so the Adam state is real), one measurement after the other:
       and training steps are reported); the pause is the switch's phases at the step
       boundary. `prepare="inline"` puts all of it in the pause except group construction;
       the wall time around the call is kept too;
+  (e) the same bytes moved the simplest way (`measure_raw_movement`): one message per
+      peer with the plan's volumes, the plan's local bytes in one memcpy meanwhile, and
+      again with checksums. Where the link is itself CPU work (loopback TCP on a few
+      cores), this, not the network-only floor, is what the transfer can reach;
   (c) megatron-core's weights-only refit `resharding.swap_model_weights(..., "gloo")` from
       the live A model into a B model built on B's groups (default rank order, as a
       megatron user gets it): first call (builds and caches its plan), then `repeat`
@@ -116,6 +120,59 @@ def measure_link(nbytes: int = 64 * MB, iters: int = 3) -> dict[str, float]:
                 memcpy_gbps=nbytes / cp / 1e9)
 
 
+def measure_raw_movement(plan, iters: int = 3) -> dict[str, float]:
+    """(e) The data movement of `plan` done the simplest way, without our executor: each
+    rank sends one message per peer with the plan's bytes to that peer and receives the
+    plan's bytes from each, in one batched exchange, and copies the plan's local bytes in
+    one memcpy while they are on the wire; once more with an int64 checksum of every
+    message on both sides (what our transfer does). On a machine whose link is itself CPU
+    work (loopback TCP), this is the floor of the whole transfer: wire, local copies and
+    checksums share the same cores, which the network-only floor leaves out."""
+    from ..transition.checksum import checksum
+
+    me = dist.get_rank()
+    out_b: dict[int, int] = {}
+    in_b: dict[int, int] = {}
+    local = 0
+    for p in plan.pieces_for(me):
+        if p.is_local:
+            local += p.nbytes
+        elif p.src_device == me:
+            out_b[p.dst_device] = out_b.get(p.dst_device, 0) + p.nbytes
+        elif p.dst_device == me:
+            in_b[p.src_device] = in_b.get(p.src_device, 0) + p.nbytes
+    src = torch.ones(max([local, *out_b.values(), 1]), dtype=torch.uint8)
+    dst_local = torch.empty(max(local, 1), dtype=torch.uint8)
+    recv = {peer: torch.empty(n, dtype=torch.uint8) for peer, n in in_b.items()}
+    dst_local.fill_(0)
+    for t in recv.values():
+        t.fill_(0)  # first-touched here, like the new layout's prepared buffers
+
+    def once(sums: bool) -> None:
+        ops = []
+        for peer in sorted(set(out_b) | set(in_b)):
+            if peer in out_b:
+                ops.append(dist.P2POp(dist.isend, src[:out_b[peer]], peer))
+            if peer in in_b:
+                ops.append(dist.P2POp(dist.irecv, recv[peer], peer))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if sums:
+            for peer, n in out_b.items():
+                checksum(src[:n])
+        if local:
+            dst_local.copy_(src[:local])
+        for w in works:
+            w.wait()
+        if sums:
+            for t in recv.values():
+                checksum(t)
+
+    once(False)  # connections warm
+    plain = _median([_timed(once, False)[1] for _ in range(iters)])
+    summed = _median([_timed(once, True)[1] for _ in range(iters)])
+    return dict(raw_movement_seconds=plain, raw_movement_checksummed_seconds=summed)
+
+
 def _rss_reset() -> bool:
     """Reset this process's peak RSS (Linux clear_refs 5); False where not allowed."""
     try:
@@ -163,29 +220,36 @@ def _refit_bytes(target_model) -> tuple[int, int]:
     return remote, local
 
 
+TRANSFER_PARTS = ("local_copy", "pack", "post", "checksum", "wire", "unpack", "other")
+
+
 class _TransferProbe:
     """Splits our transfer phase into local copies, packing (staging copies of small or
-    strided source pieces), the wire and unpacking, by wrapping the executor's methods in
-    this (benchmark) process only. `wire` is the time spent *waiting* for a round after the
-    local copies ran during it (overlapped). The rest of the phase (staging allocation,
-    view lookup, posting, vocab padding) is `other`."""
+    strided source pieces), posting the batched exchange, checksums (both sides), the wire
+    and unpacking, by wrapping the executor's functions in this (benchmark) process only.
+    `wire` is the time spent *waiting* for a round (and for its checksum exchange) after
+    the local copies ran during it (overlapped). The rest of the phase (staging
+    allocation, view lookup, vocab padding) is `other`."""
 
     def __init__(self) -> None:
-        from ..transition.executor import Executor
+        from ..transition import executor as ex
+        from ..transition import transport as tp
 
         self.totals: dict[str, float] = {}
         self._saved = []
-        for cls, name, key, static in ((Executor, "run_local", "local_copy", False),
-                                       (Executor, "_pack", "pack", False),
-                                       (Executor, "_stage", "pack", False),
-                                       (Executor, "_unpack", "unpack", True),
-                                       (Executor, "_unpack_staged", "unpack", True),
-                                       (Executor, "_wait", "wire", True)):
-            raw = cls.__dict__[name]
-            fn = raw.__func__ if static else raw
-            self._saved.append((cls, name, raw))
-            wrapped = self._wrap(fn, key)
-            setattr(cls, name, staticmethod(wrapped) if static else wrapped)
+        for owner, name, key in ((ex.Executor, "run_local", "local_copy"),
+                                 (ex.Executor, "_pack", "pack"),
+                                 (ex.Executor, "_stage", "pack"),
+                                 (ex.Executor, "_unpack", "unpack"),
+                                 (ex.Executor, "_unpack_staged", "unpack"),
+                                 (ex.Executor, "_wait", "wire"),
+                                 (tp.TorchP2PTransport, "start", "post"),
+                                 (ex, "checksum", "checksum")):
+            raw = owner.__dict__[name]
+            static = isinstance(raw, staticmethod)
+            wrapped = self._wrap(raw.__func__ if static else raw, key)
+            self._saved.append((owner, name, raw))
+            setattr(owner, name, staticmethod(wrapped) if static else wrapped)
 
     def _wrap(self, fn, key):
         import functools
@@ -257,7 +321,8 @@ def _prepare_while_training(tr, builder, src_l, src_p, dst_l, cfg: dict, prep: d
     t_placement = time.perf_counter() - t0
     dm = start_preparation(DeviceManager(), builder, src_l, src_p, dst_l, dst_placement=dst_p,
                            ranks_per_node=cfg["ranks_per_node"],
-                           memory_budget=cfg["memory_budget"], move_weights=cfg["move_weights"])
+                           memory_budget=cfg["memory_budget"], move_weights=cfg["move_weights"],
+                           src_objs=tr.objs)
     steps = []
     while True:
         steps.append(tr.step().seconds)
@@ -353,7 +418,7 @@ def bench_rank(cfg: dict) -> dict:
             parts["other"] = r.phases.get("transfer", 0.0) - sum(parts.values())
             rec = dict(wall=wall, pause=_max(r.pause_seconds),
                        transfer_parts={k: _max(parts.get(k, 0.0)) for k in
-                                       ("local_copy", "pack", "wire", "unpack", "other")},
+                                       TRANSFER_PARTS},
                        phases={k: _max(v) for k, v in sorted(r.phases.items())},
                        peak_staging=int(_max(r.peak_staging_bytes)),
                        rss_peak_delta=int(_max(_rss_bytes()[1] - rss0)) if rss_ok else None,
@@ -403,6 +468,13 @@ def bench_rank(cfg: dict) -> dict:
                cost_model_local_copy_seconds=est.local_copy_seconds,
                cost_model_lower_bound_seconds=est.bandwidth_lower_bound_seconds,
                cost_model_rounds=est.num_rounds)
+
+    # (e) the same bytes moved the simplest way: the floor of the whole transfer here
+    if "raw" not in skip:
+        out.update(measure_raw_movement(plan, repeat))
+        gc.collect()
+        progress(f"raw movement of the plan's bytes: {out['raw_movement_seconds']:.3f} s, "
+                 f"{out['raw_movement_checksummed_seconds']:.3f} s with checksums")
 
     # (c) megatron-core's weights-only refit, A's live model -> a B model on B's groups
     if "refit" not in skip:
@@ -543,6 +615,10 @@ def summarize(r: dict, cfg: dict) -> dict:
         cost_model_seconds=r["cost_model_seconds"],
         cost_model_network_seconds=r["cost_model_network_seconds"],
         cost_model_lower_bound_seconds=r["cost_model_lower_bound_seconds"],
+        raw_movement_seconds=r.get("raw_movement_seconds"),
+        raw_movement_checksummed_seconds=r.get("raw_movement_checksummed_seconds"),
+        transfer_over_raw=_ratio(transfer, r.get("raw_movement_checksummed_seconds")),
+        pause_over_raw=_ratio(ours, r.get("raw_movement_checksummed_seconds")),
         dist_checkpoint_seconds=r.get("dist_checkpoint_seconds"),
         dist_checkpoint_save_seconds=r.get("dist_checkpoint_save_seconds"),
         dist_checkpoint_build_seconds=r.get("dist_checkpoint_build_seconds"),
@@ -659,6 +735,11 @@ def format_summary(s: dict) -> str:
          f"    cost model          {_s(s['cost_model_seconds'])} predicted for the transfer "
          f"(link {s['link_gbps']:.2f} GB/s, round {_s(s['round_latency_seconds'])}, memcpy "
          f"{s['memcpy_gbps']:.2f} GB/s; its lower bound {_s(s['cost_model_lower_bound_seconds'])})"]
+    if s.get("raw_movement_seconds") is not None:
+        L.append(f"    same bytes, raw     {_s(s['raw_movement_seconds'])} (one message per peer, "
+                 f"the local bytes in one memcpy meanwhile), "
+                 f"{_s(s['raw_movement_checksummed_seconds'])} with checksums; transfer "
+                 f"{_x(s['transfer_over_raw'])} that, pause {_x(s['pause_over_raw'])}")
     if s["dist_checkpoint_seconds"] is not None:
         L.append(f"(b) dist_checkpointing  {_s(s['dist_checkpoint_seconds'])} = save "
                  f"{_s(s['dist_checkpoint_save_seconds'])} + build B "

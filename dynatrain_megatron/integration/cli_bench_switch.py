@@ -20,7 +20,7 @@ import sys
 
 from ..vps.errors import DynatrainError, LayoutError
 
-_SKIPPABLE = ("checkpoint", "refit")
+_SKIPPABLE = ("checkpoint", "refit", "raw")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
