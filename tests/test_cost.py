@@ -44,7 +44,7 @@ def test_estimate_at_least_the_lower_bound_and_more_rounds_cost_latency(pair):
     one = estimate(build_schedule(p), links)
     assert one.network_seconds + 1e-12 >= one.bandwidth_lower_bound_seconds
     if p.stats.moved_bytes:
-        # local copies overlap the first round: never more than copies + rounds, never less
+        # local copies overlap the rounds: never more than copies + rounds, never less
         # than either
         assert max(one.local_copy_seconds, one.network_seconds) <= one.total_seconds + 1e-12
         assert one.total_seconds <= one.local_copy_seconds + one.network_seconds + 1e-12

@@ -86,3 +86,21 @@ def test_aligned_packing_stays_in_budget(plan):
         for d in plan.devices:
             padded = sum(-(-p.nbytes // 8) * 8 for p in r.sends(d) + r.recvs(d))
             assert padded <= budget
+
+
+@pytest.mark.parametrize("n_rounds", [0, 1, 3, 7])
+def test_local_copies_spread_over_rounds_in_order_and_balanced(plan, n_rounds):
+    """The executor copies share i of a rank's local pieces while round i is on the wire:
+    every piece exactly once, in plan order, one share per round, shares of about equal
+    bytes (off by less than one piece)."""
+    from dynatrain_megatron.transition.executor import local_shares
+
+    for dev in range(8):
+        local = [p for p in plan.pieces_for(dev) if p.is_local]
+        shares = local_shares(local, n_rounds)
+        assert len(shares) == max(1, n_rounds)
+        assert [p for s in shares for p in s] == local
+        total = sum(p.nbytes for p in local)
+        biggest = max((p.nbytes for p in local), default=0)
+        for s in shares:
+            assert abs(sum(p.nbytes for p in s) - total / len(shares)) <= biggest

@@ -134,6 +134,7 @@ def discard_prepared(prepared: Prepared, broken: bool = False) -> None:
     last reference)."""
     free_layout(prepared.objs, prepared.groups, broken)
     prepared.objs = prepared.live = prepared.groups = None
+    prepared.drop_source()  # A's binding holds A's objects (and, after a death, its sockets)
 
 
 def free_layout(objs: Optional[TrainingObjects], groups: Optional[ParallelGroups],

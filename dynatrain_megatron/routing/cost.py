@@ -9,9 +9,10 @@ Link model (stated, every parameter printed by `dynatrain plan`):
     for its bytes of a round (the *max* of the two links, not their sum);
   * a round takes its slowest device plus a fixed latency (launching one batched P2P
     exchange; default 50 us); rounds run one after the other;
-  * local copies run while the first round is on the wire (the executor posts round 0,
-    copies, then waits), at a device-memory copy bandwidth (default 1000 GB/s): a device's
-    round-0 time is the max of its copies and its links;
+  * local copies are spread evenly over the rounds, each share running while its round is
+    on the wire (the executor posts a round, copies its share, then waits), at a
+    device-memory copy bandwidth (default 1000 GB/s): a device's round time is the max of
+    its share of copies and its links;
   * every message is checksummed by its sender and its receiver (transactions): one
     read pass over each byte sent and received (default 3000 GB/s: a reduction reading
     HBM), added to the device's round time.
@@ -267,8 +268,8 @@ def estimate(sched: Schedule, links: LinkModel = LinkModel(), checksums: bool = 
     if sched.plan.stats.moved_bytes:
         for i, (si, se, ri, re) in enumerate(sched.round_traffic):
             t = links.device_seconds(si, se, ri, re)  # indexed like the plan's traffic
-            if i == 0:
-                t = np.maximum(t, local_dev)  # local copies overlap the first round
+            # the executor's share of local copies for this round (transition.executor)
+            t = np.maximum(t, local_dev / len(sched.round_traffic))
             if checksums:
                 t = t + (np.asarray(si) + se + ri + re) / (links.checksum_gbps * GB)
             rounds.append(float(t.max(initial=0.0)) + links.round_latency_s)

@@ -298,7 +298,7 @@ def format_report(r: dict[str, Any]) -> str:
          f"link model              NVLink {p['intra_node_gbps']:g} GB/s, NIC "
          f"{p['inter_node_gbps']:g} GB/s per device and direction (links concurrent), "
          f"{p['round_latency_s'] * 1e6:g} us per round, local copies "
-         f"{p['local_copy_gbps']:g} GB/s (overlapping round 0), checksums "
+         f"{p['local_copy_gbps']:g} GB/s (spread over the rounds), checksums "
          f"{p['checksum_gbps']:g} GB/s"]
     return "\n".join(L)
 

@@ -5,8 +5,8 @@ first one packed buffer with every *small* piece (under `SMALL_PIECE_BYTES`, 8-b
 aligned so each can be viewed with its dtype), then one message per large piece, in plan
 order. A large piece goes out of, and comes into, its live storage directly when that view
 is contiguous (no staging copy); otherwise it is staged through a contiguous buffer. The
-round is posted as one batched exchange; the rank-local copies of the plan run while the
-first round is on the wire. Sources are views into the old layout's live state,
+round is posted as one batched exchange; the rank-local copies of the plan are spread over
+the rounds, each share running while its round is on the wire. Sources are views into the old layout's live state,
 destinations views into the new one (adapters/live.py), so nothing is materialised beyond
 the staging of one round, whose peak is measured and reported.
 
@@ -51,6 +51,20 @@ def _nbytes(v: torch.Tensor) -> int:
 
 def _signed(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def local_shares(local: Sequence, n_rounds: int) -> list[list]:
+    """`local` pieces cut, in order, into one share per round (at least one) of about equal
+    bytes: share i is copied while round i is on the wire (routing.cost models the same)."""
+    n = max(1, n_rounds)
+    total = sum(p.nbytes for p in local)
+    shares: list[list] = [[] for _ in range(n)]
+    done = 0
+    for p in local:
+        i = min(n - 1, done * n // total) if total else 0
+        shares[i].append(p)
+        done += p.nbytes
+    return shares
 
 
 @dataclass
@@ -111,22 +125,26 @@ class Executor:
         self.errors: list[str] = []
         self._stalled = False  # a round timed out: post nothing more
 
-    def run(self, local: Sequence, rounds: Iterable[Sequence]) -> list[str]:
+    def run(self, local: Sequence, rounds: Sequence[Sequence]) -> list[str]:
         """The whole transition: `local` pieces (copies on this rank) and, per round, the
-        round's pieces that involve this rank. Local copies overlap the first round.
+        round's pieces that involve this rank. The local copies are spread over the rounds
+        (`local_shares`), each share copied while its round is on the wire: under a
+        memory budget (many rounds) they would otherwise all wait on the first.
         Returns `errors` (empty: every piece arrived and checked)."""
         t0 = time.perf_counter()
-        pending_local = list(local)
+        rounds = list(rounds)
+        shares = local_shares(local, len(rounds))
         for i, pieces in enumerate(rounds):
             if self._stalled:
                 break
             r = self._post(pieces, i)
-            if pending_local:
-                self._guard("local copies", self.run_local, pending_local)
-                pending_local = []
+            if shares[i]:
+                self._guard("local copies", self.run_local, shares[i])
+                shares[i] = []
             self._finish(r)
-        if pending_local:
-            self._guard("local copies", self.run_local, pending_local)
+        rest = [p for share in shares for p in share]
+        if rest:  # no rounds, or a round stalled (the switch aborts; copied for simplicity)
+            self._guard("local copies", self.run_local, rest)
         self.stats.seconds += time.perf_counter() - t0
         return self.errors
 
