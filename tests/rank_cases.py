@@ -58,13 +58,16 @@ def train_cases(cases: list[tuple[str, str, int, dict]]) -> list[dict]:
 
 
 def spec_variant(name: str) -> ModelSpec:
-    """`tiny-gpt+tied` = tiny-gpt with tied embeddings, `+bf16` = bf16 params, ..."""
+    """`tiny-gpt+tied` = tiny-gpt with tied embeddings, `+bf16` = bf16 params, `+v1280` = a
+    vocab of 1280, ..."""
     base, *mods = name.split("+")
     s = spec(base)
     for m in mods:
         s = {"tied": lambda x: x.replace(untie_embeddings_and_output_weights=False),
              "bf16": lambda x: x.replace(params_dtype="bf16"),
-             "ln": lambda x: x.replace(normalization="LayerNorm", add_bias_linear=True)}[m](s)
+             "ln": lambda x: x.replace(normalization="LayerNorm", add_bias_linear=True),
+             # 1280 rows: no vocab padding up to TP 2, padding rows at TP 4 (1536)
+             "v1280": lambda x: x.replace(vocab_size=1280)}[m](s)
     return s
 
 
@@ -204,7 +207,8 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
     """Train at A, switch to B (and back), compare full state bit for bit at each step.
 
     Each case is (A, B, options) where options may hold placement ("best"/"default"),
-    move_weights, memory_budget, steps_after, small_piece_bytes.
+    move_weights, memory_budget, steps_after, small_piece_bytes, background, model (a
+    variant of the group's model for this case).
     """
     from dynatrain_megatron.adapters.live import LiveState
     from dynatrain_megatron.integration.builders import MegatronBuilder
@@ -215,15 +219,18 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
 
     small_default = executor.SMALL_PIECE_BYTES
     train = switch_train_config(overrides)
-    s = spec_variant(model)
-    builder = MegatronBuilder(s, train)
     world = dist.get_world_size()
-
-    def full(tr):
-        return gather_layout_state(s, tr)
 
     out = []
     for a, b, opts in cases:
+        # a case may use another model than the group's (e.g. another vocab size)
+        case_model = opts.get("model", model)
+        s = spec_variant(case_model)
+        builder = MegatronBuilder(s, train)
+
+        def full(tr):
+            return gather_layout_state(s, tr)
+
         tr = start_job(s, a, train)
         for _ in range(2):
             tr.step()
@@ -286,7 +293,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
             import os
 
             d = os.path.join(ckpt_root, f"{len(out)}-{a}-{b}")
-            ref = checkpoint_path_case(model, a, b, d, rec["iteration"], opts["steps_after"],
+            ref = checkpoint_path_case(case_model, a, b, d, rec["iteration"], opts["steps_after"],
                                        overrides, rec["placement_devices"])
             rec["ckpt_losses"] = ref["losses"]
         out.append(rec)

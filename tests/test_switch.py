@@ -28,6 +28,9 @@ DENSE_4 = [
     ("tp2pp2dp1", "tp1pp4dp1", {"ckpt": True, "steps_after": 3, "background": True}),
     # A's storage reallocated after its background binding: A is bound again in the pause
     ("tp2pp2dp1", "tp1pp4dp1", {"background": True, "realloc_after_prepare": True}),
+    # a vocab of 1280: A (TP 2) has no padding rows, so nothing is gathered, and B's (TP 4,
+    # 1536 rows) start at zero as the checkpoint path leaves them
+    ("tp2pp2dp1", "tp4pp1dp1", {"model": "tiny-gpt+v1280", "ckpt": True, "steps_after": 3}),
 ]
 MOE_4 = [
     ("tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4", {"back": True}),  # EP 2->4

@@ -66,6 +66,14 @@ class ParallelGroups:
                         raise
         self.created.clear()
 
+    def take_handles(self) -> list:
+        """Move this object's references to its process-group handles out (after
+        `destroy`), so that holding this object no longer keeps them alive: whoever takes
+        them decides where their destructors run."""
+        handles = [self.pg_collection, self.transfer, self.layout_group]
+        self.pg_collection = self.transfer = self.layout_group = None
+        return handles
+
 
 def optimizer_instance_groups(layout: Layout) -> dict[str, list[list[int]]]:
     """Virtual-rank groups of megatron's (partial) distributed optimizer.

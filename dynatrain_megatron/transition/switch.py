@@ -477,7 +477,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     errors = list(ex.run(prepared.local_pieces, prepared.round_pieces))
     try:
         # a collective: every rank calls it; after a death any surviving replica serves
-        carry_vocab_padding(old_live, new_live, kinds, main_only=not unavailable)
+        carry_vocab_padding(old_live, new_live, kinds, main_only=not unavailable,
+                            src_padded=spec.padded_vocab_size(src.tp) > spec.vocab_size)
         faults.fail(me, "commit")
     except Exception as e:  # noqa: BLE001
         errors.append(f"rank {me}: commit: {type(e).__name__}: {e}")
