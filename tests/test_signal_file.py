@@ -87,3 +87,34 @@ def test_device_count_requests_within_the_processes_only(tmp_path, monkeypatch):
     write_request(path, "tp2pp2dp1", 4)
     d = ctl._decide_on_rank0(1, 8)
     assert d.target is None and "cannot change its device count" in d.rejected
+
+
+def test_a_request_written_during_a_switch_is_the_next_one_not_filed_with_it(tmp_path,
+                                                                               monkeypatch):
+    """A request accepted at one poll leaves the signal path at once: a newer request
+    written while the first is switched to (its preparation runs for several steps) is
+    read at the next poll, and the first's outcome is filed with the first request.
+    Before, `done` archived whatever sat at the path, so the newer request was filed as
+    "applied" by the older switch and never ran."""
+    from pathlib import Path
+
+    from dynatrain_megatron.elastic import controller as C
+    from dynatrain_megatron.vps.model_spec import ModelSpec
+
+    monkeypatch.setattr(C.dist, "get_world_size", lambda *a: 4)
+    monkeypatch.setattr(C.dist, "get_rank", lambda *a: 0)
+    spec = ModelSpec.from_yaml(Path(__file__).parent.parent / "configs/models/tiny-gpt.yaml")
+    path = tmp_path / "s.json"
+    ctl = C.Controller(spec, str(path))
+    write_request(path, "tp4pp1dp1")
+    first = ctl._decide_on_rank0(9, 4)
+    assert first.target == "tp4pp1dp1" and not path.exists()
+    write_request(path, "tp2pp1dp1", 2)  # arrives while the first switch is prepared
+    ctl.done(first, "applied", "switched at iteration 11")
+    filed = json.loads((tmp_path / "s.json.applied.0").read_text())
+    assert json.loads(filed["request"])["layout"] == "tp4pp1dp1"
+    assert filed["reason"] == "switched at iteration 11"
+    second = ctl._decide_on_rank0(12, 4)
+    assert (second.target, second.world) == ("tp2pp1dp1", 2)
+    ctl.done(second, "applied", "switched at iteration 13")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json.applied.0", "s.json.applied.1"]

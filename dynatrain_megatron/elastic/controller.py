@@ -67,6 +67,7 @@ class Controller:
         # rank 0 only, when the job has a rendezvous store and a secret: reviews join
         # requests at each poll; every rank keeps the verdicts it was sent
         self.joins: Optional[JoinReviewer] = None
+        self._claimed: Optional[Path] = None  # rank 0: the accepted request's file
         self.join_verdicts: list[JoinVerdict] = []
 
     def validate(self, text: str, world: int) -> Layout:
@@ -86,13 +87,16 @@ class Controller:
                     return Decision(None, None, "schedule", rejected=str(e))
         if not self.signal_path:
             return Decision(None, None, "signal")
+        claimed = sf.claim(self.signal_path)  # a request written from now on is the next one
+        if claimed is None:
+            return Decision(None, None, "signal")
         try:
-            req = sf.read_request(self.signal_path)
+            req = sf.read_request(claimed)
         except (DynatrainError, OSError, TypeError) as e:
-            sf.archive(self.signal_path, "rejected", str(e))
+            sf.archive(self.signal_path, "rejected", str(e), request_file=claimed)
             log.error("switch request rejected: %s; training continues", e)
             return Decision(None, None, "signal", rejected=str(e))
-        if req is None:
+        if req is None:  # gone between the rename and the read
             return Decision(None, None, "signal")
         target_world = req.world or world
         processes = dist.get_world_size()
@@ -106,11 +110,12 @@ class Controller:
                                      f"standby); more need a relaunch with more processes")
             layout = self.validate(req.layout, target_world)
         except DynatrainError as e:
-            sf.archive(self.signal_path, "rejected", str(e))
+            sf.archive(self.signal_path, "rejected", str(e), request_file=claimed)
             log.error("switch request %r from %s rejected: %s; training continues",
                       req.layout, req.origin or "?", e)
             return Decision(None, None, "signal", rejected=str(e))
         log.info("switch request to %s from %s accepted", layout, req.origin or "?")
+        self._claimed = claimed  # filed with its outcome by `done`
         return Decision(str(layout), target_world, "signal")
 
     def poll(self, iteration: int, world: Optional[int] = None) -> Decision:
@@ -141,6 +146,9 @@ class Controller:
         dist.broadcast_object_list(box, src=0)
 
     def done(self, decision: Decision, outcome: str, reason: str = "") -> None:
+        """File the accepted request with its outcome (rank 0; the request was taken out
+        of the signal path when it was accepted, so a newer one there is left alone)."""
         if decision.source == "signal" and dist.get_rank() == 0 and self.signal_path \
-                and Path(self.signal_path).exists():
-            sf.archive(self.signal_path, outcome, reason)
+                and self._claimed is not None:
+            sf.archive(self.signal_path, outcome, reason, request_file=self._claimed)
+            self._claimed = None

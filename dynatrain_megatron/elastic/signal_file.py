@@ -82,21 +82,43 @@ def read_request(path: str | Path) -> Optional[SwitchRequest]:
     return SwitchRequest(**data)
 
 
-def archive(path: str | Path, outcome: str, reason: str = "") -> Path:
-    """Move the handled signal file aside as `<path>.<outcome>.<n>` with the reason."""
-    path = Path(path)
+def _next_name(path: Path, outcome: str) -> Path:
     n = 0
     while True:
         dst = path.with_name(f"{path.name}.{outcome}.{n}")
         if not dst.exists():
-            break
+            return dst
         n += 1
+
+
+def claim(path: str | Path) -> Optional[Path]:
+    """Take the pending request out of the signal path at once, as `<path>.accepted.<n>`
+    (an atomic rename), and return where it went; None when there is none. A request
+    written while this one is checked or switched to is then a new file, read at the next
+    poll: before, the outcome of the running switch was filed under the newer request,
+    which was lost (seen when a request arrived during a background preparation)."""
+    path = Path(path)
+    dst = _next_name(path, "accepted")
     try:
-        body = path.read_text()
+        os.replace(path, dst)
+    except FileNotFoundError:
+        return None
+    return dst
+
+
+def archive(path: str | Path, outcome: str, reason: str = "",
+            request_file: str | Path | None = None) -> Path:
+    """File the handled request as `<path>.<outcome>.<n>` with the reason. The request is
+    read from `request_file` (where `claim` put it), by default from `path` itself."""
+    path = Path(path)
+    src = Path(request_file) if request_file is not None else path
+    dst = _next_name(path, outcome)
+    try:
+        body = src.read_text()
     except OSError:
         body = ""
     try:
-        os.replace(path, dst)
+        os.replace(src, dst)
     except FileNotFoundError:
         pass
     with open(dst, "w") as f:
