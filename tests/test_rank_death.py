@@ -104,14 +104,14 @@ def test_rank_killed_in_a_transfer_round_leaves_a_and_is_recovered_in_memory(in_
         assert o["losses"] == ref["losses"]
 
 
-def test_main_job_survives_a_killed_rank_and_finishes_in_memory(tmp_path):
-    """The training entry point itself: with a rendezvous directory and two optimizer
-    instances, a rank killed after step 4 (DYNATRAIN_FAULTS) is recovered in memory and
-    the survivors finish every iteration; the summary says so."""
+def _main_job_with_a_death(run, faults: dict) -> tuple[list, dict]:
+    """The training entry point on 4 ranks (tp1pp2doi2dp2: two optimizer instances, so a
+    lost rank's state is replicated), a rendezvous directory, and `faults` (rank 3 killed);
+    returns the per-rank results and the job's summary, after checking that the survivors
+    recovered in memory at tp1pp2dp1 and finished every iteration."""
     import json
     from pathlib import Path
 
-    run = tmp_path / "run"
     cfg = Path(__file__).resolve().parent.parent / "configs/models/tiny-gpt.yaml"
     argv = ["--model-config", str(cfg), "--tensor-model-parallel-size", "1",
             "--pipeline-model-parallel-size", "2", "--num-distributed-optimizer-instances", "2",
@@ -119,39 +119,6 @@ def test_main_job_survives_a_killed_rank_and_finishes_in_memory(tmp_path):
             "--lr", "1e-2", "--log-interval", "100", "--dynatrain",
             "--dynatrain-signal-file", str(run / "switch.json"), "--dynatrain-log-dir", str(run),
             "--dynatrain-rendezvous-dir", str(run / "rdv")]
-    faults = {"fail_rank": 3, "fail_phase": "step", "iteration": 4, "kill": True, "exit_code": 0}
-    out = run_on_ranks(main_job_case, 4, str(run), argv,
-                       env={"DYNATRAIN_PG_TIMEOUT": "60", "DYNATRAIN_FAULTS": json.dumps(faults)})
-    assert out[3] is None  # killed
-    assert all(o["code"] == 0 for o in out[:3])
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["iteration"] == 8 and summary["layout"] == "tp1pp2dp1"
-    [rec] = summary["recoveries"]
-    assert rec["mode"] == "memory" and 3 in rec["dead"] and rec["iteration"] == 4
-    assert rec["src"] == "tp1pp2doi2dp2" and rec["dst"] == "tp1pp2dp1"
-
-
-def test_a_rank_killed_while_b_is_prepared_in_the_background_is_recovered(tmp_path):
-    """A switch request is accepted and B (with A's binding) is being prepared in the
-    background thread while A trains, when a rank dies at the end of its preparation (its
-    process ends from that thread): the survivors drop the preparation, recover in memory
-    and finish every iteration; the request is answered as failed, nothing was switched."""
-    import json
-    from pathlib import Path
-
-    from dynatrain_megatron.elastic.signal_file import write_request
-
-    run = tmp_path / "run"
-    run.mkdir()
-    write_request(run / "switch.json", "tp2pp2dp1", 4)  # read at the first poll
-    cfg = Path(__file__).resolve().parent.parent / "configs/models/tiny-gpt.yaml"
-    argv = ["--model-config", str(cfg), "--tensor-model-parallel-size", "1",
-            "--pipeline-model-parallel-size", "2", "--num-distributed-optimizer-instances", "2",
-            "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "8",
-            "--lr", "1e-2", "--log-interval", "100", "--dynatrain",
-            "--dynatrain-signal-file", str(run / "switch.json"), "--dynatrain-log-dir", str(run),
-            "--dynatrain-rendezvous-dir", str(run / "rdv")]
-    faults = {"fail_rank": 3, "fail_phase": "prepare", "kill": True, "exit_code": 0}
     out = run_on_ranks(main_job_case, 4, str(run), argv,
                        env={"DYNATRAIN_PG_TIMEOUT": "60", "DYNATRAIN_FAULTS": json.dumps(faults)})
     assert out[3] is None  # killed
@@ -161,6 +128,30 @@ def test_a_rank_killed_while_b_is_prepared_in_the_background_is_recovered(tmp_pa
     [rec] = summary["recoveries"]
     assert rec["mode"] == "memory" and 3 in rec["dead"]
     assert rec["src"] == "tp1pp2doi2dp2" and rec["dst"] == "tp1pp2dp1"
+    return out, summary
+
+
+def test_main_job_survives_a_killed_rank_and_finishes_in_memory(tmp_path):
+    """The training entry point itself: with a rendezvous directory and two optimizer
+    instances, a rank killed after step 4 (DYNATRAIN_FAULTS) is recovered in memory and
+    the survivors finish every iteration; the summary says so."""
+    _, summary = _main_job_with_a_death(tmp_path / "run", {
+        "fail_rank": 3, "fail_phase": "step", "iteration": 4, "kill": True, "exit_code": 0})
+    assert summary["recoveries"][0]["iteration"] == 4
+
+
+def test_a_rank_killed_while_b_is_prepared_in_the_background_is_recovered(tmp_path):
+    """A switch request is accepted and B (with A's binding) is being prepared in the
+    background thread while A trains, when a rank dies at the end of its preparation (its
+    process ends from that thread): the survivors drop the preparation, recover in memory
+    and finish every iteration; the request is answered as failed, nothing was switched."""
+    from dynatrain_megatron.elastic.signal_file import write_request
+
+    run = tmp_path / "run"
+    run.mkdir()
+    write_request(run / "switch.json", "tp2pp2dp1", 4)  # read at the first poll
+    _, summary = _main_job_with_a_death(run, {
+        "fail_rank": 3, "fail_phase": "prepare", "kill": True, "exit_code": 0})
     assert summary["switches"] == 0
     answered = sorted(p.name for p in run.glob("switch.json.*"))
     assert answered and all(".failed." in n for n in answered), answered
