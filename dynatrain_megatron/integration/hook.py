@@ -29,7 +29,7 @@ from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.memory import check_memory_fit
 from ..vps.placement import Placement
-from .builders import MegatronBuilder, bucket_size_of
+from .builders import MegatronBuilder, TrainingObjects, bucket_size_of
 from .switching import WorldBroken, prepared_switch_args, start_preparation, switch_trainer
 from .train_config import TrainConfig
 from .training import Trainer
@@ -154,7 +154,8 @@ class DynatrainHook:
                 if trainer is not None:
                     return trainer
 
-    def _on_decision(self, d: Decision, iteration: Optional[int], objs=None) -> None:
+    def _on_decision(self, d: Decision, iteration: Optional[int],
+                     objs: Optional[TrainingObjects] = None) -> None:
         if d.rejected:
             self.rejected.append(d.rejected)
         if d.target is None:

@@ -6,9 +6,10 @@ aligned so each can be viewed with its dtype), then one message per large piece,
 order. A large piece goes out of, and comes into, its live storage directly when that view
 is contiguous (no staging copy); otherwise it is staged through a contiguous buffer. The
 round is posted as one batched exchange; the rank-local copies of the plan are spread over
-the rounds, each share running while its round is on the wire. Sources are views into the old layout's live state,
-destinations views into the new one (adapters/live.py), so nothing is materialised beyond
-the staging of one round, whose peak is measured and reported.
+the rounds, each share running while its round is on the wire. Sources are views into the
+old layout's live state, destinations views into the new one (adapters/live.py), so
+nothing is materialised beyond the staging of one round, whose peak is measured and
+reported.
 
 Transaction support (transition/switch.py commits or rolls back on what this records):
 each message is checksummed on both sides (the sender's sums follow in a small second

@@ -32,19 +32,16 @@ def carry_vocab_padding(old: Optional[LiveState], new: Optional[LiveState],
     the spec alone): nothing to carry, no collective (it cost ~20 ms of the pause), and
     B's padding rows, if it has any, start at zero as the checkpoint path leaves them."""
     kinds = tuple(kinds)
-    if not src_padded:
-        if new is not None:
-            for f in new.padding_fragments(kinds):
-                new.view(f.kind, f.chunk, f.local_name, f.local_box).zero_()
-        return 0
-    mine = []
-    if old is not None:
-        for f in old.padding_fragments(kinds):
-            if f.main or not main_only:
-                mine.append((f.kind, f.key, f.box.offsets, f.box.shape,
-                             old.view(f.kind, f.chunk, f.local_name, f.local_box).clone()))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone: list = []  # A has no padding rows: nothing to gather (every rank knows it)
+    if src_padded:
+        mine = []
+        if old is not None:
+            for f in old.padding_fragments(kinds):
+                if f.main or not main_only:
+                    mine.append((f.kind, f.key, f.box.offsets, f.box.shape,
+                                 old.view(f.kind, f.chunk, f.local_name, f.local_box).clone()))
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
     if new is None:
         return 0
     have: dict[tuple[str, str], list] = {}
