@@ -53,7 +53,7 @@ def _layout_cmd(args: argparse.Namespace) -> int:
 
 
 def _lost_cmd(args: argparse.Namespace) -> int:
-    from .routing.recovery import lost_state
+    from .routing.lost_state import lost_state
     from .vps import Layout, ModelSpec
     from .vps.distopt import resolve_bucket_size
 

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dynatrain_megatron.routing import clear_caches, placement_choice  # noqa: E402
-from dynatrain_megatron.routing.cost import CheckpointModel, LinkModel, estimate  # noqa: E402
+from dynatrain_megatron.routing.cost import CheckpointModel, estimate  # noqa: E402
+from dynatrain_megatron.routing.links import LinkModel  # noqa: E402
 from dynatrain_megatron.routing.schedule import build_schedule  # noqa: E402
 from dynatrain_megatron.routing.plan_cli import (parse_bytes, parse_kinds,  # noqa: E402
                                                  plan_report, resolve_model)

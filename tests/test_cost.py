@@ -206,7 +206,7 @@ def test_node_cut_bound_is_at_most_the_brute_force_optimum_and_close_to_it(need,
     """One holder against its node-mates' NICs: the cut bound never exceeds the best
     choice, and is within one row's time of it (the bound is the fractional optimum);
     every single-device bound is below it when the holder is the bottleneck."""
-    from dynatrain_megatron.routing.cost import node_cut_seconds
+    from dynatrain_megatron.routing.links import node_cut_seconds
     bi, be = 3.0, 1.0  # rows per time unit
     rows_dst = np.repeat(np.arange(1, 4), need)  # node 0 = devices 0..3
     dst = np.r_[rows_dst, np.repeat(np.arange(1, 4), rmin)]
@@ -235,7 +235,7 @@ def test_node_cut_bound_counts_a_pair_of_holders_together():
     else on the node: only the pair's cut (H = {0, 1}) sees it. 12 rows per receiver,
     all links 1 row per time unit: x rows over each NIC, 24 - 2x over two NVLinks, so
     T = 6 at best, and the all-subsets bound finds exactly that."""
-    from dynatrain_megatron.routing.cost import node_cut_seconds
+    from dynatrain_megatron.routing.links import node_cut_seconds
     dst = np.repeat([2, 3], 12)
     mask = np.full(24, 0b11)
     byts, fixed = np.ones(24), np.zeros(24, bool)

@@ -214,7 +214,8 @@ def test_source_choice_at_4096_ranks_near_the_node_cut_bound():
     per-device bound). Bytes moved stay at their lower bound."""
     from dynatrain_megatron.routing import (LinkModel, bandwidth_lower_bound,
                                             placement_choice)
-    from dynatrain_megatron.routing.cost import GB, node_cut_bound
+    from dynatrain_megatron.routing.cost import node_cut_bound
+    from dynatrain_megatron.routing.links import GB
     s = spec("qwen3-235b-a22b")
     A, B = lay("tp4pp2ep32etp1", 4096), lay("tp4pp2ep64etp1", 4096)
     plan = placement_choice(s, A, None, B, range(4096), 8, None, KINDS).chosen_plan

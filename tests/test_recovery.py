@@ -2,7 +2,7 @@
 only the dead devices hold."""
 import pytest
 
-from dynatrain_megatron.routing.recovery import lost_state, subtract
+from dynatrain_megatron.routing.lost_state import lost_state, subtract
 from dynatrain_megatron.vps import Layout, analytic_layout
 from dynatrain_megatron.vps.box import Box
 from dynatrain_megatron.vps.fragment import OPT_KINDS

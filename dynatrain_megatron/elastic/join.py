@@ -324,7 +324,7 @@ def post_request(store: dist.Store, secret: Optional[JobSecret], origin: Optiona
                  timeout: float = 60.0) -> tuple[int, JoinRequest]:
     """The joiner's side, step 2: wait for the job's nonce, claim a slot, write the request.
     Returns (slot, request)."""
-    nonce = _wait_for(store, NONCE_KEY, timeout,
+    nonce = wait_for(store, NONCE_KEY, timeout,
                       "no job reviews join requests in this store (no nonce published)")
     req = JoinRequest.signed(nonce.decode(), origin or Origin.here(), secret)
     slot = int(store.add(SLOTS_KEY, 1))
@@ -340,7 +340,7 @@ def wait_verdict(store: dist.Store, slot: int, secret: Optional[JobSecret],
     deadline = time.monotonic() + timeout
     nonce = store.get(NONCE_KEY).decode()
     while True:
-        raw = _wait_for(store, _verdict_key(slot), deadline - time.monotonic(),
+        raw = wait_for(store, _verdict_key(slot), deadline - time.monotonic(),
                         f"no verdict on join request slot {slot} within {timeout:.0f} s (the "
                         f"job reviews requests at its polls; is it training?)")
         v, mac = JoinVerdict.parse(raw)
@@ -368,7 +368,8 @@ def accepted_requests(store: dist.Store) -> tuple[JoinVerdict, ...]:
     return tuple(out)
 
 
-def _wait_for(store: dist.Store, key: str, timeout: float, what: str) -> bytes:
+def wait_for(store: dist.Store, key: str, timeout: float, what: str) -> bytes:
+    """The value of `key` in `store` once it is set; `JoinError(what)` after `timeout` s."""
     deadline = time.monotonic() + max(0.0, timeout)
     while not store.check([key]):
         if time.monotonic() >= deadline:

@@ -340,11 +340,12 @@ def bench_rank(cfg: dict) -> dict:
     """Runs on every rank of the spawned group (module doc). Returns the same dict on every
     rank (rank-dependent figures are reduced), plus this rank's own traffic."""
     from ..elastic.groups import build_groups, install
-    from ..routing.cost import LinkModel, estimate, state_bytes
+    from ..routing.cost import estimate, state_bytes
+    from ..routing.links import LinkModel
     from ..routing.planner import build_plan
     from ..routing.regions import key_index
     from ..routing.schedule import build_schedule
-    from ..transition.executor import _ALIGN as PACK_ALIGN
+    from ..transition.executor import PACK_ALIGN
     from ..vps.fragment import KINDS, OPT_KINDS
     from ..vps.layout import Layout
     from ..vps.model_spec import ModelSpec

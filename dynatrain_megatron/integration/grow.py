@@ -76,11 +76,11 @@ def join_world(spec: ModelSpec, train: TrainConfig, store: dist.Store, generatio
                timeout: Optional[float] = None) -> tuple[Layout, Placement]:
     """The joiner, once accepted at `generation` as `rank`: enter the grown world and take
     part in the rebuild (holding nothing). Returns the job's layout and placement."""
-    from ..elastic.join import _wait_for
+    from ..elastic.join import wait_for
 
-    world = int(_wait_for(store, f"{PREFIX}{generation}/world", wait_seconds,
+    world = int(wait_for(store, f"{PREFIX}{generation}/world", wait_seconds,
                           f"the job did not grow its world (generation {generation})"))
-    info = json.loads(_wait_for(store, f"{PREFIX}{generation}/layout", wait_seconds,
+    info = json.loads(wait_for(store, f"{PREFIX}{generation}/layout", wait_seconds,
                                 "the job did not publish its layout"))
     layout = Layout.parse(info["layout"], info["world"])
     placement = Placement(tuple(int(d) for d in info["devices"]))

@@ -5,7 +5,7 @@ user's last checkpoint, never with wrong state.
 Weights are replicated over DP, so a dead rank's weights usually survive. megatron-core's
 distributed optimizer shards `main_param` / `exp_avg` / `exp_avg_sq` over DP without a
 replica, unless it runs several instances (`--num-distributed-optimizer-instances`, our
-layout axis `doi`), each holding all of the state. `routing.recovery.lost_state` decides:
+layout axis `doi`), each holding all of the state. `routing.lost_state.lost_state` decides:
 nothing lost -> in-memory recovery (a switch whose dead sources are replaced by their
 replicas, `routing.planner.build_plan(unavailable=...)`); something lost -> the last
 `dist_checkpointing` checkpoint, loaded at the new layout.
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..adapters.live import LiveState
 from ..elastic.groups import build_groups, forget_megatron_groups, install
 from ..elastic.rejoin import NewWorld, reform_world, rendezvous_store
-from ..routing.recovery import lost_state
+from ..routing.lost_state import lost_state
 from ..transition.switch import Scalars, SwitchReport, read_scalars, switch_layout
 from ..vps.fragment import OPT_KINDS
 from ..vps.placement import Placement

@@ -14,99 +14,20 @@ Ordering contract (the executor relies on it): `pieces_for`, `Round.sends` and
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from ..vps.box import Box
-from ..vps.fragment import KINDS
+from ..vps.analytic import analytic_layout
+from ..vps.box import overlapping_pairs
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
+from .geometry import Geometry
+from .piece import Piece
 from .regions import RoutingError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .planner import Geometry
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Piece:
-    """Box `box` of logical tensor `key`, state `kind`, from `src_device` to `dst_device`.
-
-    `src_*` / `dst_*` locate it in the devices' local storage: model chunk, local
-    parameter name and the offsets of the box inside the TP-local tensor (unflattened; for
-    optimizer kinds the executor turns them into flat offsets with the owned range).
-    `itemsize` is the element size in bytes. A piece with `src_device == dst_device` is a
-    local copy and never crosses the network.
-    """
-
-    src_device: int
-    dst_device: int
-    key: str
-    kind: str
-    box: Box
-    src_chunk: int
-    src_local_name: str
-    src_local_offsets: tuple[int, ...]
-    dst_chunk: int
-    dst_local_name: str
-    dst_local_offsets: tuple[int, ...]
-    itemsize: int
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise RoutingError(f"piece {self!r}: kind must be one of {KINDS}")
-        if self.src_device < 0 or self.dst_device < 0 or self.itemsize < 1:
-            raise RoutingError(f"piece {self!r}: negative device or bad itemsize")
-        nd = self.box.ndim
-        if len(self.src_local_offsets) != nd or len(self.dst_local_offsets) != nd:
-            raise RoutingError(f"piece {self!r}: local offsets do not match the box")
-
-    @property
-    def is_local(self) -> bool:
-        return self.src_device == self.dst_device
-
-    @property
-    def numel(self) -> int:
-        return self.box.numel
-
-    @property
-    def nbytes(self) -> int:
-        return self.box.numel * self.itemsize
-
-    @property
-    def src_local_box(self) -> Box:
-        return Box(self.src_local_offsets, self.box.shape)
-
-    @property
-    def dst_local_box(self) -> Box:
-        return Box(self.dst_local_offsets, self.box.shape)
-
-    def sort_key(self, key_id: Optional[int] = None) -> tuple:
-        return (KINDS.index(self.kind), self.key if key_id is None else key_id,
-                self.box.offsets, self.src_device, self.dst_device)
-
-    def sub(self, start: int, stop: int) -> list["Piece"]:
-        """The flat element range [start, stop) of this piece (its box's row-major order)
-        as pieces whose boxes are flat-contiguous sub-boxes (at most 2*ndim - 1)."""
-        out = []
-        for b in Box.from_flat_range(self.box.shape, start, stop):
-            o = b.offsets
-            out.append(Piece(
-                self.src_device, self.dst_device, self.key, self.kind,
-                Box(tuple(x + y for x, y in zip(self.box.offsets, o)), b.shape),
-                self.src_chunk, self.src_local_name,
-                tuple(x + y for x, y in zip(self.src_local_offsets, o)),
-                self.dst_chunk, self.dst_local_name,
-                tuple(x + y for x, y in zip(self.dst_local_offsets, o)), self.itemsize))
-        return out
-
-    def __str__(self) -> str:
-        arrow = "local" if self.is_local else f"d{self.src_device}->d{self.dst_device}"
-        return (f"{self.key}/{self.kind}{self.box} {arrow} "
-                f"c{self.src_chunk}:{self.src_local_name}{self.src_local_box} -> "
-                f"c{self.dst_chunk}:{self.dst_local_name}{self.dst_local_box}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,13 +81,6 @@ class PlanStats:
         st = sum(self.state.get(k, 0) for k in kinds)
         return sum(self.moved.get(k, 0) for k in kinds) / st if st else 0.0
 
-    def as_dict(self) -> dict[str, Any]:
-        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        d["kinds"] = list(self.kinds)
-        d["moved_per_kind"] = self.moved
-        d["state_per_kind"] = self.state
-        return d
-
 
 @dataclass(frozen=True, eq=False)
 class DeviceTraffic:
@@ -205,7 +119,7 @@ class Plan:
     dst_placement: Placement
     kinds: tuple[str, ...]
     ranks_per_node: int
-    geometry: "Geometry"
+    geometry: Geometry
     rows_p: np.ndarray
     rows_dst: np.ndarray
     rows_src: np.ndarray
@@ -267,19 +181,23 @@ class Plan:
         if role in ("all", "src"):
             rows.append(self._rows_of(device, "src"))
         r = np.unique(np.concatenate(rows)) if rows else np.zeros(0, np.int64)
-        return self.geometry.materialize(self, r)
+        return self._materialize(r)
 
     def local_pieces_for(self, device: int) -> list[Piece]:
         r = self._rows_of(device, "dst")
         r = r[self.rows_src[r] == self.rows_dst[r]]
-        return self.geometry.materialize(self, r)
+        return self._materialize(r)
 
     def pieces(self, include_local: bool = True) -> list[Piece]:
         """Every piece of the plan (explicit: meant for small worlds and tests)."""
         r = np.arange(len(self.rows_p))
         if not include_local:
             r = r[self.rows_src != self.rows_dst]
-        return self.geometry.materialize(self, r)
+        return self._materialize(r)
+
+    def _materialize(self, r: np.ndarray) -> list[Piece]:
+        return self.geometry.materialize(self.src_placement, self.dst_placement,
+                                         self.rows_p[r], self.rows_src[r], self.rows_dst[r])
 
     # ------------------------------------------------------------------ flows
     def flows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -287,7 +205,7 @@ class Plan:
         into KINDS, elements), sorted by (src, dst, kind)."""
         got = self._cache.get("flows")
         if got is None:
-            got = self.geometry.flows(self)
+            got = self.geometry.flows(self.rows_p, self.rows_src, self.rows_dst)
             self._cache["flows"] = got
         return got
 
@@ -302,10 +220,6 @@ def validate_plan(plan: Plan, max_errors: int = 50) -> list[str]:
       * every piece's source device holds the box in layout A, at the stated local place;
       * local pieces are exactly those whose destination already holds them.
     """
-    from collections import defaultdict
-
-    from ..vps.analytic import analytic_layout
-
     g = plan.geometry
     al_a = analytic_layout(plan.spec, plan.src_layout, g.bucket_src)
     al_b = analytic_layout(plan.spec, plan.dst_layout, g.bucket_dst)
@@ -351,9 +265,10 @@ def validate_plan(plan: Plan, max_errors: int = 50) -> list[str]:
             boxes = [p.box for p in got.get(k, ())]
             vol = sum(b.numel for b in boxes)
             want = sum(f.box.numel for f in frs)
-            ov = _first_overlap(boxes)
+            ov = overlapping_pairs(boxes, 1)
             if ov:
-                errs.append(f"device {d} {k[0]}/{k[1]}: pieces {ov[0]} and {ov[1]} overlap")
+                errs.append(f"device {d} {k[0]}/{k[1]}: pieces {ov[0][0]} and {ov[0][1]} "
+                            f"overlap")
             elif vol != want:
                 errs.append(f"device {d} {k[0]}/{k[1]}: pieces cover {vol} of {want} "
                             f"elements")
@@ -365,17 +280,4 @@ def validate_plan(plan: Plan, max_errors: int = 50) -> list[str]:
     return errs
 
 
-def _first_overlap(boxes: list[Box]) -> Optional[tuple[Box, Box]]:
-    """Two overlapping boxes of one tensor, if any (sweep along dim 0)."""
-    active: list[Box] = []
-    for b in sorted(boxes, key=lambda x: x.offsets):
-        o0 = b.offsets[0] if b.ndim else 0
-        active = [a for a in active if not a.ndim or a.offsets[0] + a.shape[0] > o0]
-        for a in active:
-            if a.intersect(b) is not None:
-                return a, b
-        active.append(b)
-    return None
-
-
-__all__ = ["Piece", "PlanStats", "DeviceTraffic", "Plan", "validate_plan"]
+__all__ = ["PlanStats", "DeviceTraffic", "Plan", "validate_plan"]

@@ -30,9 +30,10 @@ from ..vps.errors import DynatrainError, LayoutError, ModelSpecError
 from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
-from .cost import (CheckpointModel, LinkModel, bandwidth_lower_bound, checkpoint_estimate,
+from .cost import (CheckpointModel, bandwidth_lower_bound, checkpoint_estimate,
                    describe, estimate)
-from .placement import placement_choice
+from .links import LinkModel
+from .placement_search import placement_choice
 from .plan import Plan
 from .regions import RoutingError
 from .schedule import build_schedule

@@ -35,7 +35,7 @@ from .transport import Pending, Transport
 log = logging.getLogger(__name__)
 
 
-_ALIGN = 8
+PACK_ALIGN = 8  # elements: every piece starts at a multiple of this in a message
 # below this a piece travels packed with the others of its peer: one message instead of
 # many tiny ones (norm weights, biases, the cut ends of flat ranges)
 SMALL_PIECE_BYTES = 1 << 16
@@ -43,7 +43,7 @@ _NO_FAULTS = FaultPlan()
 
 
 def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+    return (n + PACK_ALIGN - 1) // PACK_ALIGN * PACK_ALIGN
 
 
 def _nbytes(v: torch.Tensor) -> int:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..adapters.live import LiveState, optimizer_state_complete, optimizers_of, storage_fingerprint
 from ..adapters.verify import check_live_matches_analytic
-from ..routing.placement import choose_placement
+from ..routing.placement_search import choose_placement
 from ..routing.planner import build_plan
 from ..routing.schedule import schedule
 from ..vps.analytic import analytic_layout
@@ -35,7 +35,7 @@ from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement, is_rank_ordered, rank_ordered
 from .vocab_padding import carry_vocab_padding
-from .executor import _ALIGN as _PACK_ALIGN, Executor
+from .executor import PACK_ALIGN, Executor
 from .faults import FaultPlan
 from .transport import TorchP2PTransport, Transport, collective_device
 
@@ -187,7 +187,7 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
                                ranks_per_node=ranks_per_node,
                                bucket_size=(builder.bucket_size(src), builder.bucket_size(dst)),
                                unavailable=unavailable)
-        prep.rounds = schedule(prep.plan, memory_budget, align=_PACK_ALIGN)
+        prep.rounds = schedule(prep.plan, memory_budget, align=PACK_ALIGN)
         prep.phases["plan"] = t() - t0
         t0 = t()
         prep.local_pieces = [p for p in prep.plan.pieces_for(me) if p.is_local]

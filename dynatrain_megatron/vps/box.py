@@ -205,3 +205,28 @@ class Box:
     # ------------------------------------------------------------------ printing
     def __str__(self) -> str:
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.shape)) + "]"
+
+
+def overlapping_pairs(boxes: Sequence[Box], limit: Optional[int] = None
+                      ) -> list[tuple[Box, Box]]:
+    """Pairs of overlapping boxes of one tensor, by a sweep along dim 0 (at most `limit`).
+
+    Sorting by offsets and keeping only the boxes still open at the current row start
+    compares each box with its neighbours along dim 0 instead of with every other box."""
+    out: list[tuple[Box, Box]] = []
+    if not boxes:
+        return out
+    if boxes[0].ndim == 0:  # scalars: any two boxes overlap
+        out = [(boxes[0], b) for b in boxes[1:]]
+        return out if limit is None else out[:limit]
+    active: list[Box] = []
+    for b in sorted(boxes, key=lambda x: x.offsets):
+        o0 = b.offsets[0]
+        active = [a for a in active if a.offsets[0] + a.shape[0] > o0]
+        for a in active:
+            if a.intersect(b) is not None:
+                out.append((a, b))
+                if limit is not None and len(out) >= limit:
+                    return out
+        active.append(b)
+    return out

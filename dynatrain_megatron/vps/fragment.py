@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from .box import Box
+from .box import Box, overlapping_pairs
 from .errors import DynatrainError
 from .naming import LogicalTensor
 
@@ -69,24 +69,6 @@ class Fragment:
                 f"<- c{self.chunk}:{self.local_name}{self.local_box}")
 
 
-def _overlaps(boxes: list[Box]) -> list[tuple[Box, Box]]:
-    """Pairs of overlapping boxes, by a sweep along dim 0 (boxes of one tensor)."""
-    out: list[tuple[Box, Box]] = []
-    if not boxes:
-        return out
-    if boxes[0].ndim == 0:  # scalars: any two boxes overlap
-        return [(boxes[0], b) for b in boxes[1:]]
-    active: list[Box] = []
-    for b in sorted(boxes, key=lambda x: x.offsets):
-        o0 = b.offsets[0]
-        active = [a for a in active if a.offsets[0] + a.shape[0] > o0]
-        for a in active:
-            if a.intersect(b) is not None:
-                out.append((a, b))
-        active.append(b)
-    return out
-
-
 def coverage_errors(fragments: Iterable[Fragment], tensors: Sequence[LogicalTensor] |
                     Mapping[str, LogicalTensor], kinds: Sequence[str] = KINDS,
                     max_errors: int = 50) -> list[str]:
@@ -111,8 +93,8 @@ def coverage_errors(fragments: Iterable[Fragment], tensors: Sequence[LogicalTens
         for key, t in tmap.items():
             boxes = by.get((key, kind), [])
             vol = sum(b.numel for b in boxes)
-            ov = _overlaps(boxes)
-            for a, b in ov[:3]:
+            ov = overlapping_pairs(boxes, 3)
+            for a, b in ov:
                 errs.append(f"{key}/{kind}: replica-0 boxes {a} and {b} overlap")
             if not ov and vol != t.numel:
                 errs.append(f"{key}/{kind}: replica-0 boxes cover {vol} of {t.numel} elements")

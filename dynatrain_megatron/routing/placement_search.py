@@ -45,7 +45,8 @@ from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from .plan import Plan, PlanStats
-from .planner import BucketSize, Geometry, _norm_kinds, _split_bucket, geometry, plan_for
+from .geometry import BucketSize, Geometry, geometry, norm_kinds, split_bucket
+from .planner import plan_for
 from .regions import RoutingError
 
 _DENSE_PRODUCT = 50_000  # holder-set products above this use the indicator matmul
@@ -279,8 +280,8 @@ def placement_choice(spec: ModelSpec, src_layout: Layout, src_placement: Optiona
     K = unit_size or dst_layout.tp * dst_layout.cp
     if K < 1 or W % K:
         raise RoutingError(f"unit size {K} must divide the world size {W} of {dst_layout}")
-    kinds = _norm_kinds(kinds)
-    bs, bd = _split_bucket(bucket_size)
+    kinds = norm_kinds(kinds)
+    bs, bd = split_bucket(bucket_size)
     geom = geometry(spec, src_layout, dst_layout, kinds, bs, bd)
     default = Placement(tuple(devices[:W]))
     default_plan = plan_for(geom, src_placement, default, ranks_per_node)
