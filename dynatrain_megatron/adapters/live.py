@@ -47,10 +47,6 @@ class LiveFragment:
     def local_box(self) -> Box:
         return Box(self.local_offsets, self.box.shape)
 
-    def ident(self) -> tuple:
-        return (self.key, self.kind, self.box, self.rank, self.chunk, self.local_name,
-                self.local_offsets)
-
 
 @dataclass(frozen=True, slots=True)
 class _Block:

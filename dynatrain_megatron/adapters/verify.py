@@ -12,7 +12,8 @@ from ..vps.fragment import Fragment
 from .live import LiveFragment
 
 
-def _ident(f) -> tuple:
+def _ident(f: Fragment | LiveFragment) -> tuple:
+    """What must agree between a live and an analytic fragment (not `replica`/`main`)."""
     return (f.key, f.kind, f.box, f.rank, f.chunk, f.local_name, f.local_offsets)
 
 

@@ -20,9 +20,6 @@ from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 
-_ITEMSIZE = {"param": None, "main_param": 4, "exp_avg": 4, "exp_avg_sq": 4}
-
-
 @dataclass(frozen=True, slots=True)
 class LostBox:
     key: str

@@ -168,11 +168,6 @@ class Executor:
             dst.copy_(self.src_view(p))
             self.stats.local_bytes += _nbytes(dst)
 
-    @torch.no_grad()
-    def run_round(self, pieces: Sequence) -> None:
-        """One batched exchange: `pieces` are this round's pieces that involve this rank."""
-        self._finish(self._post(pieces, self.stats.rounds))
-
     def _placeholder(self, nbytes: int) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 

@@ -274,10 +274,6 @@ def _aborted(src: Layout, dst: Layout, dst_placement: Placement, groups: Any, ne
     return SwitchResult(new_objs, dst, dst_placement, groups, None, report, aborted=reason)
 
 
-def _placement_of(objs) -> Placement:
-    return objs.groups.placement
-
-
 def read_scalars(objs, iteration: int, consumed_samples: int) -> Scalars:
     step = None
     for opt in optimizers_of(objs.optimizer):

@@ -65,10 +65,6 @@ class RankSummary:
         return {"param": self.param_bytes, "main_param": self.main_param_bytes,
                 "exp_avg": self.exp_avg_bytes, "exp_avg_sq": self.exp_avg_sq_bytes}
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
 
 def _vps_prefix(p: ParamSpec, spec: ModelSpec, tp_rank: int) -> int:
     """VPS elements of `p` on a rank with TP index `tp_rank`: a prefix of its flat order."""

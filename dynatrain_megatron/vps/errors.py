@@ -19,7 +19,3 @@ class ModelSpecError(DynatrainError, ValueError):
 
 class FragmentMismatchError(DynatrainError):
     """Live fragments of a rank disagree with the analytic layout."""
-
-
-class SwitchAborted(DynatrainError):
-    """A switch was abandoned before its commit; every rank is back at the old layout."""

@@ -126,12 +126,3 @@ class ModelSpec:
     @property
     def qkv_rows(self) -> int:
         return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
-
-    @property
-    def fc1_rows(self) -> int:
-        return self.ffn_hidden_size * (2 if self.swiglu else 1)
-
-    @property
-    def moe_fc1_rows(self) -> int:
-        assert self.moe_ffn_hidden_size is not None
-        return self.moe_ffn_hidden_size * (2 if self.swiglu else 1)
