@@ -5,7 +5,13 @@ setup(
     name="dynatrain_megatron",
     version="0.1.0",
     description="Switch the parallel layout of a running Megatron training job in memory",
-    packages=find_packages(include=["dynatrain_megatron", "dynatrain_megatron.*"]),
+    # configs/ is installed as dynatrain_megatron/shipped_configs/ so that models are
+    # found by name from an installed package (dynatrain_megatron/configs.py)
+    packages=find_packages(include=["dynatrain_megatron", "dynatrain_megatron.*"])
+    + ["dynatrain_megatron.shipped_configs"],
+    package_dir={"dynatrain_megatron.shipped_configs": "configs"},
+    package_data={"dynatrain_megatron.shipped_configs": ["models/*.yaml",
+                                                         "scenarios/*.yaml"]},
     python_requires=">=3.10",
     install_requires=[
         # the CPU build on our dev/CI machines; GPU users install their CUDA torch first

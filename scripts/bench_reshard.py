@@ -25,12 +25,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dynatrain_megatron.cli.plan import parse_kinds, plan_report  # noqa: E402
+from dynatrain_megatron.configs import configs_dir, load_model  # noqa: E402
 from dynatrain_megatron.routing import clear_caches, placement_choice  # noqa: E402
 from dynatrain_megatron.routing.cost import CheckpointModel, estimate  # noqa: E402
 from dynatrain_megatron.routing.links import LinkModel  # noqa: E402
 from dynatrain_megatron.routing.schedule import build_schedule  # noqa: E402
-from dynatrain_megatron.routing.plan_cli import (parse_bytes, parse_kinds,  # noqa: E402
-                                                 plan_report, resolve_model)
+from dynatrain_megatron.units import parse_bytes  # noqa: E402
 from dynatrain_megatron.vps.fragment import KINDS  # noqa: E402
 from dynatrain_megatron.vps.layout import Layout  # noqa: E402
 
@@ -44,7 +45,7 @@ def load(path: Path) -> dict:
 
 
 def run(sc: dict, repeat: int) -> dict:
-    spec = resolve_model(sc["model"])
+    spec = load_model(sc["model"])
     wf = sc.get("world_from", sc.get("world"))
     wt = sc.get("world_to", sc.get("world"))
     src, dst = Layout.parse(sc["from"], wf), Layout.parse(sc["to"], wt)
@@ -170,7 +171,7 @@ def plots(rows: list[dict], heat: dict, out: Path) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenarios", default=str(ROOT / "configs" / "scenarios" / "*.yaml"))
+    ap.add_argument("--scenarios", default=str(configs_dir() / "scenarios" / "*.yaml"))
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     ap.add_argument("--heatmap", default="llama70b-pp4-to-pp8",
                     help="scenario file stem for the node heat map")
@@ -194,7 +195,7 @@ def main() -> None:
     hs = [s for s in scs if s["file"] == a.heatmap]
     if hs:
         sc = hs[0]
-        spec = resolve_model(sc["model"])
+        spec = load_model(sc["model"])
         wf, wt = sc.get("world_from", sc.get("world")), sc.get("world_to", sc.get("world"))
         ch = placement_choice(spec, Layout.parse(sc["from"], wf), None,
                               Layout.parse(sc["to"], wt), range(max(wf, wt)))

@@ -9,6 +9,6 @@ re-import this script.
 import sys
 
 if __name__ == "__main__":
-    from dynatrain_megatron.integration.cli_bench_switch import main
+    from dynatrain_megatron.cli import main
 
-    sys.exit(main())
+    sys.exit(main(["bench-switch", *sys.argv[1:]]))

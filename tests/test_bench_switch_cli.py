@@ -9,7 +9,8 @@ import json
 import pytest
 
 from dynatrain_megatron import cli
-from dynatrain_megatron.integration import bench_switch, cli_bench_switch
+from dynatrain_megatron.cli import bench_switch as cli_bench_switch
+from dynatrain_megatron.integration import bench_switch
 
 
 @pytest.fixture(autouse=True)

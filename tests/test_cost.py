@@ -8,7 +8,8 @@ import pytest
 from dynatrain_megatron.routing import (CheckpointModel, LinkModel, RoutingError,
                                         bandwidth_lower_bound, build_plan, build_schedule,
                                         checkpoint_estimate, estimate)
-from dynatrain_megatron.routing.plan_cli import add_plan_parser, parse_bytes, run_plan
+from dynatrain_megatron.cli.plan import add_parser as add_plan_parser, run_plan
+from dynatrain_megatron.units import parse_bytes
 
 from dynatrain_megatron.vps import KINDS
 

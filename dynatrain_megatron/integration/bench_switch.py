@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..transition.transport import collective_device
+from ..units import format_bytes, format_seconds
 
 MB = 1 << 20
 
@@ -674,23 +675,6 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b
 
 
-def _gb(b) -> str:
-    if b is None:
-        return "-"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(b) >= scale:
-            return f"{b / scale:,.2f} {unit}"
-    return f"{int(b)} B"
-
-
-def _s(t) -> str:
-    if t is None:
-        return "-"
-    if t < 1e-3:
-        return f"{t * 1e6:,.0f} us"
-    return f"{t * 1e3:,.1f} ms" if t < 1 else f"{t:,.2f} s"
-
-
 def _x(r) -> str:
     if r is None:
         return "-"
@@ -705,64 +689,64 @@ def format_summary(s: dict) -> str:
          f"kinds moved {','.join(s['kinds'])}",
          f"machine                 {s.get('cpu_count')} CPUs; 1-min load average "
          f"{la[0][0] if la[0] else '-'} at start, {la[1][0] if la[1] else '-'} at end",
-         f"link (pairwise P2P)     {s['link_gbps']:.2f} GB/s per rank ({_gb(s['link_buffer_bytes'])} "
-         f"buffers); small-message round {_s(s['round_latency_seconds'])}; memcpy "
+         f"link (pairwise P2P)     {s['link_gbps']:.2f} GB/s per rank ({format_bytes(s['link_buffer_bytes'])} "
+         f"buffers); small-message round {format_seconds(s['round_latency_seconds'])}; memcpy "
          f"{s['memcpy_gbps']:.2f} GB/s",
-         f"(a) dynatrain switch    {_s(s['dynatrain_seconds'])} pause (first "
-         f"{_s(s['dynatrain_first_seconds'])}; back B->A {_s(s['dynatrain_back_seconds'])}): "
-         f"the switch {_s(s.get('dynatrain_switch_seconds'))}, then releasing A and rebinding "
+         f"(a) dynatrain switch    {format_seconds(s['dynatrain_seconds'])} pause (first "
+         f"{format_seconds(s['dynatrain_first_seconds'])}; back B->A {format_seconds(s['dynatrain_back_seconds'])}): "
+         f"the switch {format_seconds(s.get('dynatrain_switch_seconds'))}, then releasing A and rebinding "
          f"the trainer",
-         "    switch phases       " + ", ".join(f"{k} {_s(v)}" for k, v in ph.items())
+         "    switch phases       " + ", ".join(f"{k} {format_seconds(v)}" for k, v in ph.items())
          + ("  (groups: built inside the call, not counted)" if "groups" in ph else ""),
-         *([f"    prepared meanwhile  {_s(s['prepare_wall_seconds'])} in the background "
-            "(placement, groups, then " + ", ".join(f"{k} {_s(v)}" for k, v in
+         *([f"    prepared meanwhile  {format_seconds(s['prepare_wall_seconds'])} in the background "
+            "(placement, groups, then " + ", ".join(f"{k} {format_seconds(v)}" for k, v in
                                                     s["prepare_phases"].items())
-            + f") while A trained {s['prepare_steps']:g} step(s) of {_s(s['step_seconds_during_prepare'])}"
-            f" ({_x(s['step_slowdown_during_prepare'])} a step alone, {_s(s['step_seconds_alone'])})"]
+            + f") while A trained {s['prepare_steps']:g} step(s) of {format_seconds(s['step_seconds_during_prepare'])}"
+            f" ({_x(s['step_slowdown_during_prepare'])} a step alone, {format_seconds(s['step_seconds_alone'])})"]
            if s.get("prepare_phases") is not None else []),
-         "    transfer split      " + ", ".join(f"{k} {_s(v)}" for k, v in
+         "    transfer split      " + ", ".join(f"{k} {format_seconds(v)}" for k, v in
                                                 s["dynatrain_transfer_parts"].items())
          + "  (each: max over ranks)",
-         f"    bytes moved         {_gb(s['bytes_moved'])} (lower bound {_gb(s['lower_bound_bytes'])}; "
-         f"default placement {_gb(s['default_placement_bytes_moved'])}; local copies "
-         f"{_gb(s['local_copy_bytes'])}; placement {s['placement']})",
-         f"    max per rank        send {_gb(s['max_rank_send_bytes'])}, recv "
-         f"{_gb(s['max_rank_recv_bytes'])}; {s['num_pieces']:,} network + "
+         f"    bytes moved         {format_bytes(s['bytes_moved'])} (lower bound {format_bytes(s['lower_bound_bytes'])}; "
+         f"default placement {format_bytes(s['default_placement_bytes_moved'])}; local copies "
+         f"{format_bytes(s['local_copy_bytes'])}; placement {s['placement']})",
+         f"    max per rank        send {format_bytes(s['max_rank_send_bytes'])}, recv "
+         f"{format_bytes(s['max_rank_recv_bytes'])}; {s['num_pieces']:,} network + "
          f"{s['num_local_pieces']:,} local pieces in {s['rounds']} round(s); peak extra (staging) "
-         f"{_gb(s['peak_extra_bytes'])}"
-         + (f" under a {_gb(s['memory_budget_bytes'])} budget" if s["memory_budget_bytes"] else "")
-         + (f"; RSS per rank {_gb(s['rss_after_steps_bytes'])} before, peak delta "
-            f"{_gb(s['rss_peak_delta_bytes'])} (B's state + staging)"
+         f"{format_bytes(s['peak_extra_bytes'])}"
+         + (f" under a {format_bytes(s['memory_budget_bytes'])} budget" if s["memory_budget_bytes"] else "")
+         + (f"; RSS per rank {format_bytes(s['rss_after_steps_bytes'])} before, peak delta "
+            f"{format_bytes(s['rss_peak_delta_bytes'])} (B's state + staging)"
             if s["rss_peak_delta_bytes"] is not None else ""),
-         f"    memory              largest rank RSS {_gb(s['rss_switch_peak_bytes'])} at peak; "
-         f"{_gb(s['rss_left_by_switch_bytes'])} of the old layout still held after a switch until "
-         f"gc.collect() ({_s(s['gc_after_switch_seconds'])}, outside the pause)",
-         f"    floor               {_s(s['floor_seconds'])} (max per-rank bytes / link); transfer "
-         f"{_s(s['dynatrain_transfer_seconds'])} = {_x(s['transfer_over_floor'])} the floor, "
+         f"    memory              largest rank RSS {format_bytes(s['rss_switch_peak_bytes'])} at peak; "
+         f"{format_bytes(s['rss_left_by_switch_bytes'])} of the old layout still held after a switch until "
+         f"gc.collect() ({format_seconds(s['gc_after_switch_seconds'])}, outside the pause)",
+         f"    floor               {format_seconds(s['floor_seconds'])} (max per-rank bytes / link); transfer "
+         f"{format_seconds(s['dynatrain_transfer_seconds'])} = {_x(s['transfer_over_floor'])} the floor, "
          f"pause {_x(s['pause_over_floor'])}",
-         f"    cost model          {_s(s['cost_model_seconds'])} predicted for the transfer "
-         f"(link {s['link_gbps']:.2f} GB/s, round {_s(s['round_latency_seconds'])}, memcpy "
-         f"{s['memcpy_gbps']:.2f} GB/s; its lower bound {_s(s['cost_model_lower_bound_seconds'])})"]
+         f"    cost model          {format_seconds(s['cost_model_seconds'])} predicted for the transfer "
+         f"(link {s['link_gbps']:.2f} GB/s, round {format_seconds(s['round_latency_seconds'])}, memcpy "
+         f"{s['memcpy_gbps']:.2f} GB/s; its lower bound {format_seconds(s['cost_model_lower_bound_seconds'])})"]
     if s.get("raw_movement_seconds") is not None:
-        L.append(f"    same bytes, raw     {_s(s['raw_movement_seconds'])} (one message per peer, "
+        L.append(f"    same bytes, raw     {format_seconds(s['raw_movement_seconds'])} (one message per peer, "
                  f"the local bytes in one memcpy meanwhile), "
-                 f"{_s(s['raw_movement_checksummed_seconds'])} with checksums; transfer "
+                 f"{format_seconds(s['raw_movement_checksummed_seconds'])} with checksums; transfer "
                  f"{_x(s['transfer_over_raw'])} that, pause {_x(s['pause_over_raw'])}")
     if s["dist_checkpoint_seconds"] is not None:
-        L.append(f"(b) dist_checkpointing  {_s(s['dist_checkpoint_seconds'])} = save "
-                 f"{_s(s['dist_checkpoint_save_seconds'])} + build B "
-                 f"{_s(s['dist_checkpoint_build_seconds'])} + load "
-                 f"{_s(s['dist_checkpoint_load_seconds'])} ({_gb(s['dist_checkpoint_bytes'])} in "
-                 f"{s['dist_checkpoint_dir']}; B's groups {_s(s['dist_checkpoint_groups_seconds'])} "
+        L.append(f"(b) dist_checkpointing  {format_seconds(s['dist_checkpoint_seconds'])} = save "
+                 f"{format_seconds(s['dist_checkpoint_save_seconds'])} + build B "
+                 f"{format_seconds(s['dist_checkpoint_build_seconds'])} + load "
+                 f"{format_seconds(s['dist_checkpoint_load_seconds'])} ({format_bytes(s['dist_checkpoint_bytes'])} in "
+                 f"{s['dist_checkpoint_dir']}; B's groups {format_seconds(s['dist_checkpoint_groups_seconds'])} "
                  f"and process restart not counted; median of {s.get('dist_checkpoint_runs')} "
                  f"run(s))  = {_x(s['checkpoint_over_dynatrain'])} ours")
     else:
         L.append("(b) dist_checkpointing  skipped")
     if s["refit_seconds"] is not None:
-        L.append(f"(c) megatron refit      {_s(s['refit_seconds'])} weights only, cached plan "
-                 f"(first call with planning {_s(s['refit_first_seconds'])}); "
-                 f"{_gb(s['refit_bytes_moved'])} moved, max {_gb(s['refit_max_rank_recv_bytes'])} "
-                 f"per rank (floor {_s(s.get('refit_floor_seconds'))})  = "
+        L.append(f"(c) megatron refit      {format_seconds(s['refit_seconds'])} weights only, cached plan "
+                 f"(first call with planning {format_seconds(s['refit_first_seconds'])}); "
+                 f"{format_bytes(s['refit_bytes_moved'])} moved, max {format_bytes(s['refit_max_rank_recv_bytes'])} "
+                 f"per rank (floor {format_seconds(s.get('refit_floor_seconds'))})  = "
                  f"{_x(s['refit_over_dynatrain'])} ours")
     else:
         L.append("(c) megatron refit      skipped")

@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .launch import launch
+    from ..integration.launch import launch
 
     logging.basicConfig(level=logging.INFO, format="[launch] %(message)s", stream=sys.stderr)
     log = logging.getLogger("dynatrain.launch")

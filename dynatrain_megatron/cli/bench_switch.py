@@ -73,7 +73,8 @@ def _train_overrides(a_dp: int, b_dp: int) -> dict:
 
 def validate(args: argparse.Namespace) -> dict:
     """Everything checkable without spawning a rank; returns the run's config."""
-    from ..routing.plan_cli import parse_bytes, resolve_model
+    from ..configs import load_model, model_config_path
+    from ..units import parse_bytes
     from ..vps.layout import Layout
 
     if args.nproc < 2:
@@ -114,7 +115,7 @@ def validate(args: argparse.Namespace) -> dict:
 
         if not os.path.isdir(args.ckpt_dir) or not os.access(args.ckpt_dir, os.W_OK):
             raise DynatrainError(f"--ckpt-dir {args.ckpt_dir!r} is not a writable directory")
-    spec = resolve_model(args.model)
+    spec = load_model(args.model)
     layouts = []
     for flag, text in (("--from", args.src), ("--to", args.dst)):
         try:
@@ -123,7 +124,7 @@ def validate(args: argparse.Namespace) -> dict:
         except LayoutError as e:
             raise LayoutError(f"{flag}: {e}") from None
         if lay.cp > 1:
-            from .builders import transformer_engine_available
+            from ..integration.builders import transformer_engine_available
 
             if not transformer_engine_available():
                 raise LayoutError(f"{flag} {lay}: context parallelism needs Transformer "
@@ -131,14 +132,7 @@ def validate(args: argparse.Namespace) -> dict:
                                   f"cp > 1); plan it with `dynatrain plan` instead")
         layouts.append(lay)
     a, b = layouts
-    from pathlib import Path
-
-    from ..routing.plan_cli import MODELS
-
-    path = Path(args.model)
-    if not (path.suffix in (".yaml", ".yml") or path.exists()):
-        path = MODELS / f"{args.model}.yaml"
-    return dict(model_path=str(path.resolve()), model_name=spec.name, nproc=args.nproc,
+    return dict(model_path=str(model_config_path(args.model).resolve()), model_name=spec.name, nproc=args.nproc,
                 src=str(a), dst=str(b), iters_before=args.iters_before, repeat=args.repeat,
                 memory_budget=budget, placement=args.placement, move_weights=args.move_weights,
                 ranks_per_node=rpn, link_bytes=link, skip=skip, ckpt_dir=args.ckpt_dir,
@@ -153,21 +147,8 @@ def run(args: argparse.Namespace) -> int:
     except DynatrainError as e:
         print(f"dynatrain bench-switch: error: {e}", file=sys.stderr)
         return 2
-    from . import bench_switch
+    from ..integration import bench_switch
 
     s = bench_switch.run_bench(cfg, timeout=args.timeout)
     print(json.dumps(s, indent=1) if args.json else bench_switch.format_summary(s))
     return 0
-
-
-def main(argv=None) -> int:
-    """Stand-alone entry: `python -m dynatrain_megatron.integration.cli_bench_switch ...`."""
-    ap = argparse.ArgumentParser(prog="dynatrain")
-    sub = ap.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = ap.parse_args(["bench-switch"] + list(sys.argv[1:] if argv is None else argv))
-    return args.func(args)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -26,35 +25,22 @@ from typing import Any, Optional
 
 import yaml
 
-from ..vps.errors import DynatrainError, LayoutError, ModelSpecError
+from ..configs import load_model
+from ..routing.cost import (CheckpointModel, bandwidth_lower_bound, checkpoint_estimate,
+                            describe, estimate)
+from ..routing.links import LinkModel
+from ..routing.placement_search import placement_choice
+from ..routing.plan import Plan
+from ..routing.regions import RoutingError
+from ..routing.schedule import build_schedule
+from ..units import format_bytes, format_seconds, parse_bytes
+from ..vps.analytic import analytic_layout
+from ..vps.errors import DynatrainError, LayoutError
 from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
-from .cost import (CheckpointModel, bandwidth_lower_bound, checkpoint_estimate,
-                   describe, estimate)
-from .links import LinkModel
-from .placement_search import placement_choice
-from .plan import Plan
-from .regions import RoutingError
-from .schedule import build_schedule
 
-ROOT = Path(__file__).resolve().parents[2]
-MODELS = ROOT / "configs" / "models"
 KIND_SETS = {"all": KINDS, "weights": ("param",), "optimizer": OPT_KINDS}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
-
-
-def parse_bytes(text: str) -> int:
-    """`1073741824`, `512M`, `2GiB`, `1.5GB` (k/M/G/T: powers of 1000; with i: 1024)."""
-    m = _SIZE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 2GiB, 512M)")
-    num, unit = float(m.group(1)), (m.group(2) or "b").lower()
-    if unit == "b":
-        mult = 1
-    else:
-        mult = (1024 if "i" in unit else 1000) ** ("kmgt".index(unit[0]) + 1)
-    return int(num * mult)
 
 
 def parse_kinds(text: str) -> tuple[str, ...]:
@@ -68,7 +54,7 @@ def parse_kinds(text: str) -> tuple[str, ...]:
     return ks
 
 
-def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `plan` subcommand to an argparse subparsers object; returns its parser."""
     p = subparsers.add_parser(
         "plan", help="plan a layout switch (bytes, placement, time) without running it",
@@ -112,17 +98,6 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_plan)
     return p
-
-
-def resolve_model(name: str) -> ModelSpec:
-    p = Path(name)
-    if p.suffix in (".yaml", ".yml") or p.exists():
-        return ModelSpec.from_yaml(p)
-    cand = MODELS / f"{name}.yaml"
-    if not cand.is_file():
-        known = sorted(x.stem for x in MODELS.glob("*.yaml"))
-        raise ModelSpecError(f"unknown model {name!r}: no file {cand}; known: {known}")
-    return ModelSpec.from_yaml(cand)
 
 
 def _load_scenario(path: str) -> dict[str, Any]:
@@ -176,7 +151,6 @@ def plan_report(spec: ModelSpec, src: Layout, dst: Layout, *, kinds=KINDS, rpn: 
                 links: LinkModel = LinkModel(),
                 ckpt: CheckpointModel = CheckpointModel()) -> dict[str, Any]:
     """Everything `dynatrain plan` prints, as a dict (JSON-ready)."""
-    from ..vps.analytic import analytic_layout
     t0 = time.perf_counter()
     Wa, Wb = src.world_size, dst.world_size
     if rpn < 1:
@@ -239,62 +213,48 @@ def plan_report(spec: ModelSpec, src: Layout, dst: Layout, *, kinds=KINDS, rpn: 
     return out
 
 
-def _gb(b: float) -> str:
-    """Bytes in decimal units (GB = 1e9 B), sized to stay readable for tiny models."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(b) >= scale or unit == "kB" and b:
-            return f"{b / scale:,.2f} {unit}"
-    return f"{int(b)} B"
-
-
-def _s(t: float) -> str:
-    if t < 1e-3:
-        return f"{t * 1e6:,.1f} us"
-    return f"{t * 1e3:,.1f} ms" if t < 1 else f"{t:,.2f} s"
-
-
 def format_report(r: dict[str, Any]) -> str:
     p = r["parameters"]
     L = [f"dynatrain plan: {r['model']}  {r['from']} ({r['world_from']} devices) -> "
          f"{r['to']} ({r['world_to']} devices), {r['ranks_per_node']} devices/node, "
          f"kinds {','.join(r['kinds'])}",
-         f"planning time           {_s(r['plan_seconds'])} (both layouts, placement, "
+         f"planning time           {format_seconds(r['plan_seconds'])} (both layouts, placement, "
          f"plans of both placements, schedule; one core)",
-         "state (one copy)        " + ", ".join(f"{k} {_gb(v)}" for k, v in
+         "state (one copy)        " + ", ".join(f"{k} {format_bytes(v)}" for k, v in
                                                 r["state_bytes_per_kind"].items()),
          f"{'':24s}{'chosen placement (' + r['placement'] + ')':>30s}{'default placement':>22s}",
-         f"{'bytes moved':24s}{_gb(r['bytes_moved']):>30s}{_gb(r['default_bytes_moved']):>22s}",
-         f"{'lower bound':24s}{_gb(r['lower_bound_bytes']):>30s}"
-         f"{_gb(r['default_lower_bound_bytes']):>22s}",
+         f"{'bytes moved':24s}{format_bytes(r['bytes_moved']):>30s}{format_bytes(r['default_bytes_moved']):>22s}",
+         f"{'lower bound':24s}{format_bytes(r['lower_bound_bytes']):>30s}"
+         f"{format_bytes(r['default_lower_bound_bytes']):>22s}",
          f"{'optimizer state moved':24s}{100 * r['moved_fraction_optimizer']:>29.1f}%"
          f"{100 * r['default_moved_fraction_optimizer']:>21.1f}%",
-         f"{'max send / rank':24s}{_gb(r['max_rank_send_bytes']):>30s}"
-         f"{_gb(r['default_max_rank_send_bytes']):>22s}",
-         f"{'max recv / rank':24s}{_gb(r['max_rank_recv_bytes']):>30s}"
-         f"{_gb(r['default_max_rank_recv_bytes']):>22s}",
-         f"{'estimated transfer':24s}{_s(r['estimated_seconds']):>30s}"
-         f"{_s(r['default_estimated_seconds']):>22s}",
-         f"{'bandwidth lower bound':24s}{_s(r['bandwidth_lower_bound_seconds']):>30s}"
-         f"{_s(r['default_bandwidth_lower_bound_seconds']):>22s}",
-         f"{'peak extra mem / rank':24s}{_gb(r['peak_extra_bytes_per_rank']):>30s}"
-         f"{_gb(r['default_peak_extra_bytes_per_rank']):>22s}",
-         "moved per kind          " + ", ".join(f"{k} {_gb(v)}" for k, v in
+         f"{'max send / rank':24s}{format_bytes(r['max_rank_send_bytes']):>30s}"
+         f"{format_bytes(r['default_max_rank_send_bytes']):>22s}",
+         f"{'max recv / rank':24s}{format_bytes(r['max_rank_recv_bytes']):>30s}"
+         f"{format_bytes(r['default_max_rank_recv_bytes']):>22s}",
+         f"{'estimated transfer':24s}{format_seconds(r['estimated_seconds']):>30s}"
+         f"{format_seconds(r['default_estimated_seconds']):>22s}",
+         f"{'bandwidth lower bound':24s}{format_seconds(r['bandwidth_lower_bound_seconds']):>30s}"
+         f"{format_seconds(r['default_bandwidth_lower_bound_seconds']):>22s}",
+         f"{'peak extra mem / rank':24s}{format_bytes(r['peak_extra_bytes_per_rank']):>30s}"
+         f"{format_bytes(r['default_peak_extra_bytes_per_rank']):>22s}",
+         "moved per kind          " + ", ".join(f"{k} {format_bytes(v)}" for k, v in
                                                 r["bytes_moved_per_kind"].items()),
-         f"max per rank, chosen    send intra {_gb(r['max_rank_send_intra_bytes'])} | inter "
-         f"{_gb(r['max_rank_send_inter_bytes'])};  recv intra "
-         f"{_gb(r['max_rank_recv_intra_bytes'])} | inter {_gb(r['max_rank_recv_inter_bytes'])}",
-         f"local copies            {_gb(r['local_copy_bytes'])} ({_s(r['local_copy_seconds'])}); "
+         f"max per rank, chosen    send intra {format_bytes(r['max_rank_send_intra_bytes'])} | inter "
+         f"{format_bytes(r['max_rank_send_inter_bytes'])};  recv intra "
+         f"{format_bytes(r['max_rank_recv_intra_bytes'])} | inter {format_bytes(r['max_rank_recv_inter_bytes'])}",
+         f"local copies            {format_bytes(r['local_copy_bytes'])} ({format_seconds(r['local_copy_seconds'])}); "
          f"{r['num_pieces']:,} network + {r['num_local_pieces']:,} local pieces; "
          f"{r['rounds']} round(s)"
-         + (f" under a {_gb(r['memory_budget_bytes'])} budget" if r["memory_budget_bytes"]
+         + (f" under a {format_bytes(r['memory_budget_bytes'])} budget" if r["memory_budget_bytes"]
             else ""),
-         f"new-layout state / rank {_gb(r['dst_state_bytes_per_rank'])} (allocated by the "
+         f"new-layout state / rank {format_bytes(r['dst_state_bytes_per_rank'])} (allocated by the "
          f"switch, not counted as staging)",
          f"estimate / lower bound  {r['estimated_over_lower_bound']:.2f}x (network rounds "
-         f"alone: {_s(r['network_seconds'])}, {r['network_over_lower_bound']:.2f}x)",
-         f"checkpoint path         {_s(r['checkpoint_estimate_seconds'])} = write "
-         f"{_s(r['checkpoint_write_seconds'])} + read {_s(r['checkpoint_read_seconds'])} of "
-         f"{_gb(r['checkpoint_state_bytes'])} at {p['checkpoint_storage_gbps']:g} GB/s + "
+         f"alone: {format_seconds(r['network_seconds'])}, {r['network_over_lower_bound']:.2f}x)",
+         f"checkpoint path         {format_seconds(r['checkpoint_estimate_seconds'])} = write "
+         f"{format_seconds(r['checkpoint_write_seconds'])} + read {format_seconds(r['checkpoint_read_seconds'])} of "
+         f"{format_bytes(r['checkpoint_state_bytes'])} at {p['checkpoint_storage_gbps']:g} GB/s + "
          f"restart {p['checkpoint_restart_seconds']:g} s",
          f"link model              NVLink {p['intra_node_gbps']:g} GB/s, NIC "
          f"{p['inter_node_gbps']:g} GB/s per device and direction (links concurrent), "
@@ -308,7 +268,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """Entry point of `dynatrain plan`; returns the exit code (2 on bad input)."""
     try:
         c = _resolve(args)
-        spec = resolve_model(c["model"])
+        spec = load_model(c["model"])
         if c["world_from"] is None and c["world_to"] is not None:
             c["world_from"] = c["world_to"]
         src = _layout(c["src"], c["world_from"], "from")
@@ -328,16 +288,3 @@ def run_plan(args: argparse.Namespace) -> int:
     r["scenario"] = c["name"]
     print(json.dumps(r, indent=1) if args.json else format_report(r))
     return 0
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """Stand-alone entry (`python -m dynatrain_megatron.routing.plan_cli ...`)."""
-    ap = argparse.ArgumentParser(prog="dynatrain")
-    sub = ap.add_subparsers(dest="command", required=True)
-    add_plan_parser(sub)
-    args = ap.parse_args(["plan"] + list(sys.argv[1:] if argv is None else argv))
-    return run_plan(args)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The `dynatrain` command: one subcommand per module of this package.
+
+Each module in `SUBCOMMANDS` has `add_parser(subparsers)`, which adds its subcommand and
+sets `func(args) -> exit code`. A module that cannot be imported is an error of the
+whole command (it names the module), never a subcommand that silently disappears.
+Registering a subcommand is one line in `SUBCOMMANDS`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+from ..vps.errors import DynatrainError
+
+SUBCOMMANDS = (
+    "dynatrain_megatron.cli.layout",
+    "dynatrain_megatron.cli.lost",
+    "dynatrain_megatron.cli.plan",
+    "dynatrain_megatron.cli.request",
+    "dynatrain_megatron.cli.join",
+    "dynatrain_megatron.cli.launch",
+    "dynatrain_megatron.cli.bench_switch",
+)
+
+
+def build_parser(modules: Sequence[str] = SUBCOMMANDS) -> argparse.ArgumentParser:
+    """The parser of every subcommand in `modules` (import errors propagate)."""
+    p = argparse.ArgumentParser(prog="dynatrain", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in modules:
+        importlib.import_module(name).add_parser(sub)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one subcommand; a `DynatrainError` becomes one line on stderr and exit code 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DynatrainError as e:
+        print(f"dynatrain {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["SUBCOMMANDS", "build_parser", "main"]
