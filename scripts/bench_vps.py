@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dynatrain_megatron.vps import analytic, naming
 from dynatrain_megatron.vps.layout import Layout
-from dynatrain_megatron.vps.model_spec import ModelSpec
+from dynatrain_megatron.configs import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [  # (model config, layout, world size, DDP bucket size)
@@ -33,7 +33,7 @@ def _cold() -> None:
 
 
 def bench(model: str, layout_text: str, world: int, bucket, repeat: int) -> None:
-    spec = ModelSpec.from_yaml(ROOT / "configs" / "models" / f"{model}.yaml")
+    spec = load_model(model)
     lay = Layout.parse(layout_text, world)
     best_all, best_one, nfrag = float("inf"), float("inf"), 0
     for _ in range(repeat):

@@ -60,7 +60,8 @@ def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The Megatron-LM flags our entry point understands (same names and meaning)."""
     g = parser.add_argument_group("training")
-    g.add_argument("--model-config", required=True, help="configs/models/NAME.yaml")
+    g.add_argument("--model-config", required=True,
+                   help="model config: a name in configs/models or a YAML path")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from ..configs import load_model
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from .arguments import add_dynatrain_args, add_training_args, layout_from_args, train_config_from_args
@@ -94,7 +95,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _join_and_run(args)
     init_distributed()
     setup_logging()
-    spec = ModelSpec.from_yaml(args.model_config)
+    spec = load_model(args.model_config)
     if args.bf16:
         spec = spec.replace(params_dtype="bf16")
     processes = dist.get_world_size()
@@ -139,7 +140,7 @@ def _join_and_run(args: argparse.Namespace) -> int:
     if not args.dynatrain_rendezvous_dir:
         log.error("--dynatrain-join needs --dynatrain-rendezvous-dir (where the job meets)")
         return 2
-    spec = ModelSpec.from_yaml(args.model_config)
+    spec = load_model(args.model_config)
     if args.bf16:
         spec = spec.replace(params_dtype="bf16")
     train = train_config_from_args(args)
