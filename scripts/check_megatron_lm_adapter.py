@@ -110,7 +110,7 @@ def reference(root):
 
 
 def main() -> int:
-    from dynatrain_megatron.integration.multiproc import run_on_ranks
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
 
     env = {"PYTHONPATH": os.pathsep.join([HERE, os.path.join(ROOT, "tests")])}
     res = run_on_ranks(case, 4, tempfile.mkdtemp(), env=env)

@@ -81,7 +81,7 @@ def analytic_vs_live(cases: list[tuple[str, str, dict, bool]]) -> list[dict]:
     """Per (model, layout, train overrides, round_trip): live fragments vs analytic on this
     rank; with round_trip, gather -> scatter into a fresh job -> gather, compared exactly."""
     from dynatrain_megatron.adapters.live import LiveState
-    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.vps import analytic_layout
 
     out = []
@@ -138,7 +138,7 @@ def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before
 
     from dynatrain_megatron.adapters.live import LiveState
     from dynatrain_megatron.integration import dist_ckpt
-    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.testing import gather as G
 
     train = switch_train_config(overrides)
     s = spec_variant(model)
@@ -214,7 +214,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
     from dynatrain_megatron.integration.builders import MegatronBuilder
     from dynatrain_megatron.integration.switching import switch_trainer
     from dynatrain_megatron.transition import executor
-    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.vps import Layout
 
     small_default = executor.SMALL_PIECE_BYTES
@@ -378,7 +378,7 @@ def scale_cases(model: str, big: str, small: str, steps_after: int = 3,
     from dynatrain_megatron.adapters.live import LiveState
     from dynatrain_megatron.integration.builders import MegatronBuilder
     from dynatrain_megatron.integration.switching import switch_trainer
-    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.elastic.groups import install
     from dynatrain_megatron.transition.switch import read_scalars, write_scalars
     from dynatrain_megatron.transition.vocab_padding import carry_vocab_padding
@@ -534,7 +534,7 @@ def _hook_scale(s, train, builder, la, lb, signal_dir: str, steps: int = 9) -> d
 def gather_layout_state(s: ModelSpec, tr):
     """The full logical state of a trainer's layout, on the layout's first rank."""
     from dynatrain_megatron.adapters.live import LiveState
-    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.testing import gather as G
 
     g = tr.objs.groups.layout_group
     return G.gather_full_state(LiveState(tr.objs.model, tr.objs.optimizer,
@@ -548,7 +548,7 @@ def fault_cases(model: str, a: str, b: str, faults: list[dict], timeout: float,
     and the losses after it; `plain` is the same job that never attempted a switch."""
     from dynatrain_megatron.integration.builders import MegatronBuilder
     from dynatrain_megatron.integration.switching import switch_trainer
-    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.transition.faults import FaultPlan
     from dynatrain_megatron.vps import Layout
 
@@ -591,7 +591,7 @@ def repeated_switch_case(model: str, layouts: list[str], n: int) -> dict:
 
     from dynatrain_megatron.integration.builders import MegatronBuilder
     from dynatrain_megatron.integration.switching import switch_trainer
-    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.vps import Layout
 
     s = spec_variant(model)
@@ -643,7 +643,7 @@ def death_case(store_dir: str, ckpt_dir: str, layout: str = "tp2pp1dp2", dead: i
     tr.step()  # progress after the checkpoint, lost with the rank unless replicated
     before = None
     if ref_ckpt_dir:
-        from dynatrain_megatron.transition import gather as G
+        from dynatrain_megatron.testing import gather as G
 
         # every rank keeps the full state: whichever survivor leads the new layout compares
         before = G.broadcast_full_state(gather_layout_state(s, tr), group=tr.objs.groups.layout_group)
@@ -668,7 +668,7 @@ def death_case(store_dir: str, ckpt_dir: str, layout: str = "tp2pp1dp2", dead: i
         return out
     new = rec.trainer
     if ref_ckpt_dir:
-        from dynatrain_megatron.transition import gather as G
+        from dynatrain_megatron.testing import gather as G
 
         after = gather_layout_state(s, new)
         if before is not None and after is not None:
@@ -689,7 +689,7 @@ def death_in_switch_case(store_dir: str, ref_ckpt_dir: str, layout: str = "tp1pp
     from dynatrain_megatron.integration.builders import MegatronBuilder
     from dynatrain_megatron.integration.recovery import recover_after_death
     from dynatrain_megatron.integration.switching import WorldBroken, switch_trainer
-    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.transition.faults import FaultPlan
     from dynatrain_megatron.vps import Layout
 

@@ -4,7 +4,7 @@ training goes on with the losses of a run that never attempted the switch. Also:
 switches in a row keep memory and process groups flat. `pytest -m faults` runs these."""
 import pytest
 
-from dynatrain_megatron.integration.multiproc import run_on_ranks
+from dynatrain_megatron.testing.multiproc import run_on_ranks
 from rank_cases import fault_cases, repeated_switch_case
 
 pytestmark = [pytest.mark.multirank, pytest.mark.faults]

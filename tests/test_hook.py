@@ -2,7 +2,7 @@
 controller and training-step hook)."""
 import pytest
 
-from dynatrain_megatron.integration.multiproc import run_on_ranks
+from dynatrain_megatron.testing.multiproc import run_on_ranks
 from rank_cases import hook_cases
 
 pytestmark = pytest.mark.multirank

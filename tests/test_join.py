@@ -293,7 +293,7 @@ def join_run(rdv: str, n_requests: int) -> dict:
     from dynatrain_megatron.integration.arguments import add_dynatrain_args
     from dynatrain_megatron.integration.hook import DynatrainHook
     from dynatrain_megatron.integration.session import release, start_job
-    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.testing import gather as G
     from rank_cases import gather_layout_state, spec_variant, switch_train_config
 
     rank = dist.get_rank()
@@ -353,7 +353,7 @@ def _wait_for_requests(store, n: int, timeout: float = 240.0) -> float:
 
 @pytest.mark.multirank
 def test_joiners_without_the_secret_are_refused_and_training_is_unchanged(tmp_path):
-    from dynatrain_megatron.integration.multiproc import run_on_ranks
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
 
     rdv = tmp_path / "rdv"
     rdv.mkdir()
@@ -421,7 +421,7 @@ def test_an_accepted_joiner_enters_the_world_and_trains_after_a_scale_out(tmp_pa
 
     from dynatrain_megatron import process_env
     from dynatrain_megatron.elastic.signal_file import write_request
-    from dynatrain_megatron.integration.multiproc import run_on_ranks
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
     from rank_cases import main_job_case
 
     root = Path(__file__).resolve().parent.parent

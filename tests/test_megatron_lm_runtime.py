@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from dynatrain_megatron.integration.multiproc import run_on_ranks
+from dynatrain_megatron.testing.multiproc import run_on_ranks
 
 pytestmark = pytest.mark.multirank
 

@@ -5,7 +5,7 @@ bit for bit and at the current iteration, when a partial distributed optimizer (
 keeps a replica of every shard; else from the last checkpoint, never with wrong state."""
 import pytest
 
-from dynatrain_megatron.integration.multiproc import run_on_ranks
+from dynatrain_megatron.testing.multiproc import run_on_ranks
 from rank_cases import death_case, death_in_switch_case, main_job_case, resume_case
 
 pytestmark = [pytest.mark.multirank, pytest.mark.faults]

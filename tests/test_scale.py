@@ -4,7 +4,7 @@ new layout hold no training state, and training continues with the losses of a j
 at the new layout from the same state."""
 import pytest
 
-from dynatrain_megatron.integration.multiproc import run_on_ranks
+from dynatrain_megatron.testing.multiproc import run_on_ranks
 from rank_cases import scale_cases
 
 pytestmark = pytest.mark.multirank

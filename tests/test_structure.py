@@ -113,6 +113,14 @@ def test_modules_under_the_size_limit():
     assert set(big) <= OVERSIZE_PENDING, big
 
 
+def test_only_tests_and_the_benchmark_use_testing():
+    edges, _ = _imports(_modules())
+    users = {src for src, targets in edges.items()
+             if any(t.startswith("dynatrain_megatron.testing") for t in targets)
+             and not src.startswith("dynatrain_megatron.testing")}
+    assert users <= {"dynatrain_megatron.integration.bench_switch"}, users
+
+
 def test_layers_import_downwards():
     """vps <- adapters/routing <- transition <- elastic <- integration: a layer imports
     only the layers below it (compat and the package root are outside the layers)."""

@@ -2,7 +2,7 @@
 bytes at the plan's lower bound, placement, memory budget (issue: Online switch)."""
 import pytest
 
-from dynatrain_megatron.integration.multiproc import run_on_ranks
+from dynatrain_megatron.testing.multiproc import run_on_ranks
 from rank_cases import switch_cases
 
 pytestmark = pytest.mark.multirank

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from dynatrain_megatron.integration.multiproc import run_on_ranks
+from dynatrain_megatron.testing.multiproc import run_on_ranks
 from rank_cases import train_cases
 
 pytestmark = pytest.mark.multirank

@@ -2,7 +2,7 @@
 state gather / scatter round trip (issue: Virtual Parameter Space)."""
 import pytest
 
-from dynatrain_megatron.integration.multiproc import run_on_ranks
+from dynatrain_megatron.testing.multiproc import run_on_ranks
 from rank_cases import analytic_vs_live
 
 pytestmark = pytest.mark.multirank

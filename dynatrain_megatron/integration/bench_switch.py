@@ -755,7 +755,7 @@ def format_summary(s: dict) -> str:
 
 def run_bench(cfg: dict, timeout: float = 1800.0) -> dict:
     """Spawn `cfg['nproc']` gloo ranks, run `bench_rank`, return the summary."""
-    from .multiproc import run_on_ranks
+    from ..testing.multiproc import run_on_ranks
 
     cfg = dict(cfg, load_average_start=_loadavg())
     results = run_on_ranks(bench_rank, cfg["nproc"], cfg, timeout=timeout)

@@ -1,32 +1,26 @@
 """Run a function on N spawned torch.distributed ranks (gloo on CPU) and collect results.
 
 Used by the tests and by `dynatrain bench-switch`. Ranks are forked from a fork server
-that imported torch and megatron-core once per calling process: a fresh interpreter per
-rank pays ~8 s of imports (20 s for a group of 4 on our 2-core machines, 37 s for 8; from
-the fork server: 6 s for the first group, then 0.3 s). Callers still run many cases inside
-one group: each group pays its process-group setup and the first-use costs of megatron.
-A failing rank's traceback is re-raised in the parent (the first failure wins), and a
-timeout names the ranks that never reported.
+that imported torch and megatron-core once per calling process, so a group does not pay
+a fresh interpreter's imports per rank. Callers still run many cases inside one group:
+each group pays its process-group setup and the first-use costs of megatron. A failing
+rank's traceback is re-raised in the parent (the first failure wins), and a timeout names
+the ranks that never reported.
 """
 from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
 import torch.multiprocessing as mp
 
+from ..integration.launch import free_port
+
 
 class RankFailure(RuntimeError):
     """A spawned rank raised, died, or timed out."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
@@ -46,7 +40,7 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
 
     torch.set_num_threads(1)
     try:
-        from .session import init_distributed
+        from ..integration.session import init_distributed
 
         init_distributed(timeout_s=float(env.get("DYNATRAIN_PG_TIMEOUT", "300")))
         result = fn(*args)
