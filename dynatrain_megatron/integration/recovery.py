@@ -23,7 +23,8 @@ from ..adapters.live import LiveState
 from ..elastic.groups import build_groups, forget_megatron_groups, install
 from ..elastic.rejoin import NewWorld, reform_world, rendezvous_store
 from ..routing.lost_state import lost_state
-from ..transition.switch import Scalars, SwitchReport, read_scalars, switch_layout
+from ..transition.switch import read_scalars, switch_layout
+from ..transition.switch_types import Scalars, SwitchOptions, SwitchReport
 from ..vps.fragment import OPT_KINDS
 from ..vps.placement import Placement
 from ..vps.errors import DynatrainError, LayoutError
@@ -166,8 +167,9 @@ def switch_from_held(spec: ModelSpec, train: TrainConfig, src: Layout, src_place
     rank B does not use; the report). Raises, having released B, if it aborted: there is
     no A to roll back to (its objects are gone)."""
     res = switch_layout(spec, MegatronBuilder(spec, train), None, src, src_placement, dst,
-                        build_groups, scalars, dst_devices=dst_devices, placement="default",
-                        timeout=timeout, src_state=held, unavailable=unavailable)
+                        build_groups, scalars,
+                        SwitchOptions(placement="default", timeout=timeout),
+                        dst_devices=dst_devices, src_state=held, unavailable=unavailable)
     del held
     if res.aborted:
         if res.objs is not None:

@@ -8,8 +8,8 @@ from typing import Any, Optional, Sequence
 from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import ParallelGroups, build_groups, install
 from ..transition.faults import FaultPlan
-from ..transition.switch import (Prepared, SwitchResult, choose_dst_placement, prepare_switch,
-                                 read_scalars, switch_layout)
+from ..transition.switch import choose_dst_placement, prepare_switch, read_scalars, switch_layout
+from ..transition.switch_types import Prepared, SwitchOptions, SwitchResult
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.placement import Placement
@@ -42,13 +42,14 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
     old = trainer.objs if trainer is not None else None
     scalars = (read_scalars(old, trainer.iteration, trainer.consumed_samples)
                if trainer is not None else None)
+    options = SwitchOptions(placement=placement, ranks_per_node=ranks_per_node,
+                            memory_budget=memory_budget, move_weights=move_weights,
+                            timeout=timeout)
     rng = _RngSnapshot.take()
     broken = None
     try:
         res = switch_layout(builder.spec, builder, old, src, src_placement, dst, build_groups,
-                            scalars, dst_devices=dst_devices, placement=placement,
-                            ranks_per_node=ranks_per_node, memory_budget=memory_budget,
-                            move_weights=move_weights, new_groups=new_groups, timeout=timeout,
+                            scalars, options, dst_devices=dst_devices, new_groups=new_groups,
                             faults=faults, prepared=prepared)
     except Exception as e:  # noqa: BLE001 - the switch's own collectives (votes) failed
         broken = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
@@ -165,10 +166,10 @@ def start_preparation(manager: DeviceManager, builder: MegatronBuilder, src: Lay
                                              ranks_per_node, move_weights)
 
     def prepare(groups: ParallelGroups) -> Prepared:
-        return prepare_switch(builder.spec, builder, src, src_placement, dst, groups,
-                              move_weights=move_weights, ranks_per_node=ranks_per_node,
-                              memory_budget=memory_budget, background=True, faults=faults,
-                              src_objs=src_objs)
+        options = SwitchOptions(ranks_per_node=ranks_per_node, memory_budget=memory_budget,
+                                move_weights=move_weights)
+        return prepare_switch(builder.spec, builder, src, src_placement, dst, groups, options,
+                              background=True, faults=faults, src_objs=src_objs)
 
     manager.prepare(dst, dst_placement, background=True, then=prepare)
     return manager

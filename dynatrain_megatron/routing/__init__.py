@@ -22,7 +22,7 @@ from .geometry import geometry
 from .links import LinkModel
 from .piece import Piece
 from .placement_search import PlacementChoice, choose_placement, placement_choice
-from .plan import DeviceTraffic, Plan, PlanStats, validate_plan
+from .plan import DeviceTraffic, Plan, PlanStats, device_plan_errors, validate_plan
 from .planner import build_plan, clear_caches, plan_for
 from .regions import RoutingError
 from .schedule import Round, Schedule, build_schedule, schedule
@@ -30,5 +30,5 @@ from .schedule import Round, Schedule, build_schedule, schedule
 __all__ = ["CheckpointEstimate", "CheckpointModel", "CostEstimate", "LinkModel",
            "bandwidth_lower_bound", "checkpoint_estimate", "estimate", "PlacementChoice",
            "choose_placement", "placement_choice", "DeviceTraffic", "Piece", "Plan",
-           "PlanStats", "validate_plan", "build_plan", "clear_caches", "geometry",
-           "plan_for", "RoutingError", "Round", "Schedule", "build_schedule", "schedule"]
+           "PlanStats", "validate_plan", "device_plan_errors", "build_plan", "clear_caches",
+           "geometry", "plan_for", "RoutingError", "Round", "Schedule", "build_schedule", "schedule"]

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from ..vps.analytic import analytic_layout
 from ..vps.box import overlapping_pairs
+from ..vps.fragment import KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
@@ -127,6 +128,36 @@ class Plan:
     traffic: DeviceTraffic
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        errs = []
+        for side, lay, pl in (("src", self.src_layout, self.src_placement),
+                              ("dst", self.dst_layout, self.dst_placement)):
+            if len(pl.devices) != lay.world_size:
+                errs.append(f"{side} placement has {len(pl.devices)} devices, layout {lay} "
+                            f"has {lay.world_size} ranks")
+        if not self.kinds or any(k not in KINDS for k in self.kinds):
+            errs.append(f"kinds must be a non-empty subset of {KINDS}, got {self.kinds}")
+        if self.ranks_per_node < 1:
+            errs.append(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        n = len(self.rows_p)
+        if len(self.rows_dst) != n or len(self.rows_src) != n:
+            errs.append(f"rows of different lengths: {n} set pairs, {len(self.rows_dst)} "
+                        f"destinations, {len(self.rows_src)} sources")
+        else:
+            if n and not np.isin(self.rows_dst, self.dst_placement.devices).all():
+                errs.append("a row's destination is not a device of layout B")
+            net = self.rows_src != self.rows_dst
+            if net.any() and not np.isin(self.rows_src[net], self.src_placement.devices).all():
+                errs.append("a row's source is not a device of layout A")
+            if n and (self.rows_p.min() < 0 or self.rows_p.max() >= self.geometry.num_set_pairs):
+                errs.append("a row's set pair is outside the geometry")
+        if self.stats.moved_bytes != self.stats.lower_bound_bytes:
+            errs.append(f"moves {self.stats.moved_bytes} B, lower bound "
+                        f"{self.stats.lower_bound_bytes} B (something moves twice)")
+        if errs:
+            raise RoutingError(f"plan {self.src_layout} -> {self.dst_layout}: "
+                               + "; ".join(errs))
+
     def __repr__(self) -> str:
         return (f"Plan({self.spec.name!r}, {self.src_layout} -> {self.dst_layout}, "
                 f"kinds={list(self.kinds)}, moved={self.stats.moved_bytes} B, "
@@ -210,54 +241,70 @@ class Plan:
         return got
 
 
-def validate_plan(plan: Plan, max_errors: int = 50) -> list[str]:
-    """Every violation of the plan's contract, checked against the analytic layouts
-    fragment by fragment (explicit: meant for small worlds and tests):
+def _by_key(frags) -> dict[tuple[str, str], list]:
+    out: dict[tuple[str, str], list] = defaultdict(list)
+    for f in frags:
+        out[(f.key, f.kind)].append(f)
+    return out
 
-      * the pieces received/copied by each destination device tile its layout-B
-        fragments exactly (per key and kind: inside a fragment, no overlap, same volume),
-        with the fragment's local placement;
-      * every piece's source device holds the box in layout A, at the stated local place;
-      * local pieces are exactly those whose destination already holds them.
-    """
-    g = plan.geometry
-    al_a = analytic_layout(plan.spec, plan.src_layout, g.bucket_src)
-    al_b = analytic_layout(plan.spec, plan.dst_layout, g.bucket_dst)
-    errs: list[str] = []
-    src_frags: dict[int, dict[tuple[str, str], list]] = {}
-    for v, d in enumerate(plan.src_devices):
-        m = defaultdict(list)
-        for f in al_a.fragments(v, plan.kinds):
-            m[(f.key, f.kind)].append(f)
-        src_frags[d] = m
 
-    def inside(frags, p: Piece, side: str) -> bool:
-        for f in frags:
-            if f.box.contains(p.box):
-                off = tuple(po - fo + lo for po, fo, lo in
-                            zip(p.box.offsets, f.box.offsets, f.local_offsets))
-                want = ((p.src_chunk, p.src_local_name, p.src_local_offsets) if side == "src"
-                        else (p.dst_chunk, p.dst_local_name, p.dst_local_offsets))
-                if (f.chunk, f.local_name, off) == want:
-                    return True
-        return False
+def _inside(frags, p: Piece, side: str) -> bool:
+    """Whether a fragment of `frags` contains `p`'s box at `p`'s local place (`side`)."""
+    for f in frags:
+        if f.box.contains(p.box):
+            off = tuple(po - fo + lo for po, fo, lo in
+                        zip(p.box.offsets, f.box.offsets, f.local_offsets))
+            want = ((p.src_chunk, p.src_local_name, p.src_local_offsets) if side == "src"
+                    else (p.dst_chunk, p.dst_local_name, p.dst_local_offsets))
+            if (f.chunk, f.local_name, off) == want:
+                return True
+    return False
 
-    for v, d in enumerate(plan.dst_devices):
-        need = defaultdict(list)
-        for f in al_b.fragments(v, plan.kinds):
-            need[(f.key, f.kind)].append(f)
+
+class _Checker:
+    """The analytic layouts of a plan's two sides, fragments read per device on demand."""
+
+    def __init__(self, plan: Plan) -> None:
+        g = plan.geometry
+        self.plan = plan
+        self.al_a = analytic_layout(plan.spec, plan.src_layout, g.bucket_src)
+        self.al_b = analytic_layout(plan.spec, plan.dst_layout, g.bucket_dst)
+        self._src: dict[int, dict[tuple[str, str], list]] = {}
+
+    def src_frags(self, device: int) -> dict[tuple[str, str], list]:
+        got = self._src.get(device)
+        if got is None:
+            v = self.plan.src_placement.virtual_rank(device)
+            got = self._src[device] = (_by_key(self.al_a.fragments(v, self.plan.kinds))
+                                       if v is not None else {})
+        return got
+
+    def sends(self, device: int, pieces: Sequence[Piece]) -> list[str]:
+        """The pieces `device` sends (of `pieces`): it holds each in layout A, at the
+        stated place."""
+        return [f"{p}: source device {device} does not hold it in layout A"
+                for p in pieces if p.src_device == device and not p.is_local
+                and not _inside(self.src_frags(device).get((p.key, p.kind), ()), p, "src")]
+
+    def receives(self, device: int, pieces: Sequence[Piece]) -> list[str]:
+        """The pieces `device` receives or copies (of `pieces`) tile its layout-B
+        fragments exactly."""
+        v = self.plan.dst_placement.virtual_rank(device)
+        if v is None:
+            return []
+        errs: list[str] = []
+        need = _by_key(self.al_b.fragments(v, self.plan.kinds))
         got = defaultdict(list)
-        for p in plan.pieces_for(d, "dst"):
-            if p.dst_device != d:
+        for p in pieces:
+            if p.dst_device != device:
                 continue
             got[(p.key, p.kind)].append(p)
-            if not inside(need.get((p.key, p.kind), ()), p, "dst"):
-                errs.append(f"{p}: not inside a layout-B fragment of device {d}")
-            held = inside(src_frags.get(p.src_device, {}).get((p.key, p.kind), ()), p, "src")
-            if not held:
+            if not _inside(need.get((p.key, p.kind), ()), p, "dst"):
+                errs.append(f"{p}: not inside a layout-B fragment of device {device}")
+            if not _inside(self.src_frags(p.src_device).get((p.key, p.kind), ()), p, "src"):
                 errs.append(f"{p}: source device {p.src_device} does not hold it in layout A")
             local_held = any(f.box.contains(p.box) for f in
-                             src_frags.get(d, {}).get((p.key, p.kind), ()))
+                             self.src_frags(device).get((p.key, p.kind), ()))
             if local_held != p.is_local:
                 errs.append(f"{p}: is_local={p.is_local} but destination holds it: "
                             f"{local_held}")
@@ -267,17 +314,47 @@ def validate_plan(plan: Plan, max_errors: int = 50) -> list[str]:
             want = sum(f.box.numel for f in frs)
             ov = overlapping_pairs(boxes, 1)
             if ov:
-                errs.append(f"device {d} {k[0]}/{k[1]}: pieces {ov[0][0]} and {ov[0][1]} "
-                            f"overlap")
+                errs.append(f"device {device} {k[0]}/{k[1]}: pieces {ov[0][0]} and "
+                            f"{ov[0][1]} overlap")
             elif vol != want:
-                errs.append(f"device {d} {k[0]}/{k[1]}: pieces cover {vol} of {want} "
+                errs.append(f"device {device} {k[0]}/{k[1]}: pieces cover {vol} of {want} "
                             f"elements")
         for k in got:
             if k not in need:
-                errs.append(f"device {d}: pieces of {k[0]}/{k[1]} it does not hold in B")
+                errs.append(f"device {device}: pieces of {k[0]}/{k[1]} it does not hold in B")
+        return errs
+
+
+def validate_plan(plan: Plan, max_errors: int = 50) -> list[str]:
+    """Every violation of the plan's contract, checked against the analytic layouts
+    fragment by fragment (explicit: every device's pieces, meant for small worlds and
+    tests; a rank checks its own part with `device_plan_errors`):
+
+      * the pieces received/copied by each destination device tile its layout-B
+        fragments exactly (per key and kind: inside a fragment, no overlap, same volume),
+        with the fragment's local placement;
+      * every piece's source device holds the box in layout A, at the stated local place;
+      * local pieces are exactly those whose destination already holds them.
+    """
+    check = _Checker(plan)
+    errs: list[str] = []
+    for d in plan.dst_devices:
+        errs += check.receives(d, plan.pieces_for(d, "dst"))
         if len(errs) >= max_errors:
             return errs[:max_errors] + ["... (more errors not listed)"]
     return errs
 
 
-__all__ = ["PlanStats", "DeviceTraffic", "Plan", "validate_plan"]
+def device_plan_errors(plan: Plan, device: int,
+                       pieces: Optional[Sequence[Piece]] = None) -> list[str]:
+    """`validate_plan`'s checks for one device's part of the plan: the pieces it
+    receives or copies (as a destination of B) and those it sends. `pieces`: that
+    device's pieces when already materialised (default `plan.pieces_for(device)`). The
+    switch runs it on every rank before anything moves, so together the ranks check
+    the whole plan."""
+    check = _Checker(plan)
+    pieces = plan.pieces_for(device) if pieces is None else pieces
+    return check.receives(device, pieces) + check.sends(device, pieces)
+
+
+__all__ = ["PlanStats", "DeviceTraffic", "Plan", "validate_plan", "device_plan_errors"]

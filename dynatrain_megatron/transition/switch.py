@@ -11,22 +11,25 @@ Order of a switch (every rank of the union of A's and B's devices calls `switch_
   8. rebuild weights from fp32 masters where we chose not to move them, carry scalars
      (optimizer step, LR scheduler, grad scaler, iteration, consumed samples);
   9. release A's objects and groups.
-`transition` never imports `integration`: the caller passes a *builder* and a group factory.
+`transition` never imports `integration`: the caller passes a *builder* and a group factory
+(the types of these seams, the options and the prepared state: `switch_types`).
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..adapters.live import LiveState, optimizer_state_complete, optimizers_of, storage_fingerprint
 from ..adapters.verify import check_live_matches_analytic
+from ..routing.piece import Piece
 from ..routing.placement_search import choose_placement
+from ..routing.plan import device_plan_errors
 from ..routing.planner import build_plan
+from ..routing.regions import RoutingError
 from ..routing.schedule import schedule
 from ..vps.analytic import analytic_layout
 from ..vps.errors import LayoutError
@@ -37,126 +40,21 @@ from ..vps.placement import Placement, is_rank_ordered, rank_ordered
 from .vocab_padding import carry_vocab_padding
 from .executor import PACK_ALIGN, Executor
 from .faults import FaultPlan
+from .switch_types import (Builder, LayoutGroups, Prepared, Scalars, SwitchOptions,
+                           SwitchReport, SwitchResult)
 from .transport import TorchP2PTransport, Transport, collective_device
 
 log = logging.getLogger(__name__)
 
 
-class Builder(Protocol):
-    spec: ModelSpec
-
-    def bucket_size(self, layout: Layout) -> Optional[int]: ...
-
-    def build_detached(self, layout: Layout, groups: Any) -> Any:
-        """B's objects without weight initialisation and without touching the globals A
-        trains with (may run in a background thread)."""
-
-    def activate(self, objs: Any) -> None:
-        """Make `objs` current (globals, RNG seeds): called at the commit."""
-
-
-@dataclass(frozen=True, slots=True)
-class Scalars:
-    """Training state that is not a tensor of the VPS."""
-
-    iteration: int
-    consumed_samples: int
-    optimizer_step: Optional[float]
-    scheduler: dict
-    grad_scaler: Optional[dict]
-
-
-@dataclass
-class SwitchReport:
-    """What a switch did, for logs and benchmarks (this rank's view plus plan totals)."""
-
-    src: str
-    dst: str
-    placement: str
-    bytes_moved: int = 0
-    lower_bound_bytes: int = 0
-    local_bytes: int = 0
-    rounds: int = 0
-    peak_staging_bytes: int = 0
-    sent_bytes: int = 0
-    recv_bytes: int = 0
-    zero_copy_bytes: int = 0  # network bytes sent from / received into live storage directly
-    checksummed_messages: int = 0
-    source_bound_early: bool = False  # A's binding came from the background preparation
-    phases: dict = field(default_factory=dict)
-    # seconds of what was prepared in the background while A trained (not in the pause)
-    background: dict = field(default_factory=dict)
-
-    @property
-    def pause_seconds(self) -> float:
-        return sum(v for k, v in self.phases.items() if k != "groups")
-
-
-@dataclass
-class SwitchResult:
-    objs: Any  # the builder's objects at B, or None on a rank that is not in B
-    layout: Layout
-    placement: Placement
-    groups: Any
-    scalars: Optional[Scalars]
-    report: SwitchReport
-    aborted: Optional[str] = None  # why every rank stays at A (the objects at B are discarded)
-
-
-@dataclass
-class Prepared:
-    """Layout B made ready for a switch from A: built (no weights), bound, checked against
-    the analytic layout, planned and scheduled. Nothing of A is read, so this can run in
-    the background while A trains (elastic.device_manager), leaving only the data
-    movement to the pause. `error` (this rank's) makes the switch abort at its first vote.
-    B's objects hold storage: a Prepared that is not switched to must be released."""
-
-    src: Layout
-    src_placement: Placement
-    dst: Layout
-    dst_placement: Placement
-    groups: Any
-    kinds: tuple[str, ...]
-    unavailable: tuple[int, ...] = ()
-    objs: Any = None  # B's objects, None on a rank outside B
-    live: Optional[LiveState] = None
-    plan: Any = None
-    rounds: Optional[list] = None
-    phases: dict = field(default_factory=dict)
-    background: bool = False
-    error: Optional[str] = None
-    # this rank's pieces, materialised once: local copies, then each round's sends + recvs
-    local_pieces: list = field(default_factory=list)
-    round_pieces: list = field(default_factory=list)
-    # the destination views of the pieces this rank receives or copies (by id of the piece)
-    dst_views: dict = field(default_factory=dict)
-    # A's side bound too (when given A's objects and A had taken a step): the binding, the
-    # fingerprint of the storage it views and the source views of this rank's pieces. The
-    # switch uses them only if A's storage still has that fingerprint at the pause.
-    src_live: Optional[LiveState] = None
-    src_fingerprint: Optional[tuple] = None
-    src_views: dict = field(default_factory=dict)
-
-    def drop_source(self) -> None:
-        """Forget A's binding: its views keep A's storage alive."""
-        self.src_live, self.src_fingerprint, self.src_views = None, None, {}
-
-    def check_for(self, src: Layout, src_placement: Placement, dst: Layout, kinds: tuple,
-                  unavailable: tuple) -> None:
-        if (self.src, self.src_placement, self.dst, self.kinds, self.unavailable) != \
-                (src, src_placement, dst, kinds, unavailable):
-            raise ValueError(f"prepared switch {self.src} -> {self.dst} ({self.kinds}) does "
-                             f"not match the requested {src} -> {dst} ({kinds})")
-
-
 def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement: Placement,
-                   dst: Layout, groups: Any, *, move_weights: bool = False,
-                   ranks_per_node: int = 8, memory_budget: Optional[int] = None,
-                   verify: bool = True, unavailable: Sequence[int] = (),
-                   background: bool = False, faults: Optional[FaultPlan] = None,
-                   src_objs: Any = None) -> Prepared:
+                   dst: Layout, groups: LayoutGroups, options: SwitchOptions = SwitchOptions(),
+                   *, unavailable: Sequence[int] = (), background: bool = False,
+                   faults: Optional[FaultPlan] = None, src_objs: Any = None) -> Prepared:
     """B's side of a switch (module doc, steps 4-6): never raises, a failure is recorded
-    in `error`. `groups` are B's (their placement is B's placement).
+    in `error`. `groups` are B's (their placement is B's placement). With
+    `options.verify`, B's live fragments are checked against the analytic layout and
+    this rank's part of the plan against both layouts (`routing.plan.device_plan_errors`).
 
     With `src_objs` (A's objects, which may be training in another thread meanwhile), A's
     side is bound and checked here too (`_bind_source`), which takes it out of the pause
@@ -164,7 +62,8 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
     t = time.perf_counter
     me = dist.get_rank()
     dst_placement = groups.placement
-    kinds = KINDS if move_weights else OPT_KINDS
+    kinds = options.kinds
+    verify = options.verify
     prep = Prepared(src, src_placement, dst, dst_placement, groups, kinds, tuple(unavailable),
                     background=background)
     vr_b = dst_placement.virtual_rank(me)
@@ -184,20 +83,28 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
         prep.phases["verify"] = t() - t0
         t0 = t()
         prep.plan = build_plan(spec, (src, src_placement), (dst, dst_placement), kinds=kinds,
-                               ranks_per_node=ranks_per_node,
+                               ranks_per_node=options.ranks_per_node,
                                bucket_size=(builder.bucket_size(src), builder.bucket_size(dst)),
                                unavailable=unavailable)
-        prep.rounds = schedule(prep.plan, memory_budget, align=PACK_ALIGN)
+        prep.rounds = schedule(prep.plan, options.memory_budget, align=PACK_ALIGN)
         prep.phases["plan"] = t() - t0
         t0 = t()
-        prep.local_pieces = [p for p in prep.plan.pieces_for(me) if p.is_local]
+        mine = prep.plan.pieces_for(me)
+        prep.local_pieces = [p for p in mine if p.is_local]
         prep.round_pieces = [rnd.sends(me) + rnd.recvs(me) for rnd in prep.rounds]
         if prep.live is not None:
             for p in prep.local_pieces + [p for ps in prep.round_pieces for p in ps]:
                 if p.dst_device == me:
-                    prep.dst_views[id(p)] = prep.live.view(p.kind, p.dst_chunk,
+                    prep.dst_views[p] = prep.live.view(p.kind, p.dst_chunk,
                                                            p.dst_local_name, p.dst_local_box)
         prep.phases["views"] = t() - t0
+        t0 = t()
+        if verify:
+            errs = device_plan_errors(prep.plan, me, mine)
+            if errs:
+                raise RoutingError(f"the plan {src} -> {dst} is wrong for device {me}: "
+                                   + "; ".join(errs[:4]))
+        prep.phases["verify"] += t() - t0
         t0 = t()
         if src_objs is not None and not unavailable:
             _bind_source(prep, spec, builder, src_objs, verify)
@@ -229,7 +136,7 @@ def _bind_source(prep: Prepared, spec: ModelSpec, builder: Builder, objs: Any,
                 live.fragments(prep.kinds),
                 analytic_layout(spec, prep.src, builder.bucket_size(prep.src))
                 .fragments(vr_a, prep.kinds), vr_a)
-        views = {id(p): live.view(p.kind, p.src_chunk, p.src_local_name, p.src_local_box)
+        views = {p: live.view(p.kind, p.src_chunk, p.src_local_name, p.src_local_box)
                  for p in prep.local_pieces + [p for ps in prep.round_pieces for p in ps]
                  if p.src_device == me}
         if storage_fingerprint(objs.model, objs.optimizer) == fp:
@@ -263,7 +170,8 @@ def _agree(errors: list[str]) -> list[str]:
     return [e for errs in everyone for e in errs]
 
 
-def _aborted(src: Layout, dst: Layout, dst_placement: Placement, groups: Any, new_objs: Any,
+def _aborted(src: Layout, dst: Layout, dst_placement: Placement, groups: Optional[LayoutGroups],
+             new_objs: Any,
              stage: str, errors: list[str], phases: dict,
              background: Optional[dict] = None) -> SwitchResult:
     reason = f"switch {src} -> {dst} aborted in {stage}: " + "; ".join(errors[:4]) + \
@@ -348,22 +256,19 @@ def _best_rank_ordered(spec, src, src_placement, dst, devices, kinds, ranks_per_
 
 
 def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
-                  src_placement: Placement, dst: Layout, make_groups: Callable,
-                  scalars: Optional[Scalars], *, dst_devices: Optional[Sequence[int]] = None,
-                  placement: str = "best", ranks_per_node: int = 8,
-                  memory_budget: Optional[int] = None, move_weights: bool = False,
-                  new_groups: Any = None, transport: Optional[Transport] = None,
-                  verify: bool = True, timeout: Optional[float] = None,
-                  checksums: bool = True, faults: Optional[FaultPlan] = None,
-                  src_state: Optional[LiveState] = None,
-                  unavailable: Sequence[int] = (),
+                  src_placement: Placement, dst: Layout,
+                  make_groups: Callable[[Layout, Placement], LayoutGroups],
+                  scalars: Optional[Scalars], options: SwitchOptions = SwitchOptions(), *,
+                  dst_devices: Optional[Sequence[int]] = None,
+                  new_groups: Optional[LayoutGroups] = None,
+                  transport: Optional[Transport] = None, faults: Optional[FaultPlan] = None,
+                  src_state: Optional[LiveState] = None, unavailable: Sequence[int] = (),
                   prepared: Optional[Prepared] = None) -> SwitchResult:
     """Switch this rank from `src` to `dst`. Collective over the default (world) group.
 
     `old_objs` is None on a rank that holds nothing at A (a joining rank). `make_groups(
     layout, placement)` builds B's groups (collective) unless `new_groups` is given.
-    `move_weights=False` moves only the optimizer kinds and rebuilds the weights from the
-    fp32 masters (fewer bytes: weights are replicated over DP, masters are not).
+    `options`: placement policy, what moves, budget, checks, timeout (`SwitchOptions`).
 
     `prepared` (from `prepare_switch`, typically run in the background while A trained)
     holds B built, bound, checked and planned: the switch then only binds A, votes, moves
@@ -375,7 +280,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     both sides, each round under `timeout` seconds); if any rank reports a failure, the
     result is *aborted* (`result.aborted` holds every rank's reasons), B is handed back
     for the caller to release, and the caller continues at A. `faults` injects failures
-    (tests; `DYNATRAIN_FAULTS`).
+    (tests; `DYNATRAIN_FAULTS`); `transport` replaces the point-to-point transport over
+    B's `transfer` group.
 
     Recovery after a death: `src_state` is this rank's state at A already bound (the
     objects themselves were freed with their broken communicators), `src_placement` maps
@@ -387,7 +293,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     phases: dict[str, float] = {}
     background: dict[str, float] = {}
     me = dist.get_rank()
-    kinds = KINDS if move_weights else OPT_KINDS
+    kinds, move_weights, verify = options.kinds, options.move_weights, options.verify
     faults = faults or FaultPlan.from_env() or _NO_FAULTS
     if prepared is None:
         t0 = t()
@@ -403,14 +309,13 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
             dst_placement = Placement(devices)
         else:
             dst_placement = choose_dst_placement(spec, builder, src, src_placement, dst, devices,
-                                                 placement, ranks_per_node, move_weights)
+                                                 options.placement, options.ranks_per_node,
+                                                 move_weights)
         phases["placement"] = t() - t0
         t1 = t()
         groups = new_groups if new_groups is not None else make_groups(dst, dst_placement)
         phases["groups"] = t() - t1
-        prepared = prepare_switch(spec, builder, src, src_placement, dst, groups,
-                                  move_weights=move_weights, ranks_per_node=ranks_per_node,
-                                  memory_budget=memory_budget, verify=verify,
+        prepared = prepare_switch(spec, builder, src, src_placement, dst, groups, options,
                                   unavailable=unavailable, faults=faults)
     else:
         prepared.check_for(src, src_placement, dst, kinds, tuple(unavailable))
@@ -421,7 +326,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     attempt = _next_attempt()
     vr_a = src_placement.virtual_rank(me)
     old_live = None
-    src_views: dict = {}
+    src_views: dict[Piece, torch.Tensor] = {}
     bound_early = False  # A bound and checked in the background, storage unchanged since
     errors: list[str] = [prepared.error] if prepared.error else []
     # -- A's side: bind and check it (unless bound in the background and still valid).
@@ -462,14 +367,14 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
 
     # -- transfer: A is only read; B is written. Checksummed, under a timeout.
     t5 = t()
-    xfer_group = getattr(groups, "transfer", None)
+    xfer_group = groups.transfer
     ex = Executor(me, transport or TorchP2PTransport(xfer_group),
-                  src_view=lambda p: (src_views[id(p)] if id(p) in src_views else
+                  src_view=lambda p: (src_views[p] if p in src_views else
                                       old_live.view(p.kind, p.src_chunk, p.src_local_name,
                                                     p.src_local_box)),
-                  dst_view=lambda p: prepared.dst_views[id(p)],
-                  device=collective_device(xfer_group), tag=attempt, timeout=timeout,
-                  checksums=checksums, faults=faults)
+                  dst_view=lambda p: prepared.dst_views[p],
+                  device=collective_device(xfer_group), tag=attempt, timeout=options.timeout,
+                  checksums=options.checksums, faults=faults)
     errors = list(ex.run(prepared.local_pieces, prepared.round_pieces))
     try:
         # a collective: every rank calls it; after a death any surviving replica serves
