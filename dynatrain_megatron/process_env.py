@@ -3,10 +3,8 @@ is imported, because torch reads these variables once, at its first allocation).
 
 `THP_MEM_ALLOC_ENABLE=1` makes torch's CPU allocator back large tensors with transparent
 huge pages. A switch allocates the new layout's buffers (parameters, gradients, Adam
-moments) and first-touches them; with 4 KiB pages that is one page fault per 4 KiB and
-dominated the CPU switch (measured on the development machine: zero-filling 320 MB took
-0.19-0.23 s with 4 KiB pages, 0.06-0.09 s with huge pages; copying into fresh memory 0.25
-s vs 0.08-0.10 s). It only affects CPU memory; CUDA tensors come from torch's caching
+moments) and first-touches them; with 4 KiB pages that is one page fault per 4 KiB,
+which dominates a CPU switch (docs/bench/notes.md). It only affects CPU memory; CUDA tensors come from torch's caching
 allocator either way.
 """
 from __future__ import annotations
@@ -33,11 +31,10 @@ def release_free_memory() -> bool:
     glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed; after
     that, blocks up to that size come from its heaps (and from a second arena for what the
     background preparation allocates) and stay in the process when freed. Every switch
-    frees one layout and allocates another, so without this a rank's RSS grew by ~0.1 GB
-    per round trip at 80M parameters and ~0.4 GB at 267M, until the benchmark's checkpoint
-    path that runs next was killed for memory. Fixing the threshold instead (no heap reuse)
-    was measured to slow every repeated allocation (training steps, checkpoint loads) by
-    first-touch page faults. False where there is no glibc (nothing to do there)."""
+    frees one layout and allocates another, so without this a rank's RSS grows with every
+    round trip (docs/bench/notes.md). Fixing the threshold instead (no heap reuse) would
+    slow every repeated allocation (training steps, checkpoint loads) by first-touch page
+    faults. False where there is no glibc (nothing to do there)."""
     import ctypes
     import ctypes.util
 

@@ -57,8 +57,8 @@ def forget_default_group_defaults() -> None:
     megatron-core does when it is imported late), ten functions hold the default group
     for the life of the process, and a gloo group's sockets close only with its last
     reference. A survivor that keeps the broken default group alive leaves the others
-    blocked on it (measured: the broadcast root of the step-boundary poll waited until
-    this process exited). Point those defaults back at None (the world, when called)."""
+    blocked on it (the broadcast root of the step-boundary poll waits until this process
+    exits). Point those defaults back at None (the world, when called)."""
     import sys
     import types
 

@@ -34,9 +34,7 @@ Finally the node cuts (`node_cut_seconds`): for every node and every set H of it
 devices, what the node's devices need from holder sets whose on-node holders all lie in
 H goes over H's NVLink sends or over the receivers' NICs, which first carry what no
 node-mate holds. This is what binds when one device is the only on-node holder of what
-its node-mates need (Qwen3-235B ep32 -> ep64 on 4096 GPUs: 1.12x the per-device bound;
-the planner gets within 1.5% of it when allowed to cut set pairs twice as finely, so it
-is close to the best achievable there). The bound lets a destination's share of a set
+its node-mates need (expert parallelism across nodes: docs/bench/notes.md). The bound lets a destination's share of a set
 pair come from several holders (the planner can cut set pairs at region boundaries,
 `geometry.refined`).
 

@@ -43,10 +43,8 @@ def _link_weights() -> tuple[int, int, int]:
 
 
 _MAX_ITER = 64  # rebalancing passes (each moves many rows at once)
-# and row evaluations in all: bounds the planning time. Measured on one core: 350k keeps
-# the 4096-rank Qwen3 scenarios' whole planning (placement + two plans + bounds) at
-# ~0.7 s, under the 1 s target; on ep32 -> ep64 the search is then at 1.049x the node-cut
-# bound, and unlimited work (~1.3M evaluations, +0.3 s) reaches 1.037x
+# and row evaluations in all: bounds the planning time, so that the largest scenarios
+# (4096 ranks) plan in under a second; the trade-off is in docs/bench/notes.md
 _MAX_WORK = 350_000
 _STEP = 16  # first target: 1/_STEP below the slowest device
 _MIN_STEP = 64  # stop when stuck even 1/_MIN_STEP below it
@@ -56,9 +54,9 @@ _TURNS = 8
 def _times(s0, s1, r0, r1, floor, w):
     """Device times in integer units (`_rebalance`): the slower link, at least the local
     copies (they overlap the round); `w` = (NVLink, NIC) weights per byte. The checksum
-    passes are left out: they add the same per-byte cost whatever the link, and counting
-    them made the search settle worse in a trial on the 4096-rank scenario (estimate
-    1.33x the bound instead of 1.31x)."""
+    passes are left out: they add the same per-byte cost whatever the link, so they do
+    not change which source is better, and counting them makes the search settle worse
+    (docs/bench/notes.md)."""
     wi, we = w
     return np.maximum(np.maximum(np.maximum(s0, r0) * wi, np.maximum(s1, r1) * we), floor)
 
@@ -152,10 +150,9 @@ def _rebalance(p_r, d_r, idx, s_off, sdev, snode, g_of_p, same_ok, vb, rpn, M, l
     slowest devices first. The first pass is *wide*: a device may shed several rows
     (until its excess is gone, `_shed_in_turn`) and take several (while it stays under
     the target, `_accept_gains`), which does the bulk of the work in one pass when
-    hundreds of devices are equally overloaded (4096-rank scenario: 800 moves instead of
-    270). The later passes are *narrow* (a device takes part in one move), which settles
-    better: wide passes to the end left Llama-3-70B tp8 -> tp4 at 1.055x the bound instead
-    of 1.032x. The gaining devices end no higher than their moves were evaluated, so
+    hundreds of devices are equally overloaded. The later passes are *narrow* (a device
+    takes part in one move), which settles closer to the bound than wide passes to the
+    end (docs/bench/notes.md). The gaining devices end no higher than their moves were evaluated, so
     every pass lowers the sorted vector of device times lexicographically and the search
     terminates; it stops at the bound, when stuck 1/_MIN_STEP below the slowest device,
     after `_MAX_ITER` passes, or after `_MAX_WORK` row evaluations. Deterministic:

@@ -8,9 +8,9 @@ bytes' values alone: the 8-byte words are those of the message, not of memory.
 
 A message that starts at an address that is not a multiple of 8 (a view into live
 storage at an odd fp32 element, common) cannot be viewed as int64 by torch. On the CPU
-numpy sums it in place as unaligned int64 words (measured: 27 ms for 180 MB, against 203
-ms for the aligned copy this used to make, and 18 ms when aligned); on a GPU a device copy
-is cheap next to the link.
+numpy sums it in place as unaligned int64 words, which costs about what an aligned sum
+does, where an aligned copy first would cost several times more (docs/bench/notes.md);
+on a GPU a device copy is cheap next to the link.
 """
 from __future__ import annotations
 
