@@ -24,6 +24,7 @@ from ..elastic.groups import build_groups
 from ..elastic.join import open_reviewer
 from ..transition.faults import FaultPlan
 from ..transition.switch import choose_dst_placement
+from ..transition.switch_types import SwitchOptions
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
@@ -62,6 +63,9 @@ class DynatrainHook:
                  background_groups: bool = True, timeout: Optional[float] = None,
                  rendezvous_dir: Optional[str] = None,
                  recovery_checkpoint: Optional[str] = None, max_recoveries: int = 8) -> None:
+        # the job's switch options, checked once at start (SwitchError names every bad one)
+        SwitchOptions(placement=placement, ranks_per_node=ranks_per_node,
+                      memory_budget=memory_budget, timeout=timeout)
         self.spec = spec
         self.builder = MegatronBuilder(spec, train)
         self.controller = controller

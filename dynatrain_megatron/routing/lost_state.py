@@ -19,6 +19,7 @@ from ..vps.fragment import KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
+from .regions import RoutingError
 
 @dataclass(frozen=True, slots=True)
 class LostBox:
@@ -82,7 +83,7 @@ def lost_state(spec: ModelSpec, layout: Layout, dead: Iterable[int],
     dead = tuple(sorted(set(dead)))
     bad = [d for d in dead if placement.virtual_rank(d) is None]
     if bad:
-        raise ValueError(f"devices {bad} are not part of {layout} on {placement}")
+        raise RoutingError(f"devices {bad} are not part of {layout} on {placement}")
     an = analytic_layout(spec, layout, bucket_size)
     held: dict[tuple[str, str], list[Box]] = {}
     gone: dict[tuple[str, str], list[Box]] = {}
