@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from ..routing.piece import Piece
 from .checksum import checksum
 from .faults import FaultPlan
 from .transport import Pending, Transport
@@ -54,12 +55,12 @@ def _signed(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
-def local_shares(local: Sequence, n_rounds: int) -> list[list]:
+def local_shares(local: Sequence[Piece], n_rounds: int) -> list[list[Piece]]:
     """`local` pieces cut, in order, into one share per round (at least one) of about equal
     bytes: share i is copied while round i is on the wire (routing.cost models the same)."""
     n = max(1, n_rounds)
     total = sum(p.nbytes for p in local)
-    shares: list[list] = [[] for _ in range(n)]
+    shares: list[list[Piece]] = [[] for _ in range(n)]
     done = 0
     for p in local:
         i = min(n - 1, done * n // total) if total else 0
@@ -108,8 +109,8 @@ class Executor:
     """
 
     def __init__(self, rank: int, transport: Transport,
-                 src_view: Callable[[object], torch.Tensor],
-                 dst_view: Callable[[object], torch.Tensor],
+                 src_view: Callable[[Piece], torch.Tensor],
+                 dst_view: Callable[[Piece], torch.Tensor],
                  device: Optional[torch.device] = None, *, tag: int = 0,
                  timeout: Optional[float] = None, checksums: bool = True,
                  faults: Optional[FaultPlan] = None) -> None:
@@ -126,7 +127,7 @@ class Executor:
         self.errors: list[str] = []
         self._stalled = False  # a round timed out: post nothing more
 
-    def run(self, local: Sequence, rounds: Sequence[Sequence]) -> list[str]:
+    def run(self, local: Sequence[Piece], rounds: Sequence[Sequence[Piece]]) -> list[str]:
         """The whole transition: `local` pieces (copies on this rank) and, per round, the
         round's pieces that involve this rank. The local copies are spread over the rounds
         (`local_shares`), each share copied while its round is on the wire: under a
@@ -162,7 +163,7 @@ class Executor:
             self._record(what, e)
 
     @torch.no_grad()
-    def run_local(self, pieces: Iterable) -> None:
+    def run_local(self, pieces: Iterable[Piece]) -> None:
         for p in pieces:
             dst = self.dst_view(p)
             dst.copy_(self.src_view(p))
@@ -172,7 +173,7 @@ class Executor:
         return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 
     @torch.no_grad()
-    def _post(self, pieces: Sequence, index: int) -> _Round:
+    def _post(self, pieces: Sequence[Piece], index: int) -> _Round:
         t0 = time.perf_counter()
         self.faults.delay(self.rank, index)
         out: dict[int, list] = {}
