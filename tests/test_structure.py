@@ -6,6 +6,7 @@ whose imports need torch or megatron."""
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parent.parent / "dynatrain_megatron"
@@ -21,6 +22,11 @@ def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
         is_pkg = parts[-1] == "__init__"
         mods[".".join(parts[:-1] if is_pkg else parts)] = (f, is_pkg)
     return mods
+
+
+@functools.cache
+def _package_imports() -> tuple[dict[str, set[str]], list[str]]:
+    return _imports(_modules())
 
 
 def _imports(mods) -> tuple[dict[str, set[str]], list[str]]:
@@ -101,7 +107,7 @@ def test_cycle_detector_finds_a_circle():
 
 
 def test_no_import_circle_and_no_private_imports():
-    edges, private = _imports(_modules())
+    edges, private = _package_imports()
     assert "dynatrain_megatron.routing.plan" in edges  # the scan saw the package
     assert _cycles(edges) == []
     assert private == []
@@ -114,7 +120,7 @@ def test_modules_under_the_size_limit():
 
 
 def test_only_tests_and_the_benchmark_use_testing():
-    edges, _ = _imports(_modules())
+    edges, _ = _package_imports()
     users = {src for src, targets in edges.items()
              if any(t.startswith("dynatrain_megatron.testing") for t in targets)
              and not src.startswith("dynatrain_megatron.testing")}
@@ -126,7 +132,7 @@ def test_layers_import_downwards():
     only the layers below it (compat and the package root are outside the layers)."""
     rank = {"vps": 0, "adapters": 1, "routing": 1, "transition": 2, "elastic": 3,
             "integration": 4}
-    edges, _ = _imports(_modules())
+    edges, _ = _package_imports()
     bad = []
     for src, targets in edges.items():
         a = src.split(".")[1] if src.count(".") else ""
