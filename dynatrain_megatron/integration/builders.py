@@ -89,12 +89,25 @@ def make_transformer_config(spec: ModelSpec, layout: Layout):
     return TransformerConfig(**kw)
 
 
+def with_layer_implementation(spec: ModelSpec) -> ModelSpec:
+    """`spec` built with Transformer Engine's layers where TE is usable (a GPU with TE
+    installed), megatron's local layers otherwise. The choice is part of the spec because
+    the analytic layout must name and order the parameters as the built model does."""
+    return spec.replace(transformer_engine=transformer_engine_available())
+
+
 def layer_spec(spec: ModelSpec):
-    """Transformer Engine spec where installed (GPU), megatron's local spec otherwise."""
+    """Transformer Engine's spec when `spec.transformer_engine`, megatron's local one
+    otherwise (`with_layer_implementation` chooses)."""
     from megatron.core.models.gpt import gpt_layer_specs as s
 
     experts = spec.num_moe_experts
-    if transformer_engine_available():
+    if spec.transformer_engine:
+        if not transformer_engine_available():
+            from ..vps.errors import ModelSpecError
+
+            raise ModelSpecError(f"model {spec.name!r} asks for Transformer Engine layers, "
+                                 f"which are not usable here (TE not installed or no GPU)")
         return s.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm)
     return s.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
