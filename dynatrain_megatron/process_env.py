@@ -8,13 +8,19 @@ dominated the CPU switch (measured on the development machine: zero-filling 320 
 0.19-0.23 s with 4 KiB pages, 0.06-0.09 s with huge pages; copying into fresh memory 0.25
 s vs 0.08-0.10 s). It only affects CPU memory; CUDA tensors come from torch's caching
 allocator either way.
+
+`TORCH_NCCL_ASYNC_ERROR_HANDLING=2` (torch's "CleanUpOnly"; read when an NCCL group is
+made): when a collective times out or its communicator fails, the NCCL watchdog aborts that
+communicator and the waiting thread gets an error, and the process lives on. torch 2.13's
+default (3, "SkipCleanUp") tears the process down instead, which would turn a switch that
+should roll back, or a dead peer that our recovery handles, into the end of the job.
 """
 from __future__ import annotations
 
 import os
 from typing import MutableMapping, Optional
 
-RANK_ENV: dict[str, str] = {"THP_MEM_ALLOC_ENABLE": "1"}
+RANK_ENV: dict[str, str] = {"THP_MEM_ALLOC_ENABLE": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 def apply(env: Optional[MutableMapping[str, str]] = None) -> MutableMapping[str, str]:

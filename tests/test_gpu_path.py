@@ -164,3 +164,183 @@ def test_optimizer_step_read_and_written_where_the_optimizer_keeps_it(style):
         assert all(g["step"] == 3 for g in fresh.param_groups)
         fresh.step()
         assert read_optimizer_step(b) == 4.0  # bias correction continues, not from 1
+
+
+# ----------------------------------------------------------------- the preparation thread
+class _FakeCuda:
+    """torch.cuda as far as the preparation thread uses it, recording per thread."""
+
+    def __init__(self):
+        import threading
+
+        self.set_in: list = []  # (thread name, device)
+        self.streams: list = []
+        self.entered: list = []  # thread names that entered their stream
+        self.synced: list = []
+        self._threading = threading
+
+    def set_device(self, device):
+        self.set_in.append((self._threading.current_thread().name, device))
+
+    def Stream(self, device=None):  # noqa: N802 - torch's name
+        fake = self
+
+        class S:
+            def synchronize(self):
+                fake.synced.append(self)
+        s = S()
+        self.streams.append((s, device))
+        return s
+
+    def stream(self, s):
+        import contextlib
+        fake = self
+
+        @contextlib.contextmanager
+        def ctx():
+            fake.entered.append((fake._threading.current_thread().name, s))
+            yield
+        return ctx()
+
+
+def test_preparation_thread_sets_the_rank_device_and_its_own_stream(monkeypatch):
+    from dynatrain_megatron.elastic import communicators, device_manager
+
+    fake = _FakeCuda()
+    monkeypatch.setattr(communicators.torch, "cuda", fake)
+    monkeypatch.setattr(device_manager, "build_groups", lambda layout, placement: "groups")
+    dev = torch.device("cuda", 3)  # what the training thread had set (LOCAL_RANK 3)
+    dm = device_manager.DeviceManager(device=dev)
+    seen = []
+    dm.prepare(Layout.parse("tp1", 1), None, background=True,
+               then=lambda g: seen.append(g) or "prepared")
+    dm._thread.join(30)
+    assert seen == ["groups"]
+    assert fake.set_in == [("dynatrain-prepare", dev)]  # in the thread, the rank's device
+    (stream, sdev), = fake.streams
+    assert sdev == dev and fake.entered == [("dynatrain-prepare", stream)]
+    assert fake.synced == [stream]  # B complete before the training thread reads it
+    assert dm._prepared == "prepared"
+
+
+def test_device_manager_records_the_creating_threads_device(monkeypatch):
+    from dynatrain_megatron.elastic import communicators, device_manager
+
+    class C:
+        @staticmethod
+        def is_available():
+            return True
+
+        @staticmethod
+        def current_device():
+            return 5
+    monkeypatch.setattr(communicators.torch, "cuda", C)
+    assert device_manager.DeviceManager().device == torch.device("cuda", 5)
+    monkeypatch.setattr(C, "is_available", staticmethod(lambda: False))
+    assert device_manager.DeviceManager().device is None  # CPU: nothing to set
+
+
+# ----------------------------------------------------------------- NCCL-safe transport
+def test_every_rank_posts_the_transfer_groups_first_batch_even_empty(monkeypatch):
+    """NCCL's first batch_isend_irecv on a group needs every rank of it: a rank with
+    nothing to exchange still takes part (the warm-up), once per group."""
+    from dynatrain_megatron.transition import transport as tp
+
+    calls = []
+    monkeypatch.setattr(tp.dist, "all_reduce", lambda t, group=None, **k: calls.append(("warm", group)))
+    monkeypatch.setattr(tp.dist, "batch_isend_irecv", lambda ops: calls.append(("batch", len(ops))) or [])
+    monkeypatch.setattr(tp, "collective_device", lambda group=None: torch.device("cpu"))
+    monkeypatch.setattr(tp.dist, "P2POp", lambda *a, **k: a)
+    groups = [object.__new__(type("G", (), {})) for _ in range(2)]  # two ranks' handles
+    tp._WARM.clear()
+    idle = tp.TorchP2PTransport(groups[0], nccl=True)
+    busy = tp.TorchP2PTransport(groups[1], nccl=True)
+    idle.start({}, {}).wait()  # rank with nothing to send or receive in round 0
+    busy.start({1: [torch.zeros(2)]}, {}).wait()
+    assert calls == [("warm", groups[0]), ("warm", groups[1]), ("batch", 1)]
+    calls.clear()
+    idle.start({}, {}).wait()
+    busy.start({1: [torch.zeros(2)]}, {1: [torch.zeros(2)]}).wait()
+    assert calls == [("batch", 2)]  # warmed once; later rounds are plain batches
+    gloo = tp.TorchP2PTransport(object.__new__(type("H", (), {})), nccl=False)
+    gloo.start({}, {}).wait()
+    assert calls == [("batch", 2)]  # gloo: unchanged (creates communicators eagerly)
+
+
+class _Work:
+    def __init__(self, done_after: float):
+        import time
+        self.t = time.monotonic() + done_after
+        self.waited = False
+
+    def is_completed(self):
+        import time
+        return time.monotonic() >= self.t
+
+    def wait(self, timeout=None):
+        self.waited = True
+        return True
+
+
+def test_polled_deadline_aborts_the_group_and_raises_timeout():
+    from dynatrain_megatron.transition.transport import Pending
+
+    aborted = []
+    w = _Work(done_after=3600)
+    with pytest.raises(TimeoutError, match="aborted"):
+        Pending([w], polled=True, on_timeout=lambda: aborted.append(1)).wait(timeout=0.05)
+    assert aborted == [1] and not w.waited  # never a blocking wait on a peer that is gone
+    ok = [_Work(0.01), _Work(0.0)]
+    Pending(ok, polled=True, on_timeout=lambda: aborted.append(2)).wait(timeout=5)
+    assert all(x.waited for x in ok) and aborted == [1]
+
+
+def test_batched_checksums_equal_one_by_one():
+    from dynatrain_megatron.transition.checksum import _device_sum, checksum, checksums
+
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=g)
+    msgs = [buf[o:o + n] for o, n in ((0, 0), (1, 7), (3, 801), (8, 4000), (5, 13))]
+    assert checksums(msgs) == [checksum(m) for m in msgs]
+    # the device formula (no host sync), run here on CPU tensors, is the same sum
+    assert [int(_device_sum(m)) & 0xFFFFFFFFFFFFFFFF for m in msgs] == [checksum(m) for m in msgs]
+
+
+# ----------------------------------------------------------------- memory of A and B together
+def test_switch_memory_arithmetic_and_decision():
+    from dynatrain_megatron.vps.errors import LayoutError
+    from dynatrain_megatron.vps.memory import estimate_state_memory, switch_memory_plan
+
+    spec = ModelSpec.from_yaml(ROOT / "configs/models/llama3-70b.yaml").replace(params_dtype="bf16")
+    a, b = Layout.parse("tp8pp4dp4", 128), Layout.parse("tp4pp4dp8", 128)
+    dev = tuple(range(128))
+    GiB = 1 << 30
+
+    def plan(mem, act=20 * GiB, reserve=4 * GiB):
+        return switch_memory_plan(spec, a, dev, b, dev, device_memory_bytes=mem,
+                                  activation_bytes=act, reserve_bytes=reserve)
+
+    p = plan(80 * GiB)
+    # the per-device sum is exactly A's state + grads (estimate_state_memory) + activations
+    # + B's state + grads + reserve, on the same device for both layouts (same placement)
+    ea, eb = estimate_state_memory(spec, a), estimate_state_memory(spec, b)
+    (m0, bg, d0), (m1, ip, d1) = p.need_bytes
+    assert (m0, m1) == ("background", "in_pause")
+    assert bg == ip + 20 * GiB
+    assert bg <= ea.max_bytes + eb.max_bytes + 24 * GiB
+    assert p.a_state + p.a_grads + p.activations + p.b_state + p.reserve == bg
+    assert abs(p.a_state + p.a_grads - 19.04 * GiB) < 0.01 * GiB  # the issue's figures
+    assert abs(p.b_state - 31.72 * GiB) < 0.01 * GiB
+    assert p.mode == "background" and "in the background" in p.describe()
+    # between the two needs: B is built at the boundary, after A's activations are freed
+    q = plan((bg + ip) // 2)
+    assert q.mode == "in_pause" and "degraded" in q.describe()
+    assert plan(bg).mode == "background" and plan(bg - 1).mode == "in_pause"
+    r = plan(ip - 1)
+    assert r.mode is None and not r.fits and "do not fit" in r.describe()
+    # standby devices of A carry no activations; a scale-in B on fewer devices still counts
+    small = switch_memory_plan(spec, a, dev, Layout.parse("tp8pp4dp2", 64), dev[:64],
+                               device_memory_bytes=80 * GiB, activation_bytes=0)
+    assert small.need_bytes[0][1] == small.need_bytes[1][1]
+    with pytest.raises(LayoutError, match="activation_bytes"):
+        plan(80 * GiB, act=-1)

@@ -20,6 +20,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from .communicators import create_control_group, rank_device
+
 log = logging.getLogger(__name__)
 
 
@@ -136,12 +138,8 @@ def drop_default_group() -> None:
 def start_default_group(store: dist.Store, prefix: str, rank: int, world: int,
                         timeout_s: float = 300.0) -> None:
     """A new default group of `world` processes meeting under `prefix` in `store`."""
-    dist.init_process_group("gloo" if not _cuda() else "nccl",
+    device = rank_device()
+    dist.init_process_group("gloo" if device is None else "nccl", device_id=device,
                             store=dist.PrefixStore(prefix, store), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    create_control_group()

@@ -30,6 +30,8 @@ from ..vps.model_spec import ModelSpec
 from ..vps.memory import check_memory_fit
 from ..vps.placement import Placement
 from .builders import MegatronBuilder, TrainingObjects, bucket_size_of
+from .memory_check import SwitchMemoryCheck
+from .memory_check import from_args as memory_check_from_args
 from .switching import WorldBroken, prepared_switch_args, start_preparation, switch_trainer
 from .train_config import TrainConfig
 from .training import Trainer
@@ -61,7 +63,8 @@ class DynatrainHook:
                  placement: str = "best", log_dir: Optional[str] = None,
                  background_groups: bool = True, timeout: Optional[float] = None,
                  rendezvous_dir: Optional[str] = None,
-                 recovery_checkpoint: Optional[str] = None, max_recoveries: int = 8) -> None:
+                 recovery_checkpoint: Optional[str] = None, max_recoveries: int = 8,
+                 memory: Optional[SwitchMemoryCheck] = None) -> None:
         self.spec = spec
         self.builder = MegatronBuilder(spec, train)
         self.controller = controller
@@ -87,6 +90,7 @@ class DynatrainHook:
         self.recoveries: list[dict] = []
         self.admitted: list[dict] = []  # joiners that grew the world (integration/grow.py)
         self.faults = FaultPlan.from_env()  # DYNATRAIN_FAULTS, e.g. a rank killed at a step
+        self.memory = memory  # A and B together on the devices (integration/memory_check.py)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig) -> "DynatrainHook":
@@ -106,7 +110,8 @@ class DynatrainHook:
                    placement="default" if args.dynatrain_default_placement else "best",
                    log_dir=args.dynatrain_log_dir, timeout=args.dynatrain_timeout,
                    rendezvous_dir=args.dynatrain_rendezvous_dir,
-                   recovery_checkpoint=args.dynatrain_recovery_checkpoint)
+                   recovery_checkpoint=args.dynatrain_recovery_checkpoint,
+                   memory=memory_check_from_args(args))
 
     def start(self, trainer: Optional[Trainer], layout: Layout, placement: Placement) -> None:
         """Tell the hook the job's first layout; every process calls it (standby ranks,
@@ -170,7 +175,18 @@ class DynatrainHook:
                                          dst, tuple(range(dst.world_size)), self.placement,
                                          self.ranks_per_node)
         self.decision = d
-        if not self.background_groups:
+        in_pause = False
+        if self.memory is not None:  # collective; the same decision on every rank
+            mem = self.memory.plan(self.spec, self.builder, src, self.layout_placement, dst,
+                                   placement)
+            (log.info if mem.mode == "background" else log.warning)("%s", mem.describe())
+            if not mem.fits:
+                self.rejected.append(mem.describe())
+                self.controller.done(d, "failed", mem.describe())
+                self.decision = None
+                return
+            in_pause = mem.mode == "in_pause"
+        if not self.background_groups or in_pause:
             log.info("iteration %s: switch %s (%d ranks) -> %s (%d ranks) requested; groups "
                      "built inside the switch", iteration, src, src.world_size, dst,
                      dst.world_size)
