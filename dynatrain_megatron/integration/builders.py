@@ -33,8 +33,13 @@ def transformer_engine_available() -> bool:
     return torch.cuda.is_available()
 
 
-def make_transformer_config(spec: ModelSpec, layout: Layout):
-    """TransformerConfig for `spec` at `layout` (CPU-safe fusions off, dropout off)."""
+def make_transformer_config(spec: ModelSpec, layout: Layout, init_weights: bool = True):
+    """TransformerConfig for `spec` at `layout` (CPU-safe fusions off, dropout off).
+
+    Weights that are initialised are drawn whole on the CPU then split (the same seed gives
+    the same model at every TP/EP, which makes layouts comparable). A switch's layout B is
+    built without initialisation: on a GPU its parameters are then allocated on the device
+    directly (no host allocation, no copy from pageable memory)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = _TORCH_DTYPES[spec.params_dtype]
@@ -54,9 +59,7 @@ def make_transformer_config(spec: ModelSpec, layout: Layout):
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
         sequence_parallel=spec.is_moe and layout.tp > 1,
-        # full weights are initialised on the CPU then split: the same seed gives the same
-        # model at every TP/EP, which makes layouts comparable
-        use_cpu_initialization=True,
+        use_cpu_initialization=init_weights or not torch.cuda.is_available(),
         gated_linear_unit=spec.swiglu,
         activation_func=F.silu if spec.swiglu else F.gelu,
         normalization=spec.normalization,
@@ -156,6 +159,8 @@ def build_model_chunks(spec: ModelSpec, layout: Layout, groups: ParallelGroups, 
             pg_collection=groups.pg_collection,
             vp_stage=v if layout.vpp > 1 else None,
         )
+        if torch.cuda.is_available():  # what CPU initialisation left on the host (as
+            m.cuda(torch.cuda.current_device())  # Megatron-LM's get_model does)
         if config.bf16 or config.fp16:
             m = Float16Module(config, m)
         chunks.append(m)
@@ -269,7 +274,7 @@ def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGrou
         raise LayoutError(f"layout {layout}: context parallelism needs Transformer Engine's "
                           f"attention; megatron-core's local DotProductAttention refuses "
                           f"context_parallel_size > 1 (plan and check CP analytically on CPU)")
-    config = make_transformer_config(spec, layout)
+    config = make_transformer_config(spec, layout, init_weights=init_weights)
     chunks = build_model_chunks(spec, layout, groups, config, init_weights=init_weights)
     if not init_weights:
         restore_tensor_parallel_attributes(chunks, spec)
