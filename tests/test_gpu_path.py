@@ -344,3 +344,40 @@ def test_switch_memory_arithmetic_and_decision():
     assert small.need_bytes[0][1] == small.need_bytes[1][1]
     with pytest.raises(LayoutError, match="activation_bytes"):
         plan(80 * GiB, act=-1)
+
+
+# ----------------------------------------------------------------- scripts/gpu_check.py
+def test_gpu_check_dry_run_lists_every_check_and_each_has_its_worker(tmp_path):
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    script = ROOT / "scripts/gpu_check.py"
+    out = tmp_path / "report.json"
+    p = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(out.read_text())
+    names = [c["name"] for c in report["checks"]]
+    assert report["dry_run"] is True
+    assert {"train_tiny_gpt", "train_tiny_moe", "megatron_lm", "bind_live_vs_analytic",
+            "identity_switch", "bandwidth", "nccl_timeout_rollback",
+            "multi_rank_switch_vs_checkpoint"} == set(names)
+    assert all(n in p.stdout for n in names)
+    spec = importlib.util.spec_from_file_location("gpu_check", script)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules["gpu_check"]
+    for n in names:  # every listed check can run (megatron_lm through its own function)
+        assert callable(getattr(mod, f"w_{n}", None) or (n == "megatron_lm" and mod.run_megatron_lm_check))
+    # one GPU: at most ten minutes of limits besides the multi-GPU check
+    one = [c for c in mod.plan(1, None) if c["runs"]]
+    assert "multi_rank_switch_vs_checkpoint" not in {c["name"] for c in one}
+    assert sum(c["limit_s"] for c in one) <= 600
+    bad = subprocess.run([sys.executable, str(script), "--dry-run", "--only", "nope", "--out",
+                          str(out)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown checks" in bad.stderr
