@@ -246,11 +246,11 @@ def w_nccl_timeout_rollback() -> dict:
     import torch
     import torch.distributed as dist
 
-    from dynatrain_megatron.elastic.communicators import bound_device
+    from dynatrain_megatron.elastic.communicators import group_device
     from dynatrain_megatron.transition.transport import Pending, abort_group, warm_up
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    g = dist.new_group(list(range(world)), device_id=bound_device())
+    g = dist.new_group(list(range(world)), device_id=group_device())
     warm_up(g)
     out: dict = {}
     if rank == 0:  # a receive nobody sends: the peer "never shows up"

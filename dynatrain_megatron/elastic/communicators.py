@@ -13,8 +13,18 @@ Why each piece (NCCL; read against torch 2.13):
   training thread's, at a different point on each rank: two collectives of different
   communicators can then wait on each other in a cycle. It gets a stream of its own.
 - A group's NCCL communicator is created at its first collective unless the group is
-  created with a `device_id`; created eagerly (`build_groups` passes the rank's device),
-  or warmed up here (`warm_up_groups`) at a point every rank reaches in the same order.
+  created with a `device_id`: `build_groups` passes the rank's device (`group_device`),
+  so B's communicators are made with B's groups, in the background, in the same order on
+  every rank; `warm_up_groups` checks them with one collective each at a point every rank
+  reaches in the same order. The default group is *not* bound to the device
+  (`init_process_group(device_id=...)`): bound, torch makes every later group by
+  `ncclCommSplit` of the default communicator, which is a collective over the whole
+  world; ranks outside a new group (standby ranks, or any rank for a gloo group of a
+  subset) call it at once, members only when their communicator is made, and the
+  preparation thread would run it beside the training thread's use of the default
+  communicator. Unbound, each group's communicator is made from the job's store by its
+  members alone. The default communicator is warmed up at start instead
+  (`warm_up_default`).
 - The per-step agreements of the hook (is the preparation done everywhere?) run on a gloo
   group over the world (`control_group`): a CPU tensor, no device synchronisation per
   step, and the default NCCL communicator, from which the background thread splits B's
@@ -43,12 +53,19 @@ def rank_device() -> Optional[torch.device]:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def bound_device() -> Optional[torch.device]:
-    """The device the default group was bound to (`init_process_group(device_id=...)`), or
-    None. Groups created with it get their NCCL communicator at creation."""
-    if not dist.is_initialized():
+def group_device() -> Optional[torch.device]:
+    """The device to create new groups with (`new_group(device_id=...)`: their NCCL
+    communicators are made at once, by their members), None under gloo."""
+    if not dist.is_initialized() or not is_nccl():
         return None
-    return getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+    return rank_device()
+
+
+def warm_up_default() -> None:
+    """Create the default group's NCCL communicator now (at start, every rank, on the
+    training thread): one all-reduce. Nothing to do under gloo."""
+    if is_nccl():
+        warm_up(dist.group.WORLD)
 
 
 @contextlib.contextmanager

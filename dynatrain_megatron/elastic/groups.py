@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from ..transition.transport import abort_group
-from .communicators import bound_device
+from .communicators import group_device
 from ..vps.layout import GROUP_AXES, Layout
 from ..vps.placement import Placement, is_rank_ordered
 
@@ -122,7 +122,7 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
     cache: dict[tuple[int, ...], object] = {}
     created: list = []
 
-    device = bound_device()  # NCCL: each communicator created with its group, eagerly
+    device = group_device()  # NCCL: each communicator created with its group, eagerly
 
     def make(ranks: Sequence[int]):
         key = tuple(ranks)

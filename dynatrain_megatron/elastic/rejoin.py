@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from .communicators import create_control_group, rank_device
+from .communicators import create_control_group, rank_device, warm_up_default
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,8 @@ def start_default_group(store: dist.Store, prefix: str, rank: int, world: int,
                         timeout_s: float = 300.0) -> None:
     """A new default group of `world` processes meeting under `prefix` in `store`."""
     device = rank_device()
-    dist.init_process_group("gloo" if device is None else "nccl", device_id=device,
+    dist.init_process_group("gloo" if device is None else "nccl",
                             store=dist.PrefixStore(prefix, store), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    warm_up_default()
     create_control_group()

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .. import process_env
 from ..compat import prepare_runtime
-from ..elastic.communicators import create_control_group
+from ..elastic.communicators import create_control_group, warm_up_default
 from ..elastic.groups import Placement, build_groups
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
@@ -35,10 +35,11 @@ def init_distributed(timeout_s: float = 300.0) -> None:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    # bound to the device, NCCL creates the default communicator now and every later
-    # group's communicator with the group (split from it), never lazily inside a step
-    dist.init_process_group("nccl" if device is not None else "gloo", device_id=device,
+    # not bound to the device (elastic/communicators.py says why); every communicator is
+    # made eagerly all the same: this one now, each group's with the group
+    dist.init_process_group("nccl" if device is not None else "gloo",
                             timeout=datetime.timedelta(seconds=timeout_s))
+    warm_up_default()
     create_control_group()
 
 
