@@ -64,7 +64,8 @@ CHECKS: tuple[Check, ...] = (
           "polled deadline, the communicator is aborted, the process and the default group "
           "live on", 1, 60, _one),
     Check("multi_rank_switch_vs_checkpoint", "a multi-rank NCCL switch, then training, bit for "
-          "bit equal to dist_checkpointing save at A and load at B", 2, 180, _pair),
+          "bit equal to dist_checkpointing save at A and load at B; then a switch with a late "
+          "peer rolled back (state bit for bit kept, training goes on)", 2, 180, _pair),
 )
 
 
@@ -280,6 +281,7 @@ def w_multi_rank_switch_vs_checkpoint() -> dict:
     from dynatrain_megatron.integration.session import start_job
     from dynatrain_megatron.integration.switching import switch_trainer
     from dynatrain_megatron.integration.training import Trainer
+    from dynatrain_megatron.transition.faults import FaultPlan
     from dynatrain_megatron.vps.layout import Layout
 
     world = dist.get_world_size()
@@ -299,9 +301,18 @@ def w_multi_rank_switch_vs_checkpoint() -> dict:
     it, consumed = dist_ckpt.load(objs, ckpt)
     ref = Trainer(spec, train, objs, it, consumed)
     loaded = [ref.step().loss for _ in range(3)]
-    return dict(ok=res.aborted is None and switched == loaded, src=a, dst=b,
-                switched_losses=switched, checkpoint_losses=loaded,
-                pause_s=res.report.pause_seconds, bytes_moved=res.report.bytes_moved)
+    # a switch back whose round 0 is late on rank 1 beyond the timeout: NCCL rolls back
+    before = _state(ref)
+    ref, late = switch_trainer(ref, builder, dst, ref.objs.groups.placement, src, timeout=3.0,
+                               faults=FaultPlan(delay_rank=1, delay_seconds=8.0))
+    after = _state(ref)
+    kept = sorted(before) == sorted(after) and all(_bits_equal(before[k], after[k]) for k in before)
+    loss = ref.step().loss
+    return dict(ok=res.aborted is None and switched == loaded and late.aborted is not None
+                and kept and str(ref.objs.layout) == str(dst) and loss == loss,
+                src=a, dst=b, switched_losses=switched, checkpoint_losses=loaded,
+                pause_s=res.report.pause_seconds, bytes_moved=res.report.bytes_moved,
+                timeout_rollback=dict(aborted=late.aborted, state_kept=kept, loss_after=loss))
 
 
 # ----------------------------------------------------------------------------- driver

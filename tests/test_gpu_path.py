@@ -381,3 +381,28 @@ def test_gpu_check_dry_run_lists_every_check_and_each_has_its_worker(tmp_path):
     bad = subprocess.run([sys.executable, str(script), "--dry-run", "--only", "nope", "--out",
                           str(out)], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown checks" in bad.stderr
+
+
+def test_b_groups_warmed_in_creation_order_members_only(monkeypatch):
+    """At the safe point every rank warms the NCCL groups of B it belongs to, in the
+    order they were created (the same on every rank), the transfer group last; gloo
+    twins and groups this rank is not in are left alone."""
+    import types
+
+    from dynatrain_megatron.elastic import communicators as cm
+
+    G = type("G", (), {})
+    tp, dp, twin, transfer = G(), G(), G(), G()
+    non_member = cm.dist.GroupMember.NON_GROUP_MEMBER
+    groups = types.SimpleNamespace(created=[tp, non_member, dp, twin, tp, transfer],
+                                   transfer=transfer)
+    warmed = []
+    monkeypatch.setattr(cm, "is_nccl", lambda group=None: True)
+    monkeypatch.setattr(cm.dist, "get_backend", lambda g=None: "gloo" if g is twin else "nccl")
+    monkeypatch.setattr(cm, "warm_up", warmed.append)
+    cm.warm_up_groups(groups)
+    assert warmed == [tp, dp, transfer]
+    warmed.clear()
+    monkeypatch.setattr(cm, "is_nccl", lambda group=None: False)
+    cm.warm_up_groups(groups)  # gloo made them eagerly: nothing to do
+    assert warmed == []

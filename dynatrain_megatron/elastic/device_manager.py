@@ -11,8 +11,11 @@ the training groups, which is what makes it safe to overlap.
 The same thread then prepares the switch itself (`transition.switch.prepare_switch`):
 B's model, DDP and optimizer built without weights and without touching the globals A
 trains with, bound, checked against the analytic layout, planned and scheduled. Its
-only collectives run on B's new groups. So the pause at the step boundary is A's binding,
-one vote, the data movement and the commit.
+only collectives run on B's new groups (megatron's object gathers on their gloo twin under
+NCCL). On a GPU the thread works on the rank's device, recorded when the manager is made,
+and on a stream of its own; B's NCCL communicators are checked in creation order at
+`take()`, where every rank is at the same point (`communicators.py`). So the pause at the
+step boundary is A's binding, one vote, the data movement and the commit.
 """
 from __future__ import annotations
 
