@@ -27,9 +27,13 @@ def _te_fused_modules_from_megatron() -> dict[str, str]:
     """From megatron-core's own source (TE cannot be imported here): which submodule of a
     dense layer of `get_gpt_layer_with_transformer_engine_spec` is TE's fused
     LayerNormLinear, and which separate norm is then an IdentityOp."""
-    import megatron.core.models.gpt.gpt_layer_specs as m
+    import importlib.util
 
-    tree = ast.parse(pathlib.Path(m.__file__).read_text())
+    # the file itself, without importing megatron-core (slow) or TE (absent)
+    roots = importlib.util.find_spec("megatron").submodule_search_locations
+    src = next(pathlib.Path(r) / "core/models/gpt/gpt_layer_specs.py" for r in roots
+               if (pathlib.Path(r) / "core/models/gpt/gpt_layer_specs.py").is_file())
+    tree = ast.parse(src.read_text())
     funcs = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
 
     def calls(fn, callee):
