@@ -410,3 +410,41 @@ def test_b_groups_warmed_in_creation_order_members_only(monkeypatch):
     monkeypatch.setattr(cm, "is_nccl", lambda group=None: False)
     cm.warm_up_groups(groups)  # gloo made them eagerly: nothing to do
     assert warmed == []
+
+
+@pytest.mark.parametrize("memory_gib,expect", [(80, "background"), (60, "in_pause"), (40, None)])
+def test_hook_prepares_b_as_the_memory_plan_decides(monkeypatch, memory_gib, expect):
+    """The hook's reaction to an accepted request with `--dynatrain-device-memory`: B in the
+    background, B at the step boundary (degraded, logged), or no switch (request failed)."""
+    from dynatrain_megatron.elastic.controller import Decision
+    from dynatrain_megatron.integration import hook as H
+    from dynatrain_megatron.integration import memory_check as MC
+    from dynatrain_megatron.integration.train_config import TrainConfig
+    from dynatrain_megatron.vps.placement import Placement
+
+    spec = ModelSpec.from_yaml(ROOT / "configs/models/llama3-70b.yaml").replace(params_dtype="bf16")
+    monkeypatch.setattr(MC, "agree_on_max", lambda v: v)  # one process stands for all ranks
+    monkeypatch.setattr(H, "choose_dst_placement", lambda spec, b, s, sp, dst, dev, *a: Placement(dev))
+    started = []
+    monkeypatch.setattr(H, "start_preparation", lambda *a, **k: started.append(a[4]))
+
+    class Ctl:
+        done_with: list = []
+
+        def done(self, d, outcome, reason=""):
+            self.done_with.append((outcome, reason))
+
+    GiB = 1 << 30
+    hook = H.DynatrainHook(spec, TrainConfig(), Ctl(), memory=MC.SwitchMemoryCheck(
+        memory_gib * GiB, activation_reserve_bytes=20 * GiB, reserve_bytes=4 * GiB))
+    src = Layout.parse("tp8pp4dp4", 128)
+    hook.layout, hook.layout_placement = src, Placement(tuple(range(128)))
+    hook._on_decision(Decision("tp4pp4dp8", 128, "signal"), 10)
+    if expect == "background":
+        assert [str(x) for x in started] == ["tp4pp4dp8"] and hook._sync_target is None
+    elif expect == "in_pause":  # built in the pause, after A's activations are freed
+        assert started == [] and str(hook._sync_target[0]) == "tp4pp4dp8"
+    else:
+        assert started == [] and hook._sync_target is None and hook.decision is None
+        assert hook.controller.done_with[-1][0] == "failed"
+        assert "do not fit" in hook.rejected[-1]
