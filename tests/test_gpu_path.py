@@ -328,7 +328,7 @@ def test_switch_memory_arithmetic_and_decision():
     # the per-device sum is exactly A's state + grads (estimate_state_memory) + activations
     # + B's state + grads + reserve, on the same device for both layouts (same placement)
     ea, eb = estimate_state_memory(spec, a), estimate_state_memory(spec, b)
-    (m0, bg, d0), (m1, ip, d1) = p.need_bytes
+    (m0, bg, d0), (m1, ip, d1) = p.need_bytes[:2]
     assert (m0, m1) == ("background", "in_pause")
     assert bg == ip + 20 * GiB
     assert bg <= ea.max_bytes + eb.max_bytes + 24 * GiB
@@ -340,12 +340,16 @@ def test_switch_memory_arithmetic_and_decision():
     q = plan((bg + ip) // 2)
     assert q.mode == "in_pause" and "degraded" in q.describe()
     assert plan(bg).mode == "background" and plan(bg - 1).mode == "in_pause"
-    r = plan(ip - 1)
+    # then without A's gradient buffers (freed at the boundary)
+    (m2, rg, _), = p.need_bytes[2:]
+    assert m2 == "release_a_grads" and rg == ip - p.a_grads
+    assert plan(ip - 1).mode == "release_a_grads" and "gradient buffers" in plan(rg).describe()
+    r = plan(rg - 1)
     assert r.mode is None and not r.fits and "do not fit" in r.describe()
     # standby devices of A carry no activations; a scale-in B on fewer devices still counts
     small = switch_memory_plan(spec, a, dev, Layout.parse("tp8pp4dp2", 64), dev[:64],
                                device_memory_bytes=80 * GiB, activation_bytes=0)
-    assert small.need_bytes[0][1] == small.need_bytes[1][1]
+    assert small.need_bytes[0][1] == small.need_bytes[1][1]  # B-only devices: no A at all
     with pytest.raises(LayoutError, match="activation_bytes"):
         plan(80 * GiB, act=-1)
 
@@ -412,7 +416,8 @@ def test_b_groups_warmed_in_creation_order_members_only(monkeypatch):
     assert warmed == []
 
 
-@pytest.mark.parametrize("memory_gib,expect", [(80, "background"), (60, "in_pause"), (40, None)])
+@pytest.mark.parametrize("memory_gib,expect", [(80, "background"), (60, "in_pause"),
+                                               (50, "release_a_grads"), (40, None)])
 def test_hook_prepares_b_as_the_memory_plan_decides(monkeypatch, memory_gib, expect):
     """The hook's reaction to an accepted request with `--dynatrain-device-memory`: B in the
     background, B at the step boundary (degraded, logged), or no switch (request failed)."""
@@ -442,9 +447,47 @@ def test_hook_prepares_b_as_the_memory_plan_decides(monkeypatch, memory_gib, exp
     hook._on_decision(Decision("tp4pp4dp8", 128, "signal"), 10)
     if expect == "background":
         assert [str(x) for x in started] == ["tp4pp4dp8"] and hook._sync_target is None
-    elif expect == "in_pause":  # built in the pause, after A's activations are freed
+    elif expect in ("in_pause", "release_a_grads"):  # built in the pause
         assert started == [] and str(hook._sync_target[0]) == "tp4pp4dp8"
+        assert hook._release_a_grads == (expect == "release_a_grads")
     else:
         assert started == [] and hook._sync_target is None and hook.decision is None
         assert hook.controller.done_with[-1][0] == "failed"
         assert "do not fit" in hook.rejected[-1]
+
+
+def test_released_a_grads_come_back_when_the_switch_rolls_back(monkeypatch):
+    """Degraded mode release_a_grads: A's gradient buffers are freed before B is built in
+    the pause and restored (zeroed, megatron's restore_grad_buffers) on a rollback."""
+    import types
+
+    from dynatrain_megatron.integration import hook as H
+    from dynatrain_megatron.integration.train_config import TrainConfig
+    from dynatrain_megatron.vps.placement import Placement
+
+    calls = []
+
+    class Chunk:
+        def offload_grad_buffers(self, synchronize, empty_cache):
+            calls.append("offload")
+
+        def restore_grad_buffers(self, synchronize):
+            calls.append("restore")
+
+    objs = types.SimpleNamespace(model=[Chunk(), Chunk()])
+    trainer = types.SimpleNamespace(objs=objs, iteration=7)
+    monkeypatch.setattr(H, "build_groups", lambda dst, pl: calls.append("build B") or "groups")
+    aborted = types.SimpleNamespace(aborted="switch aborted in transfer: test")
+    monkeypatch.setattr(H, "switch_trainer", lambda tr, *a, **k: (tr, aborted))
+
+    class Ctl:
+        def done(self, d, outcome, reason=""):
+            calls.append(outcome)
+
+    hook = H.DynatrainHook(TINY_GPT, TrainConfig(), Ctl())
+    hook.layout, hook.layout_placement = Layout.parse("tp1", 2), Placement((0, 1))
+    hook._sync_target = (Layout.parse("tp2", 2), Placement((0, 1)))
+    hook._release_a_grads = True
+    assert hook._switch(trainer) is trainer
+    assert calls == ["offload", "offload", "build B", "restore", "restore", "failed"]
+    assert hook._release_a_grads is False  # once: the next switch decides again

@@ -30,7 +30,7 @@ from ..vps.model_spec import ModelSpec
 from ..vps.memory import check_memory_fit
 from ..vps.placement import Placement
 from .builders import MegatronBuilder, TrainingObjects, bucket_size_of
-from .memory_check import SwitchMemoryCheck
+from .memory_check import SwitchMemoryCheck, release_grad_buffers, restore_grad_buffers
 from .memory_check import from_args as memory_check_from_args
 from .switching import WorldBroken, prepared_switch_args, start_preparation, switch_trainer
 from .train_config import TrainConfig
@@ -91,6 +91,7 @@ class DynatrainHook:
         self.admitted: list[dict] = []  # joiners that grew the world (integration/grow.py)
         self.faults = FaultPlan.from_env()  # DYNATRAIN_FAULTS, e.g. a rank killed at a step
         self.memory = memory  # A and B together on the devices (integration/memory_check.py)
+        self._release_a_grads = False  # the memory plan's degraded mode for the next switch
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig) -> "DynatrainHook":
@@ -185,7 +186,8 @@ class DynatrainHook:
                 self.controller.done(d, "failed", mem.describe())
                 self.decision = None
                 return
-            in_pause = mem.mode == "in_pause"
+            in_pause = mem.mode in ("in_pause", "release_a_grads")
+            self._release_a_grads = mem.mode == "release_a_grads"
         if not self.background_groups or in_pause:
             log.info("iteration %s: switch %s (%d ranks) -> %s (%d ranks) requested; groups "
                      "built inside the switch", iteration, src, src.world_size, dst,
@@ -201,10 +203,15 @@ class DynatrainHook:
 
     def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
         src, src_placement = self.layout, self.layout_placement
+        # A's objects whose gradient buffers this switch frees (restored if it rolls back)
+        released = trainer.objs if self._release_a_grads and trainer is not None else None
+        self._release_a_grads = False
         t0 = time.perf_counter()
         if self._sync_target is not None:
             # the classic way, for comparison: the new groups are part of the pause
             (dst, dst_placement), self._sync_target = self._sync_target, None
+            if released is not None:
+                release_grad_buffers(released)  # room for B (the memory plan's degraded mode)
             kw = dict(new_groups=build_groups(dst, dst_placement))  # B built in the pause too
             groups_s = time.perf_counter() - t0
         else:
@@ -219,8 +226,12 @@ class DynatrainHook:
                                           memory_budget=self.memory_budget,
                                           timeout=self.timeout, **kw)
         except Exception:
+            if released is not None:
+                restore_grad_buffers(released)
             self.controller.done(self.decision, "failed", "switch raised; see the job log")
             raise
+        if released is not None and res.aborted:
+            restore_grad_buffers(released)  # A trains on
         if res.aborted:
             self.failed.append(res.aborted)
             self.controller.done(self.decision, "failed", res.aborted)

@@ -8,6 +8,12 @@ left once a step ended). On the CPU there is nothing to measure: the configured
 `activation_reserve_bytes` stands for it. Ranks measure different peaks (pipeline stages
 differ), so they agree on the largest (one all-reduce on the CPU control group) before
 deciding: the decision must be the same on every rank.
+
+The degraded mode `release_a_grads` frees A's gradient buffers at the step boundary (they
+hold nothing a step needs from the previous one) with megatron-core's own
+`offload_grad_buffers` (the storage shrinks to nothing, every view stays an object) and,
+when the switch rolls back, gives them back zeroed (`restore_grad_buffers`), as the next
+step's `zero_grad_buffer` would leave them.
 """
 from __future__ import annotations
 
@@ -77,3 +83,16 @@ def from_args(args) -> Optional[SwitchMemoryCheck]:
     return SwitchMemoryCheck(args.dynatrain_device_memory,
                              args.dynatrain_activation_reserve or 0,
                              args.dynatrain_memory_reserve or 0)
+
+
+def release_grad_buffers(objs) -> None:
+    """Free A's DDP gradient buffers (every chunk); `restore_grad_buffers` undoes it."""
+    cuda = torch.cuda.is_available()
+    for m in objs.model:
+        m.offload_grad_buffers(synchronize=cuda, empty_cache=cuda)
+
+
+def restore_grad_buffers(objs) -> None:
+    """A's gradient buffers allocated again and zeroed (after a rolled-back switch)."""
+    for m in objs.model:
+        m.restore_grad_buffers(synchronize=torch.cuda.is_available())

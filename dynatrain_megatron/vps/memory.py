@@ -13,6 +13,8 @@ first way of preparing B that fits every device, in order of how little it costs
   background  B built, bound and planned while A trains (the normal way);
   in_pause    B built at the step boundary, where A's activations are freed: the build
               moves into the pause, the memory of A's activations is not needed twice;
+  release_a_grads  as in_pause, and A's gradient buffers (dead at a step boundary) are
+              freed before B is built (restored, zeroed, if the switch rolls back);
 and otherwise says by how much it does not fit (no switch is started).
 """
 from __future__ import annotations
@@ -60,7 +62,7 @@ def check_memory_fit(spec: ModelSpec, layout: Layout, device_memory_bytes: int,
     return est
 
 
-SWITCH_MODES = ("background", "in_pause")
+SWITCH_MODES = ("background", "in_pause", "release_a_grads")
 _GiB = float(1 << 30)
 
 
@@ -115,6 +117,9 @@ class SwitchMemoryPlan:
         if self.mode == "in_pause":
             return head + (": degraded: B is built at the step boundary, after A's activations "
                            "are freed (not in the background; the pause grows by B's build)")
+        if self.mode == "release_a_grads":
+            return head + (": degraded: A's gradient buffers are released at the step boundary "
+                           "and B is built there (restored if the switch rolls back)")
         return head + ": A and B do not fit together; no switch"
 
 
@@ -137,7 +142,8 @@ def switch_memory_plan(spec: ModelSpec, src: Layout, src_devices: Sequence[int],
     in_a[np.asarray(src_devices)] = True
     act = np.where(in_a, activation_bytes, 0)
     totals = {"background": a_s + a_g + act + b_s + b_g + reserve_bytes,
-              "in_pause": a_s + a_g + b_s + b_g + reserve_bytes}
+              "in_pause": a_s + a_g + b_s + b_g + reserve_bytes,
+              "release_a_grads": a_s + b_s + b_g + reserve_bytes}
     need = tuple((m, int(t.max()), int(t.argmax())) for m, t in totals.items())
     mode = next((m for m, b, _ in need if b <= device_memory_bytes), None)
     worst = int(totals["background"].argmax())
