@@ -87,14 +87,12 @@ def _start(model: str, layout: str):
 
 
 def _train(model: str) -> dict:
-    import torch
-
     spec, _, trainer = _start(model, "tp1")
     losses = [trainer.step().loss for _ in range(6)]
     devices = {str(p.device) for m in trainer.objs.model for p in m.parameters()}
     ok = all(map(lambda x: x == x and abs(x) < 1e4, losses)) and losses[-1] < losses[0]
-    return dict(ok=ok and devices == {f"cuda:{torch.cuda.current_device()}"},
-                losses=losses, param_devices=sorted(devices),
+    return dict(ok=ok and devices == {str(trainer.device)}, losses=losses,
+                param_devices=sorted(devices), batch_device=str(trainer.device),
                 transformer_engine=spec.transformer_engine)
 
 
