@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -87,20 +88,29 @@ def device_context(device: Optional[torch.device]) -> Iterator[Optional[object]]
 
 def create_control_group() -> None:
     """The job's CPU group over the world (collective over the default group: every rank,
-    right after the default group is made). Under gloo the default group itself."""
-    default = dist.distributed_c10d._get_default_group()
+    right after the default group is made). Under gloo the default group itself.
+
+    The world it belongs to is remembered by a weak reference only: after a death the
+    survivors must let go of every reference to the old world's groups, or their gloo
+    sockets stay open and a survivor blocked on them never notices (elastic.rejoin)."""
+    default = weakref.ref(dist.distributed_c10d._get_default_group())
     if not is_nccl():
         _CONTROL.update(group=None, default=default)
         return
     _CONTROL.update(group=dist.new_group(backend="gloo"), default=default)
 
 
+def forget_control_group() -> None:
+    """Drop this process's reference to the control group (its world is gone)."""
+    _CONTROL.update(group=None, default=None)
+
+
 def control_group() -> Optional[dist.ProcessGroup]:
     """The group for small host-side agreements (None: the default group). Falls back to
     the default group when the control group belongs to an earlier world."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or _CONTROL["default"] is None:
         return None
-    if _CONTROL["default"] is not dist.distributed_c10d._get_default_group():
+    if _CONTROL["default"]() is not dist.distributed_c10d._get_default_group():
         return None
     return _CONTROL["group"]
 

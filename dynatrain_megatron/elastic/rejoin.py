@@ -20,7 +20,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from .communicators import create_control_group, rank_device, warm_up_default
+from .communicators import (create_control_group, forget_control_group, rank_device,
+                             warm_up_default)
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ def drop_default_group() -> None:
     """Let go of the default group (broken after a death, or too small after a join)
     and of every reference torch keeps to it (`forget_default_group_defaults`)."""
     forget_default_group_defaults()
+    forget_control_group()
     if not dist.is_initialized():
         return
     try:
