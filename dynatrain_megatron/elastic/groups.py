@@ -20,9 +20,9 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from ..transition.transport import abort_group
-from .communicators import group_device
 from ..vps.layout import GROUP_AXES, Layout
 from ..vps.placement import Placement, is_rank_ordered
+from .communicators import group_device
 
 log = logging.getLogger(__name__)
 

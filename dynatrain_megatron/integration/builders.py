@@ -268,7 +268,7 @@ def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGrou
     from megatron.core.distributed import finalize_model_grads
 
     layout.check_model(spec)
-    if layout.cp > 1 and not transformer_engine_available():
+    if layout.cp > 1 and not spec.transformer_engine:
         from ..vps.errors import LayoutError
 
         raise LayoutError(f"layout {layout}: context parallelism needs Transformer Engine's "
