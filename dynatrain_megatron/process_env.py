@@ -6,13 +6,19 @@ huge pages. A switch allocates the new layout's buffers (parameters, gradients, 
 moments) and first-touches them; with 4 KiB pages that is one page fault per 4 KiB,
 which dominates a CPU switch (docs/bench/notes.md). It only affects CPU memory; CUDA tensors come from torch's caching
 allocator either way.
+
+`TORCH_NCCL_ASYNC_ERROR_HANDLING=2` (torch's "CleanUpOnly"; read when an NCCL group is
+made): when a collective times out or its communicator fails, the NCCL watchdog aborts that
+communicator and the waiting thread gets an error, and the process lives on. torch 2.13's
+default (3, "SkipCleanUp") tears the process down instead, which would turn a switch that
+should roll back, or a dead peer that our recovery handles, into the end of the job.
 """
 from __future__ import annotations
 
 import os
 from typing import MutableMapping, Optional
 
-RANK_ENV: dict[str, str] = {"THP_MEM_ALLOC_ENABLE": "1"}
+RANK_ENV: dict[str, str] = {"THP_MEM_ALLOC_ENABLE": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 def apply(env: Optional[MutableMapping[str, str]] = None) -> MutableMapping[str, str]:

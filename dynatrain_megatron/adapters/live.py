@@ -16,7 +16,7 @@ import bisect
 import logging
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ import torch
 from ..vps.box import Box
 from ..vps.errors import FragmentMismatchError
 from ..vps.fragment import KINDS, OPT_KINDS
+from ..vps.naming import analytic_param_name
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,46 @@ def optimizers_of(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
+def steps_in_param_groups(inner: torch.optim.Optimizer) -> bool:
+    """Where an Adam keeps its step count: torch's Adam/AdamW in every parameter's state
+    (`state[p]['step']`, a tensor), the fused Adams of Transformer Engine and apex (class
+    `FusedAdam`, what megatron-core picks when either is installed) in each param group
+    (`group['step']`, an int, created at their first step)."""
+    return (type(inner).__name__ == "FusedAdam"
+            or any("step" in g for g in inner.param_groups))
+
+
+def read_optimizer_step(optimizer) -> Optional[float]:
+    """The optimizer's step count wherever it keeps it (None before its first step)."""
+    for opt in optimizers_of(optimizer):
+        inner = opt.optimizer
+        if steps_in_param_groups(inner):
+            for g in inner.param_groups:
+                if "step" in g:
+                    return float(g["step"])
+            continue
+        for st in inner.state.values():
+            if "step" in st:
+                return float(st["step"])
+    return None
+
+
+def write_optimizer_step(optimizer, step: float) -> None:
+    """Set the step count (Adam's bias correction) of every parameter, the way the
+    optimizer keeps it (`steps_in_param_groups`): one tensor per parameter for torch's
+    Adam (never one shared tensor: megatron's checkpoint load shares one and each step
+    then advances it once per parameter), or `group['step']` for a fused Adam."""
+    for opt in optimizers_of(optimizer):
+        inner = opt.optimizer
+        if steps_in_param_groups(inner):
+            for g in inner.param_groups:
+                g["step"] = int(step)
+            continue
+        for st in inner.state.values():
+            if "step" in st:
+                st["step"] = torch.tensor(step, dtype=torch.float32)
+
+
 def ensure_optimizer_state(optimizer) -> None:
     """Create zero Adam states where a fresh optimizer has none (no dummy step: a step with
     zero grads would still apply weight decay to the parameters). Zeroed even where a
@@ -77,7 +118,8 @@ def ensure_optimizer_state(optimizer) -> None:
             for p in group["params"]:
                 st = inner.state[p]
                 if "exp_avg" not in st:
-                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    if not steps_in_param_groups(inner):
+                        st["step"] = torch.zeros((), dtype=torch.float32)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
@@ -222,7 +264,9 @@ class LiveState:
         """Layout-independent key: the module path with global layer / expert indices."""
         if not sharded_key.startswith("decoder.layers."):
             return sharded_key  # embedding, output layer (or its tied copy), final norm
-        key = _LAYER.sub(f"decoder.layers.{prepended[0]}.", local_name, count=1)
+        # TE's fused norm parameters keep the separate norm's logical key
+        key = _LAYER.sub(f"decoder.layers.{prepended[0]}.", analytic_param_name(local_name),
+                         count=1)
         if len(prepended) > 1:
             key = _EXPERT.sub(f".mlp.experts.{prepended[1]}.", key, count=1)
         return key

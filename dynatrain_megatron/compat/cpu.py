@@ -10,8 +10,8 @@ smallest set of patches that lets its GPT/MoE models, DDP and DistributedOptimiz
 2. No-op `torch.cuda` streams, events, synchronize, nvtx, memory counters.
 3. The CUDA RNG tracker seeds and forks CPU generator states instead (the tracker's
    per-TP/EP seeds keep their meaning: different across TP ranks, equal across DP).
-4. MoE without Transformer Engine: `moe_utils.te_general_gemm` is referenced but undefined
-   in 0.16.1; the all-to-all dispatcher expects numpy split sizes from
+4. MoE without Transformer Engine (its undefined `te_general_gemm` is fixed on every device
+   in `megatron_fixes`): the all-to-all dispatcher expects numpy split sizes from
    `maybe_move_tensor_to_cpu(as_numpy=True)` but gets a tensor on CPU.
 5. gloo has no uneven all-gather / reduce-scatter, which megatron's token dispatcher uses
    with expert-TP > 1 (`output_split_sizes`): we pad to the largest split and trim, and
@@ -170,9 +170,6 @@ def _patch_rng_tracker() -> None:
 
 def _patch_moe() -> None:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
         if as_numpy and torch.is_tensor(tensor):

@@ -12,6 +12,10 @@ correct, so these are applied on every device:
    which the reshardable loader never provides -> KeyError: we copy the keys provided.
 3. `load_state_dict` gives every parameter ONE shared `step` tensor; torch Adam then
    increments it once per parameter per step and bias correction goes wrong: we un-share it.
+
+And one of MoE without Transformer Engine (on a GPU as much as on the CPU): the router's
+`moe_utils` references `te_general_gemm`, which is only imported when TE is installed, so
+the router's forward raises NameError; defined as None it takes its torch path.
 """
 from __future__ import annotations
 
@@ -20,9 +24,17 @@ import torch
 _state = {"applied": False}
 
 
+def _define_te_general_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply() -> None:
     if _state["applied"]:
         return
+    _define_te_general_gemm()
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
 
     original_ssd = DO.sharded_state_dict

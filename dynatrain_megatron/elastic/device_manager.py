@@ -11,8 +11,11 @@ the training groups, which is what makes it safe to overlap.
 The same thread then prepares the switch itself (`transition.switch.prepare_switch`):
 B's model, DDP and optimizer built without weights and without touching the globals A
 trains with, bound, checked against the analytic layout, planned and scheduled. Its
-only collectives run on B's new groups. So the pause at the step boundary is A's binding,
-one vote, the data movement and the commit.
+only collectives run on B's new groups (megatron's object gathers on their gloo twin under
+NCCL). On a GPU the thread works on the rank's device, recorded when the manager is made,
+and on a stream of its own; B's NCCL communicators are checked in creation order at
+`take()`, where every rank is at the same point (`communicators.py`). So the pause at the
+step boundary is A's binding, one vote, the data movement and the commit.
 """
 from __future__ import annotations
 
@@ -28,13 +31,19 @@ from ..compat import runtime_in_this_thread
 from ..transition.transport import collective_device
 from ..vps.layout import Layout
 from ..vps.placement import Placement
+from .communicators import control_group, device_context, rank_device, warm_up_groups
 from .groups import ParallelGroups, build_groups
 
 log = logging.getLogger(__name__)
 
 
 class DeviceManager:
-    def __init__(self) -> None:
+    """`device`: the rank's device, which the preparation thread sets for itself (the
+    current CUDA device is per thread); by default the current one of the thread that
+    creates the manager, the training thread (`communicators.rank_device`)."""
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self.device = device if device is not None else rank_device()
         self._thread: Optional[threading.Thread] = None
         self._result: Optional[ParallelGroups] = None
         self._prepared: Any = None
@@ -57,7 +66,8 @@ class DeviceManager:
         self._result, self._prepared, self._error = None, None, None
 
         def work() -> None:
-            with runtime_in_this_thread():
+            # the rank's device and a stream of its own (communicators.device_context)
+            with runtime_in_this_thread(), device_context(self.device):
                 t0 = time.perf_counter()
                 try:
                     self._result = build_groups(layout, placement)
@@ -76,10 +86,14 @@ class DeviceManager:
             work()
 
     def ready(self) -> bool:
-        """Collective: True when the groups (and the preparation) are done on every rank."""
+        """Collective: True when the groups (and the preparation) are done on every rank.
+        Runs at every step while a preparation is pending: on the CPU control group, so
+        it costs no device synchronisation (communicators.control_group)."""
         done = self._thread is None or not self._thread.is_alive()
-        flag = torch.tensor([1 if done else 0], dtype=torch.int32, device=collective_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        group = control_group()
+        flag = torch.tensor([1 if done else 0], dtype=torch.int32,
+                            device=collective_device(group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         return bool(flag.item())
 
     def take(self) -> ParallelGroups:
@@ -92,6 +106,9 @@ class DeviceManager:
             raise RuntimeError(f"building the new layout's groups failed: {err}") from err
         res, self._result, self.target = self._result, None, None
         assert res is not None
+        # every rank is here at the same point (after the ready vote): B's communicators
+        # are created now, before the pause, in the same order everywhere (NCCL only)
+        warm_up_groups(res)
         return res
 
     def take_prepared(self) -> Any:

@@ -19,8 +19,10 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from ..transition.transport import abort_group
 from ..vps.layout import GROUP_AXES, Layout
 from ..vps.placement import Placement, is_rank_ordered
+from .communicators import group_device
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,10 @@ class ParallelGroups:
     # every device of the layout (with one optimizer instance: megatron's intra_dist_opt);
     # loss averaging, state gathers and megatron's construction-time object gathers use it
     layout_group: object = None
+    # a gloo twin of layout_group where the backend is NCCL (else layout_group itself):
+    # megatron's construction-time object gathers, made while another layout trains, run
+    # on the CPU and never on the device's streams (elastic.communicators)
+    layout_group_cpu: object = None
 
     @property
     def virtual_rank(self) -> Optional[int]:
@@ -59,6 +65,8 @@ class ParallelGroups:
         so a group may already be unusable; freeing its handle is all that is wanted."""
         for g in self.created:
             if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+                if broken:
+                    abort_group(g)  # NCCL: destroying a broken communicator can hang
                 try:
                     dist.destroy_process_group(g)
                 except Exception:  # noqa: BLE001
@@ -70,8 +78,8 @@ class ParallelGroups:
         """Move this object's references to its process-group handles out (after
         `destroy`), so that holding this object no longer keeps them alive: whoever takes
         them decides where their destructors run."""
-        handles = [self.pg_collection, self.transfer, self.layout_group]
-        self.pg_collection = self.transfer = self.layout_group = None
+        handles = [self.pg_collection, self.transfer, self.layout_group, self.layout_group_cpu]
+        self.pg_collection = self.transfer = self.layout_group = self.layout_group_cpu = None
         return handles
 
 
@@ -114,10 +122,12 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
     cache: dict[tuple[int, ...], object] = {}
     created: list = []
 
+    device = group_device()  # NCCL: each communicator created with its group, eagerly
+
     def make(ranks: Sequence[int]):
         key = tuple(ranks)
         if key not in cache:
-            g = dist.new_group(list(key))
+            g = dist.new_group(list(key), device_id=device)
             cache[key] = g
             created.append(g)
         return cache[key]
@@ -149,12 +159,17 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
         pgc.intra_expt_dp = pgc.expt_dp
         mine["intra_dp_cp"] = mine["dp_cp"]
         mine["intra_expt_dp"] = mine["expt_dp"]
-    transfer = dist.new_group(list(range(dist.get_world_size())))
+    everyone_cpu = everyone
+    if dist.get_backend() != "gloo":
+        everyone_cpu = dist.new_group(list(dev), backend="gloo")
+        created.append(everyone_cpu)
+    transfer = dist.new_group(list(range(dist.get_world_size())), device_id=device)
     created.append(transfer)
     log.debug("built %d groups for %s", len(created), layout)
     return ParallelGroups(layout=layout, placement=placement, rank=rank, pg_collection=pgc,
                           group_ranks=mine, created=created, transfer=transfer,
-                          layout_group=everyone if rank in dev else None)
+                          layout_group=everyone if rank in dev else None,
+                          layout_group_cpu=everyone_cpu if rank in dev else None)
 
 
 def forget_megatron_groups() -> None:

@@ -20,6 +20,9 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from .communicators import (create_control_group, forget_control_group, rank_device,
+                             warm_up_default)
+
 log = logging.getLogger(__name__)
 
 
@@ -125,6 +128,7 @@ def drop_default_group() -> None:
     """Let go of the default group (broken after a death, or too small after a join)
     and of every reference torch keeps to it (`forget_default_group_defaults`)."""
     forget_default_group_defaults()
+    forget_control_group()
     if not dist.is_initialized():
         return
     try:
@@ -136,12 +140,9 @@ def drop_default_group() -> None:
 def start_default_group(store: dist.Store, prefix: str, rank: int, world: int,
                         timeout_s: float = 300.0) -> None:
     """A new default group of `world` processes meeting under `prefix` in `store`."""
-    dist.init_process_group("gloo" if not _cuda() else "nccl",
+    device = rank_device()
+    dist.init_process_group("gloo" if device is None else "nccl",
                             store=dist.PrefixStore(prefix, store), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    warm_up_default()
+    create_control_group()

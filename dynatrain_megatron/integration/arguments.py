@@ -30,7 +30,15 @@ def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--dynatrain-default-placement", action="store_true",
                    help="pin Megatron's default rank order instead of the chosen placement")
     g.add_argument("--dynatrain-device-memory", type=int, default=None,
-                   help="bytes per device; a target whose state would not fit is refused")
+                   help="bytes per device; a target whose state would not fit is refused, "
+                        "and a switch whose A and B do not fit together is prepared in a "
+                        "degraded way (integration/memory_check.py)")
+    g.add_argument("--dynatrain-activation-reserve", type=int, default=0,
+                   help="bytes of A's activations per device where they cannot be measured "
+                        "(CPU); on a GPU the allocator's peak is measured")
+    g.add_argument("--dynatrain-memory-reserve", type=int, default=0,
+                   help="bytes per device kept free during a switch (NCCL buffers, "
+                        "fragmentation)")
     g.add_argument("--dynatrain-compare-checkpoint", action="store_true",
                    help="at the end, time the dist_checkpointing save+load path for the summary")
     g.add_argument("--dynatrain-standby-ranks", type=int, default=0,

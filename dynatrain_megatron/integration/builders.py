@@ -33,8 +33,13 @@ def transformer_engine_available() -> bool:
     return torch.cuda.is_available()
 
 
-def make_transformer_config(spec: ModelSpec, layout: Layout):
-    """TransformerConfig for `spec` at `layout` (CPU-safe fusions off, dropout off)."""
+def make_transformer_config(spec: ModelSpec, layout: Layout, init_weights: bool = True):
+    """TransformerConfig for `spec` at `layout` (CPU-safe fusions off, dropout off).
+
+    Weights that are initialised are drawn whole on the CPU then split (the same seed gives
+    the same model at every TP/EP, which makes layouts comparable). A switch's layout B is
+    built without initialisation: on a GPU its parameters are then allocated on the device
+    directly (no host allocation, no copy from pageable memory)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = _TORCH_DTYPES[spec.params_dtype]
@@ -54,9 +59,7 @@ def make_transformer_config(spec: ModelSpec, layout: Layout):
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
         sequence_parallel=spec.is_moe and layout.tp > 1,
-        # full weights are initialised on the CPU then split: the same seed gives the same
-        # model at every TP/EP, which makes layouts comparable
-        use_cpu_initialization=True,
+        use_cpu_initialization=init_weights or not torch.cuda.is_available(),
         gated_linear_unit=spec.swiglu,
         activation_func=F.silu if spec.swiglu else F.gelu,
         normalization=spec.normalization,
@@ -89,12 +92,25 @@ def make_transformer_config(spec: ModelSpec, layout: Layout):
     return TransformerConfig(**kw)
 
 
+def with_layer_implementation(spec: ModelSpec) -> ModelSpec:
+    """`spec` built with Transformer Engine's layers where TE is usable (a GPU with TE
+    installed), megatron's local layers otherwise. The choice is part of the spec because
+    the analytic layout must name and order the parameters as the built model does."""
+    return spec.replace(transformer_engine=transformer_engine_available())
+
+
 def layer_spec(spec: ModelSpec):
-    """Transformer Engine spec where installed (GPU), megatron's local spec otherwise."""
+    """Transformer Engine's spec when `spec.transformer_engine`, megatron's local one
+    otherwise (`with_layer_implementation` chooses)."""
     from megatron.core.models.gpt import gpt_layer_specs as s
 
     experts = spec.num_moe_experts
-    if transformer_engine_available():
+    if spec.transformer_engine:
+        if not transformer_engine_available():
+            from ..vps.errors import ModelSpecError
+
+            raise ModelSpecError(f"model {spec.name!r} asks for Transformer Engine layers, "
+                                 f"which are not usable here (TE not installed or no GPU)")
         return s.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm)
     return s.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
@@ -143,6 +159,8 @@ def build_model_chunks(spec: ModelSpec, layout: Layout, groups: ParallelGroups, 
             pg_collection=groups.pg_collection,
             vp_stage=v if layout.vpp > 1 else None,
         )
+        if torch.cuda.is_available():  # what CPU initialisation left on the host (as
+            m.cuda(torch.cuda.current_device())  # Megatron-LM's get_model does)
         if config.bf16 or config.fp16:
             m = Float16Module(config, m)
         chunks.append(m)
@@ -210,7 +228,7 @@ def build_optimizer(model: list, spec: ModelSpec, train: TrainConfig, groups: Pa
         use_distributed_optimizer=True)
     # megatron refuses gloo twins with an explicit pg_collection; they only serve
     # checkpoint code paths, which find the gloo globals set by `install` on CPU
-    with default_group_as(groups.layout_group):
+    with default_group_as(groups.layout_group_cpu or groups.layout_group):
         return get_megatron_optimizer(cfg, model, use_gloo_process_groups=False,
                                       pg_collection=groups.pg_collection)
 
@@ -250,13 +268,13 @@ def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGrou
     from megatron.core.distributed import finalize_model_grads
 
     layout.check_model(spec)
-    if layout.cp > 1 and not transformer_engine_available():
+    if layout.cp > 1 and not spec.transformer_engine:
         from ..vps.errors import LayoutError
 
         raise LayoutError(f"layout {layout}: context parallelism needs Transformer Engine's "
                           f"attention; megatron-core's local DotProductAttention refuses "
                           f"context_parallel_size > 1 (plan and check CP analytically on CPU)")
-    config = make_transformer_config(spec, layout)
+    config = make_transformer_config(spec, layout, init_weights=init_weights)
     chunks = build_model_chunks(spec, layout, groups, config, init_weights=init_weights)
     if not init_weights:
         restore_tensor_parallel_attributes(chunks, spec)

@@ -11,7 +11,7 @@ at `consumed_samples`, the next global batch holds exactly the same samples.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -32,8 +32,11 @@ class SyntheticGPTData:
         return (start + step * t) % a
 
     def micro_batches(self, consumed_samples: int, num_micro_batches: int, micro_batch_size: int,
-                      dp_size: int, dp_rank: int) -> list[dict[str, torch.Tensor]]:
-        """This DP rank's micro-batches of the global batch that starts at `consumed_samples`."""
+                      dp_size: int, dp_rank: int, device: Optional[torch.device] = None
+                      ) -> list[dict[str, torch.Tensor]]:
+        """This DP rank's micro-batches of the global batch that starts at `consumed_samples`,
+        on `device` (the model's: the rank's GPU; default the CPU). Drawn on the CPU (the
+        generator is seeded per sample) and copied over once per micro-batch."""
         out = []
         for m in range(num_micro_batches):
             base = consumed_samples + m * micro_batch_size * dp_size + dp_rank * micro_batch_size
@@ -45,6 +48,8 @@ class SyntheticGPTData:
                 "loss_mask": torch.ones_like(tokens, dtype=torch.float32),
                 "position_ids": torch.arange(self.seq_length).unsqueeze(0).expand_as(tokens).contiguous(),
             })
+        if device is not None and device.type != "cpu":
+            out = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in out]
         return out
 
 

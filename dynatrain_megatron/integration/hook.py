@@ -31,6 +31,8 @@ from ..vps.model_spec import ModelSpec
 from ..vps.memory import check_memory_fit
 from ..vps.placement import Placement
 from .builders import MegatronBuilder, TrainingObjects, bucket_size_of
+from .memory_check import SwitchMemoryCheck, release_grad_buffers, restore_grad_buffers
+from .memory_check import from_args as memory_check_from_args
 from .switching import WorldBroken, prepared_switch_args, start_preparation, switch_trainer
 from .train_config import TrainConfig
 from .training import Trainer
@@ -62,7 +64,8 @@ class DynatrainHook:
                  placement: str = "best", log_dir: Optional[str] = None,
                  background_groups: bool = True, timeout: Optional[float] = None,
                  rendezvous_dir: Optional[str] = None,
-                 recovery_checkpoint: Optional[str] = None, max_recoveries: int = 8) -> None:
+                 recovery_checkpoint: Optional[str] = None, max_recoveries: int = 8,
+                 memory: Optional[SwitchMemoryCheck] = None) -> None:
         # the job's switch options, checked once at start (SwitchError names every bad one)
         SwitchOptions(placement=placement, ranks_per_node=ranks_per_node,
                       memory_budget=memory_budget, timeout=timeout)
@@ -91,6 +94,8 @@ class DynatrainHook:
         self.recoveries: list[dict] = []
         self.admitted: list[dict] = []  # joiners that grew the world (integration/grow.py)
         self.faults = FaultPlan.from_env()  # DYNATRAIN_FAULTS, e.g. a rank killed at a step
+        self.memory = memory  # A and B together on the devices (integration/memory_check.py)
+        self._release_a_grads = False  # the memory plan's degraded mode for the next switch
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig) -> "DynatrainHook":
@@ -110,7 +115,8 @@ class DynatrainHook:
                    placement="default" if args.dynatrain_default_placement else "best",
                    log_dir=args.dynatrain_log_dir, timeout=args.dynatrain_timeout,
                    rendezvous_dir=args.dynatrain_rendezvous_dir,
-                   recovery_checkpoint=args.dynatrain_recovery_checkpoint)
+                   recovery_checkpoint=args.dynatrain_recovery_checkpoint,
+                   memory=memory_check_from_args(args))
 
     def start(self, trainer: Optional[Trainer], layout: Layout, placement: Placement) -> None:
         """Tell the hook the job's first layout; every process calls it (standby ranks,
@@ -174,7 +180,19 @@ class DynatrainHook:
                                          dst, tuple(range(dst.world_size)), self.placement,
                                          self.ranks_per_node)
         self.decision = d
-        if not self.background_groups:
+        in_pause = False
+        if self.memory is not None:  # collective; the same decision on every rank
+            mem = self.memory.plan(self.spec, self.builder, src, self.layout_placement, dst,
+                                   placement)
+            (log.info if mem.mode == "background" else log.warning)("%s", mem.describe())
+            if not mem.fits:
+                self.rejected.append(mem.describe())
+                self.controller.done(d, "failed", mem.describe())
+                self.decision = None
+                return
+            in_pause = mem.mode in ("in_pause", "release_a_grads")
+            self._release_a_grads = mem.mode == "release_a_grads"
+        if not self.background_groups or in_pause:
             log.info("iteration %s: switch %s (%d ranks) -> %s (%d ranks) requested; groups "
                      "built inside the switch", iteration, src, src.world_size, dst,
                      dst.world_size)
@@ -189,10 +207,15 @@ class DynatrainHook:
 
     def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
         src, src_placement = self.layout, self.layout_placement
+        # A's objects whose gradient buffers this switch frees (restored if it rolls back)
+        released = trainer.objs if self._release_a_grads and trainer is not None else None
+        self._release_a_grads = False
         t0 = time.perf_counter()
         if self._sync_target is not None:
             # the classic way, for comparison: the new groups are part of the pause
             (dst, dst_placement), self._sync_target = self._sync_target, None
+            if released is not None:
+                release_grad_buffers(released)  # room for B (the memory plan's degraded mode)
             kw = dict(new_groups=build_groups(dst, dst_placement))  # B built in the pause too
             groups_s = time.perf_counter() - t0
         else:
@@ -207,8 +230,12 @@ class DynatrainHook:
                                           memory_budget=self.memory_budget,
                                           timeout=self.timeout, **kw)
         except Exception:
+            if released is not None:
+                restore_grad_buffers(released)
             self.controller.done(self.decision, "failed", "switch raised; see the job log")
             raise
+        if released is not None and res.aborted:
+            restore_grad_buffers(released)  # A trains on
         if res.aborted:
             self.failed.append(res.aborted)
             self.controller.done(self.decision, "failed", res.aborted)

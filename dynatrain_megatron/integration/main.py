@@ -12,6 +12,7 @@ from ..configs import load_model
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from .arguments import add_dynatrain_args, add_training_args, layout_from_args, train_config_from_args
+from .builders import with_layer_implementation
 from .training import StepResult, Trainer
 
 log = logging.getLogger("dynatrain")
@@ -98,6 +99,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     spec = load_model(args.model_config)
     if args.bf16:
         spec = spec.replace(params_dtype="bf16")
+    spec = with_layer_implementation(spec)
     processes = dist.get_world_size()
     standby = args.dynatrain_standby_ranks if args.dynatrain else 0
     if not 0 <= standby < processes:
@@ -143,6 +145,7 @@ def _join_and_run(args: argparse.Namespace) -> int:
     spec = load_model(args.model_config)
     if args.bf16:
         spec = spec.replace(params_dtype="bf16")
+    spec = with_layer_implementation(spec)
     train = train_config_from_args(args)
     store = rendezvous_store(args.dynatrain_rendezvous_dir)
     secret = load_secret(args.dynatrain_secret_file, rendezvous_dir=None)

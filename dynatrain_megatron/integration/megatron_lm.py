@@ -489,7 +489,7 @@ class MegatronLMSession:
                  config: Any) -> None:
         import torch.distributed as dist
 
-        from .builders import TrainingObjects
+        from .builders import TrainingObjects, with_layer_implementation
         from .hook import DynatrainHook
         from .training import Trainer
 
@@ -507,6 +507,9 @@ class MegatronLMSession:
             log.warning("dynatrain: %s; treating all %s rows as vocabulary", e,
                         _get(args, "padded_vocab_size"))
             self.spec = spec_from_megatron_args(args)
+        # TE layers exactly where our builder uses them (`unsupported_args` checked that
+        # Megatron-LM built the first layout the same way): the analytic names follow
+        self.spec = with_layer_implementation(self.spec)
         self.train = train_config_from_megatron_args(args)
         layout = layout_from_megatron_args(args, self.spec, dist.get_world_size())
         objs = TrainingObjects(layout=layout, groups=wrap_megatron_groups(layout), config=config,

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from .. import process_env
 from ..compat import prepare_runtime
+from ..elastic.communicators import create_control_group, warm_up_default
 from ..elastic.groups import Placement, build_groups
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
@@ -29,12 +30,17 @@ def init_distributed(timeout_s: float = 300.0) -> None:
     # before the world exists: its collectives take `group=group.WORLD` as a default
     # argument, which would otherwise hold the default group for good (elastic.rejoin)
     import torch.distributed.nn.functional  # noqa: F401
+    process_env.apply()  # NCCL's error handling is read when its groups are made
+    device = None
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl"
-    else:
-        backend = "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    # not bound to the device (elastic/communicators.py says why); every communicator is
+    # made eagerly all the same: this one now, each group's with the group
+    dist.init_process_group("nccl" if device is not None else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    warm_up_default()
+    create_control_group()
 
 
 def resolve_layout(spec: ModelSpec, layout: Layout | str, world_size: int) -> Layout:

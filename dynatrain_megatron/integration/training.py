@@ -74,6 +74,9 @@ class Trainer:
         self.spec = spec
         self.train = train
         self.data = SyntheticGPTData(spec.vocab_size, spec.seq_length, train.data_seed)
+        # where the model lives: the batches go there (the rank's GPU, or the CPU)
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if torch.cuda.is_available() else torch.device("cpu"))
         self.iteration = iteration
         self.consumed_samples = consumed_samples
         self.objs: TrainingObjects
@@ -108,7 +111,8 @@ class Trainer:
         t0 = time.perf_counter()
         c = o.groups.coords()
         batches = self.data.micro_batches(self.consumed_samples, self.num_micro,
-                                          self.train.micro_batch_size, L.dp, c.dp)
+                                          self.train.micro_batch_size, L.dp, c.dp,
+                                          self.device)
         for m in o.model:
             m.zero_grad_buffer()
         o.optimizer.zero_grad()
@@ -140,7 +144,8 @@ class Trainer:
         o, L = self.objs, self.objs.layout
         c = o.groups.coords()
         batches = self.data.micro_batches(first_sample, self.num_micro,
-                                          self.train.micro_batch_size, L.dp, c.dp)
+                                          self.train.micro_batch_size, L.dp, c.dp,
+                                          self.device)
         losses = self.forward_backward(
             forward_step_func=_forward_step, data_iterator=iterators_for_chunks(batches, L.vpp),
             model=o.model, num_microbatches=self.num_micro, seq_length=self.spec.seq_length,

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from ..routing.piece import Piece
-from .checksum import checksum
+from .checksum import checksums
 from .faults import FaultPlan
 from .transport import Pending, Transport
 
@@ -53,6 +53,28 @@ def _nbytes(v: torch.Tensor) -> int:
 
 def _signed(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _slots(buf: torch.Tensor, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The packed places of `views` in `buf`: each at an 8-byte aligned offset, in order,
+    viewed with its dtype and shape."""
+    out, o = [], 0
+    for v in views:
+        n = _nbytes(v)
+        out.append(buf[o:o + n].view(v.dtype).view(v.shape))
+        o += _aligned(n)
+    return out
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """dst_i <- src_i for every pair. On a GPU one multi-tensor copy (`_foreach_copy_`:
+    one kernel launch for a peer's small pieces instead of one per piece); on the CPU a
+    loop of memcpys, which is what that would do there anyway."""
+    if dsts and dsts[0].device.type == "cuda":
+        torch._foreach_copy_(dsts, list(srcs))
+        return
+    for d, s in zip(dsts, srcs):
+        d.copy_(s)
 
 
 def local_shares(local: Sequence[Piece], n_rounds: int) -> list[list[Piece]]:
@@ -206,8 +228,12 @@ class Executor:
             self._stalled = True
             pending = None
         if self.checksums:  # while the messages are on the wire (both only read them)
-            for peer, msgs in sends.items():
-                send_sums[peer] = [checksum(m) for m in msgs]
+            peers = list(sends)
+            flat = checksums([m for peer in peers for m in sends[peer]])
+            o = 0
+            for peer in peers:
+                send_sums[peer] = flat[o:o + len(sends[peer])]
+                o += len(sends[peer])
         return _Round(index, pending, recvs, send_sums, packed, staged, keep,
                       sum(p.nbytes for ps in out.values() for p in ps),
                       sum(p.nbytes for ps in inc.values() for p in ps), t0)
@@ -317,11 +343,15 @@ class Executor:
             self._stalled = True
             return False
         ok = True
-        for peer, msgs in r.recv_msgs.items():
-            theirs = recvs[peer][0].tolist()
+        peers = list(r.recv_msgs)
+        ours = iter(checksums([m for peer in peers for m in r.recv_msgs[peer]]))
+        theirs_all = iter(torch.cat([recvs[peer][0] for peer in peers]).tolist()
+                          if peers else [])
+        for peer in peers:
+            msgs = r.recv_msgs[peer]
             for j, m in enumerate(msgs):
                 self.stats.checksummed_messages += 1
-                if _signed(checksum(m)) != theirs[j]:
+                if _signed(next(ours)) != next(theirs_all):
                     ok = False
                     self.errors.append(f"rank {self.rank}: round {r.index}: message {j} from "
                                        f"rank {peer} ({_nbytes(m)} bytes) arrived corrupted "
@@ -335,11 +365,7 @@ class Executor:
     def _pack(self, views: Sequence[torch.Tensor]) -> torch.Tensor:
         buf = torch.empty(sum(_aligned(_nbytes(v)) for v in views), dtype=torch.uint8,
                           device=self.device)
-        o = 0
-        for v in views:
-            n = _nbytes(v)
-            buf[o:o + n].view(v.dtype).view(v.shape).copy_(v)
-            o += _aligned(n)
+        _copy_all(_slots(buf, views), views)
         return buf
 
     def _stage(self, v: torch.Tensor) -> torch.Tensor:
@@ -350,11 +376,7 @@ class Executor:
 
     @staticmethod
     def _unpack(buf: torch.Tensor, views: Sequence[torch.Tensor]) -> None:
-        o = 0
-        for v in views:
-            n = _nbytes(v)
-            v.copy_(buf[o:o + n].view(v.dtype).view(v.shape))
-            o += _aligned(n)
+        _copy_all(list(views), _slots(buf, views))
 
     @staticmethod
     def _unpack_staged(tmp: torch.Tensor, v: torch.Tensor) -> None:

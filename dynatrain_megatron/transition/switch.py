@@ -23,7 +23,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..adapters.live import LiveState, optimizer_state_complete, optimizers_of, storage_fingerprint
+from ..adapters.live import (LiveState, optimizer_state_complete, optimizers_of,
+                             read_optimizer_step, storage_fingerprint, write_optimizer_step)
 from ..adapters.verify import check_live_matches_analytic
 from ..routing.piece import Piece
 from ..routing.placement_search import choose_placement
@@ -183,14 +184,7 @@ def _aborted(src: Layout, dst: Layout, dst_placement: Placement, groups: Optiona
 
 
 def read_scalars(objs, iteration: int, consumed_samples: int) -> Scalars:
-    step = None
-    for opt in optimizers_of(objs.optimizer):
-        for st in opt.optimizer.state.values():
-            if "step" in st:
-                step = float(st["step"])
-                break
-        if step is not None:
-            break
+    step = read_optimizer_step(objs.optimizer)
     scaler = getattr(objs.optimizer, "grad_scaler", None)
     return Scalars(iteration, consumed_samples, step, objs.scheduler.state_dict(),
                    scaler.state_dict() if scaler is not None else None)
@@ -198,10 +192,8 @@ def read_scalars(objs, iteration: int, consumed_samples: int) -> Scalars:
 
 def write_scalars(objs, s: Scalars) -> None:
     """Optimizer step (one per parameter, for Adam's bias correction), scheduler, scaler."""
-    for opt in optimizers_of(objs.optimizer):
-        for st in opt.optimizer.state.values():
-            if "step" in st and s.optimizer_step is not None:
-                st["step"] = torch.tensor(s.optimizer_step, dtype=torch.float32)
+    if s.optimizer_step is not None:
+        write_optimizer_step(objs.optimizer, s.optimizer_step)
     objs.scheduler.load_state_dict(dict(s.scheduler))
     scaler = getattr(objs.optimizer, "grad_scaler", None)
     if scaler is not None and s.grad_scaler is not None:

@@ -11,12 +11,16 @@ the rank's CUDA device); the interface is the same.
 from __future__ import annotations
 
 import datetime
+import logging
 import time
+import weakref
 from abc import ABC, abstractmethod
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
@@ -28,15 +32,67 @@ def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device
     return torch.device("cpu")
 
 
-class Pending:
-    """Operations of one round in flight."""
+def is_nccl(group: Optional[dist.ProcessGroup] = None) -> bool:
+    return dist.get_backend(group) == "nccl"
 
-    def __init__(self, works: Sequence) -> None:
+
+# groups whose communicator exists on this rank (warmed up): NCCL creates a group's
+# communicator at its first collective unless told otherwise
+_WARM: "weakref.WeakSet[dist.ProcessGroup]" = weakref.WeakSet()
+
+
+def warm_up(group: Optional[dist.ProcessGroup]) -> None:
+    """Create `group`'s communicator now: one 1-element all-reduce, waited for. Every
+    member must call it at the same point of its sequence of collectives (the groups of a
+    layout in creation order, on every rank). Once per group; a no-op after."""
+    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or group in _WARM:
+        return
+    flag = torch.ones(1, dtype=torch.int32, device=collective_device(group))
+    dist.all_reduce(flag, group=group)
+    if flag.device.type == "cuda":
+        torch.cuda.current_stream(flag.device).synchronize()
+    _WARM.add(group)
+
+
+def is_warm(group: Optional[dist.ProcessGroup]) -> bool:
+    return group is not None and group in _WARM
+
+
+def abort_group(group: Optional[dist.ProcessGroup]) -> bool:
+    """Abort an NCCL group whose operations will never complete (a peer timed out or
+    died): its kernels end, its communicator is freed, and a later `destroy` does not hang
+    on it. Gloo needs none of this (a timed-out wait returns). True when aborted."""
+    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or not is_nccl(group):
+        return False
+    try:
+        group.abort()
+    except Exception as e:  # noqa: BLE001 - best effort: the group is broken either way
+        log.warning("aborting a broken NCCL group failed: %s", e)
+        return False
+    _WARM.discard(group)
+    return True
+
+
+class Pending:
+    """Operations of one round in flight.
+
+    `polled`: wait for a deadline by polling `Work.is_completed()` (NCCL: a blocking wait
+    with a timeout would tie the CPU up and, past the deadline, leave the kernels running;
+    instead the round is given up and `on_timeout` aborts its communicator). Without it,
+    `Work.wait(timeout)` (gloo: the wait itself returns at the deadline)."""
+
+    def __init__(self, works: Sequence, *, polled: bool = False,
+                 on_timeout: Optional[Callable[[], object]] = None) -> None:
         self._works = list(works)
+        self._polled = polled
+        self._on_timeout = on_timeout
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Wait for every operation; with `timeout` (seconds, for the whole round) raise
         `TimeoutError` when a peer does not show up in time."""
+        if self._polled and timeout is not None:
+            self._poll(timeout)
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
         for w in self._works:
             if deadline is None:
@@ -50,6 +106,22 @@ class Pending:
                                    f"{str(e).splitlines()[0]}") from e
             if done is False:
                 raise TimeoutError(f"peer did not complete the exchange within {timeout:.1f} s")
+        self._works = []
+
+    def _poll(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pause = 1e-4
+        while not all(w.is_completed() for w in self._works):
+            if time.monotonic() >= deadline:
+                if self._on_timeout is not None:
+                    self._on_timeout()
+                self._works = []
+                raise TimeoutError(f"peer did not complete the exchange within {timeout:.1f} s "
+                                   f"(communicator aborted)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        for w in self._works:  # complete: orders the current stream after the transfer
+            w.wait()
         self._works = []
 
 
@@ -70,13 +142,23 @@ class Transport(ABC):
 
 
 class TorchP2PTransport(Transport):
-    """`batch_isend_irecv` on a group spanning old and new ranks (default: the world)."""
+    """`batch_isend_irecv` on a group spanning old and new ranks (default: the world).
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+    On NCCL (`nccl`, default: the group's backend) a group's first `batch_isend_irecv`
+    must include every rank of the group, and a rank with nothing to exchange would skip
+    it; so every rank's first `start` warms the group up first (`warm_up`, a no-op where
+    the device manager already did at its safe point), empty or not. Deadlines are polled
+    and a round that misses one aborts the group (`Pending`)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, *,
+                 nccl: Optional[bool] = None) -> None:
         self.group = group
+        self.nccl = is_nccl(group) if nccl is None else nccl
 
     def start(self, sends: Mapping[int, Sequence[torch.Tensor]],
               recvs: Mapping[int, Sequence[torch.Tensor]], tag: int = 0) -> Pending:
+        if self.nccl:
+            warm_up(self.group if self.group is not None else dist.group.WORLD)
         ops = []
         # a fixed order (by peer, then message) on every rank; NCCL requires matching order
         for peer in sorted(set(sends) | set(recvs)):
@@ -86,4 +168,5 @@ class TorchP2PTransport(Transport):
                 ops.append(dist.P2POp(dist.irecv, t, peer, group=self.group, tag=tag))
         if not ops:
             return Pending(())
-        return Pending(dist.batch_isend_irecv(ops))
+        return Pending(dist.batch_isend_irecv(ops), polled=self.nccl,
+                       on_timeout=lambda: abort_group(self.group))

@@ -38,8 +38,11 @@ def carry_vocab_padding(old: Optional[LiveState], new: Optional[LiveState],
         if old is not None:
             for f in old.padding_fragments(kinds):
                 if f.main or not main_only:
+                    # a host copy: a pickled CUDA tensor would be unpickled on the
+                    # sender's device index on every receiver
                     mine.append((f.kind, f.key, f.box.offsets, f.box.shape,
-                                 old.view(f.kind, f.chunk, f.local_name, f.local_box).clone()))
+                                 old.view(f.kind, f.chunk, f.local_name, f.local_box)
+                                 .to("cpu", copy=True)))
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
     if new is None:

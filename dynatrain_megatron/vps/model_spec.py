@@ -46,6 +46,9 @@ class ModelSpec:
     moe_shared_expert_intermediate_size: Optional[int] = None
     params_dtype: str = "fp32"
     init_method_std: float = 0.02
+    # built with Transformer Engine's layer spec (GPU): its fused norm+linear layers name and
+    # order some parameters differently (vps.naming.TE_FUSED_NORMS); the state is the same
+    transformer_engine: bool = False
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

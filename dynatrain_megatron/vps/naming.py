@@ -35,6 +35,7 @@ assumed to have `spec.params_dtype` (Megatron-LM's Float16Module casts every par
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 from .box import Box, BoxError
@@ -171,6 +172,17 @@ class _ChunkBuilder:
         if self.spec.normalization == "LayerNorm":
             self.add(local + ".bias", key + ".bias", (size,), "rep", axis)
 
+    def fused_norm(self, layer_local: str, layer_key: str, norm: str, size: int) -> None:
+        """Transformer Engine's norm fused into the next linear layer (LayerNormLinear): its
+        parameters sit on that layer as `layer_norm_weight` / `layer_norm_bias`, registered
+        before the layer's own weight, and keep the analytic key of the separate norm."""
+        host = TE_FUSED_NORMS[norm]
+        self.add(layer_local + host + ".layer_norm_weight", layer_key + norm + ".weight",
+                 (size,), "rep")
+        if self.spec.normalization == "LayerNorm":
+            self.add(layer_local + host + ".layer_norm_bias", layer_key + norm + ".bias",
+                     (size,), "rep")
+
     def mlp(self, local: str, key: str, ffn: int, axis: str, **kw) -> None:
         s = self.spec
         h, bias = s.hidden_size, s.add_bias_linear
@@ -221,9 +233,11 @@ def chunk_param_specs(spec: ModelSpec, layout: Layout, pp_rank: int,
         if s.position_embedding_type == "learned_absolute":
             b.add("embedding.position_embeddings.weight", "embedding.position_embeddings.weight",
                   (s.seq_length, h), "rep")
+    te = s.transformer_engine
     for j, L in enumerate(layout.stage_layers(s.num_layers, pp_rank, chunk)):
         lp, kp = f"decoder.layers.{j}.", f"decoder.layers.{L}."
-        b.norm(lp + "input_layernorm", kp + "input_layernorm", h)
+        if not te:
+            b.norm(lp + "input_layernorm", kp + "input_layernorm", h)
         # SelfAttention registers linear_qkv first, but named_parameters() yields
         # linear_proj first: megatron builds linear_proj before linear_qkv (checked on 0.16.1)
         b.add(lp + "self_attention.linear_proj.weight", kp + "self_attention.linear_proj.weight",
@@ -231,6 +245,8 @@ def chunk_param_specs(spec: ModelSpec, layout: Layout, pp_rank: int,
         if s.add_bias_linear:
             b.add(lp + "self_attention.linear_proj.bias", kp + "self_attention.linear_proj.bias",
                   (h,), "rep")
+        if te:
+            b.fused_norm(lp, kp, "input_layernorm", h)
         b.add(lp + "self_attention.linear_qkv.weight", kp + "self_attention.linear_qkv.weight",
               (s.qkv_rows, h), "rows")
         if s.add_bias_linear:
@@ -239,7 +255,8 @@ def chunk_param_specs(spec: ModelSpec, layout: Layout, pp_rank: int,
         if s.qk_layernorm:
             b.norm(lp + "self_attention.q_layernorm", kp + "self_attention.q_layernorm", d)
             b.norm(lp + "self_attention.k_layernorm", kp + "self_attention.k_layernorm", d)
-        b.norm(lp + "pre_mlp_layernorm", kp + "pre_mlp_layernorm", h)
+        if not te or s.is_moe:  # TE fuses it into a dense MLP's fc1; MoE keeps a TENorm
+            b.norm(lp + "pre_mlp_layernorm", kp + "pre_mlp_layernorm", h)
         if s.is_moe:
             E = s.num_moe_experts
             b.add(lp + "mlp.router.weight", kp + "mlp.router.weight", (E, h), "rep")
@@ -254,6 +271,8 @@ def chunk_param_specs(spec: ModelSpec, layout: Layout, pp_rank: int,
                 b.mlp(lp + "mlp.shared_experts", kp + "mlp.shared_experts",
                       s.moe_shared_expert_intermediate_size, "tp")
         else:
+            if te:
+                b.fused_norm(lp, kp, "pre_mlp_layernorm", h)
             b.mlp(lp + "mlp", kp + "mlp", s.ffn_hidden_size, "tp")
     if post:
         b.norm("decoder.final_layernorm", "decoder.final_layernorm", h)
@@ -263,6 +282,28 @@ def chunk_param_specs(spec: ModelSpec, layout: Layout, pp_rank: int,
             b.add("output_layer.weight", "embedding.word_embeddings.weight", (s.vocab_size, h),
                   "vocab", shared_embedding=True, tied_copy=True)
     return tuple(b.out)
+
+
+# Transformer Engine's layer spec (`get_gpt_layer_with_transformer_engine_spec`) has no
+# separate input / pre-MLP norm in a dense layer: each is fused into the linear layer that
+# follows it (TE LayerNormLinear), whose parameters then include the norm's. Analytic norm
+# (module of a layer) -> the layer module that holds it.
+TE_FUSED_NORMS = {"input_layernorm": "self_attention.linear_qkv",
+                  "pre_mlp_layernorm": "mlp.linear_fc1"}
+_TE_LOCAL = re.compile(r"^(decoder\.layers\.\d+\.)(self_attention\.linear_qkv|mlp\.linear_fc1)"
+                       r"\.layer_norm_(weight|bias)$")
+_TE_HOST_NORM = {host: norm for norm, host in TE_FUSED_NORMS.items()}
+
+
+def analytic_param_name(name: str) -> str:
+    """The local-spec name of a parameter named by TE's spec: a fused norm parameter
+    (`decoder.layers.3.self_attention.linear_qkv.layer_norm_weight`) becomes the separate
+    norm's (`decoder.layers.3.input_layernorm.weight`); every other name is the same in
+    both specs and is returned unchanged."""
+    m = _TE_LOCAL.match(name)
+    if m is None:
+        return name
+    return f"{m.group(1)}{_TE_HOST_NORM[m.group(2)]}.{m.group(3)}"
 
 
 def local_blocks(p: ParamSpec, spec: ModelSpec, layout: Layout,
@@ -328,6 +369,6 @@ def param_numel(spec: ModelSpec) -> int:
     return sum(t.numel for t in logical_tensors(spec))
 
 
-__all__ = ["DTYPE_BYTES", "RULES", "Block", "LocalTensor", "LogicalTensor", "ParamSpec",
-           "chunk_param_specs", "local_blocks", "local_tensors", "logical_tensors",
+__all__ = ["DTYPE_BYTES", "RULES", "TE_FUSED_NORMS", "Block", "LocalTensor", "LogicalTensor", "ParamSpec",
+           "analytic_param_name", "chunk_param_specs", "local_blocks", "local_tensors", "logical_tensors",
            "logical_tensor_map", "param_numel"]

@@ -1,0 +1,132 @@
+"""Where the elastic layer's work runs on a GPU job: the rank's device and a stream of its
+own for the preparation thread, NCCL communicators created at a safe point, and a CPU
+group for the small agreements made at every step.
+
+On the CPU (gloo) every function here is a no-op or returns what the code used before:
+gloo creates its communicators eagerly and has no device or streams.
+
+Why each piece (NCCL; read against torch 2.13):
+- The current CUDA device is per thread. A thread that never calls `torch.cuda.set_device`
+  works on cuda:0, so the preparation thread would build layout B (and megatron's DDP
+  buffers, placed at `torch.cuda.current_device()`) on GPU 0 of every node.
+- Work launched by the preparation thread on the default stream is ordered with the
+  training thread's, at a different point on each rank: two collectives of different
+  communicators can then wait on each other in a cycle. It gets a stream of its own.
+- A group's NCCL communicator is created at its first collective unless the group is
+  created with a `device_id`: `build_groups` passes the rank's device (`group_device`),
+  so B's communicators are made with B's groups, in the background, in the same order on
+  every rank; `warm_up_groups` checks them with one collective each at a point every rank
+  reaches in the same order. The default group is *not* bound to the device
+  (`init_process_group(device_id=...)`): bound, torch makes every later group by
+  `ncclCommSplit` of the default communicator, which is a collective over the whole
+  world; ranks outside a new group (standby ranks, or any rank for a gloo group of a
+  subset) call it at once, members only when their communicator is made, and the
+  preparation thread would run it beside the training thread's use of the default
+  communicator. Unbound, each group's communicator is made from the job's store by its
+  members alone. The default communicator is warmed up at start instead
+  (`warm_up_default`).
+- The per-step agreements of the hook (is the preparation done everywhere?) run on a gloo
+  group over the world (`control_group`): a CPU tensor, no device synchronisation per
+  step, and the default NCCL communicator, from which the background thread splits B's
+  communicators, is not used by the training thread meanwhile.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..transition.transport import is_nccl, warm_up
+
+log = logging.getLogger(__name__)
+
+_CONTROL: dict = {"group": None, "default": None}
+
+
+def rank_device() -> Optional[torch.device]:
+    """This thread's CUDA device (the rank's, on the training thread), None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def group_device() -> Optional[torch.device]:
+    """The device to create new groups with (`new_group(device_id=...)`: their NCCL
+    communicators are made at once, by their members), None under gloo."""
+    if not dist.is_initialized() or not is_nccl():
+        return None
+    return rank_device()
+
+
+def warm_up_default() -> None:
+    """Create the default group's NCCL communicator now (at start, every rank, on the
+    training thread): one all-reduce. Nothing to do under gloo."""
+    if is_nccl():
+        warm_up(dist.group.WORLD)
+
+
+@contextlib.contextmanager
+def device_context(device: Optional[torch.device]) -> Iterator[Optional[object]]:
+    """Run the block on `device` with a CUDA stream of its own (yielded), then wait for
+    that stream, so whatever the block built is complete when another thread reads it.
+    A no-op for None or a CPU device."""
+    if device is None or device.type != "cuda":
+        yield None
+        return
+    torch.cuda.set_device(device)
+    stream = torch.cuda.Stream(device=device)
+    try:
+        with torch.cuda.stream(stream):
+            yield stream
+    finally:
+        stream.synchronize()
+
+
+def create_control_group() -> None:
+    """The job's CPU group over the world (collective over the default group: every rank,
+    right after the default group is made). Under gloo the default group itself.
+
+    The world it belongs to is remembered by a weak reference only: after a death the
+    survivors must let go of every reference to the old world's groups, or their gloo
+    sockets stay open and a survivor blocked on them never notices (elastic.rejoin)."""
+    default = weakref.ref(dist.distributed_c10d._get_default_group())
+    if not is_nccl():
+        _CONTROL.update(group=None, default=default)
+        return
+    _CONTROL.update(group=dist.new_group(backend="gloo"), default=default)
+
+
+def forget_control_group() -> None:
+    """Drop this process's reference to the control group (its world is gone)."""
+    _CONTROL.update(group=None, default=None)
+
+
+def control_group() -> Optional[dist.ProcessGroup]:
+    """The group for small host-side agreements (None: the default group). Falls back to
+    the default group when the control group belongs to an earlier world."""
+    if not dist.is_initialized() or _CONTROL["default"] is None:
+        return None
+    if _CONTROL["default"]() is not dist.distributed_c10d._get_default_group():
+        return None
+    return _CONTROL["group"]
+
+
+def warm_up_groups(groups) -> None:
+    """Create the NCCL communicators of a layout's groups (`elastic.groups.ParallelGroups`)
+    now, in their creation order, which is the same on every rank; each rank warms the
+    groups it belongs to. Collective over the world; call it where every rank is at the
+    same point of its collectives (a step boundary after the ready vote). Under gloo the
+    groups exist already: nothing to do."""
+    if groups is None or not is_nccl():
+        return
+    seen: set[int] = set()
+    for g in list(groups.created) + [groups.transfer]:
+        if g is None or g == dist.GroupMember.NON_GROUP_MEMBER or id(g) in seen:
+            continue
+        seen.add(id(g))
+        if dist.get_backend(g) == "nccl":
+            warm_up(g)

@@ -1,0 +1,493 @@
+"""The GPU path checked on the CPU: Transformer Engine names, the optimizer step of fused
+Adams, the preparation thread's device and stream, NCCL-safe transport (first batch,
+polled deadlines), the memory check of A and B together, and `scripts/gpu_check.py`."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+from dynatrain_megatron.adapters.live import (LiveState, ensure_optimizer_state,
+                                              read_optimizer_step, write_optimizer_step)
+from dynatrain_megatron.vps.analytic import analytic_layout
+from dynatrain_megatron.vps.layout import Layout
+from dynatrain_megatron.vps.model_spec import ModelSpec
+from dynatrain_megatron.vps.naming import (TE_FUSED_NORMS, analytic_param_name,
+                                           chunk_param_specs)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY_GPT = ModelSpec.from_yaml(ROOT / "configs/models/tiny-gpt.yaml")
+TINY_MOE = ModelSpec.from_yaml(ROOT / "configs/models/tiny-moe.yaml")
+
+
+# ----------------------------------------------------------------- Transformer Engine names
+def _te_fused_modules_from_megatron() -> dict[str, str]:
+    """From megatron-core's own source (TE cannot be imported here): which submodule of a
+    dense layer of `get_gpt_layer_with_transformer_engine_spec` is TE's fused
+    LayerNormLinear, and which separate norm is then an IdentityOp."""
+    import importlib.util
+
+    # the file itself, without importing megatron-core (slow) or TE (absent)
+    roots = importlib.util.find_spec("megatron").submodule_search_locations
+    src = next(pathlib.Path(r) / "core/models/gpt/gpt_layer_specs.py" for r in roots
+               if (pathlib.Path(r) / "core/models/gpt/gpt_layer_specs.py").is_file())
+    tree = ast.parse(src.read_text())
+    funcs = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+
+    def calls(fn, callee):
+        return [c for c in ast.walk(fn) if isinstance(c, ast.Call)
+                and getattr(c.func, "id", getattr(c.func, "attr", None)) == callee]
+
+    fused = "column_parallel_layer_norm_linear"
+    layer = funcs["get_gpt_layer_with_transformer_engine_spec"]
+    # the non-MLA layer: SelfAttentionSubmodules(linear_qkv=backend.<fused>(), ...)
+    attn = calls(layer, "SelfAttentionSubmodules")
+    assert len(attn) == 1
+    qkv = {k.arg: k.value for k in attn[0].keywords}["linear_qkv"]
+    assert qkv.func.attr == fused
+    subs = [c for c in calls(layer, "TransformerLayerSubmodules")
+            if any(k.arg == "self_attention" and "SelfAttention" in ast.dump(k.value)
+                   and "MLASelfAttention" not in ast.dump(k.value) for k in c.keywords)]
+    assert len(subs) == 1
+    kw = {k.arg: k.value for k in subs[0].keywords}
+    out = {}
+    if "input_layernorm" not in kw:  # TransformerLayerSubmodules' default: IdentityOp
+        out["input_layernorm"] = "self_attention.linear_qkv"
+    pre = kw["pre_mlp_layernorm"]  # `backend.layer_norm() if num_experts else IdentityOp`
+    assert isinstance(pre, ast.IfExp) and getattr(pre.orelse, "id", None) == "IdentityOp"
+    mlp = funcs["get_mlp_module_spec_for_backend"]
+    fc1 = [a for a in ast.walk(mlp) if isinstance(a, ast.Assign)
+           and getattr(a.targets[0], "id", None) == "linear_fc1"
+           and isinstance(a.value, ast.Call) and getattr(a.value.func, "attr", None) == fused]
+    if fc1:
+        out["pre_mlp_layernorm"] = "mlp.linear_fc1"
+    return out
+
+
+def test_te_fused_norm_map_matches_megatron_te_spec():
+    assert TE_FUSED_NORMS == _te_fused_modules_from_megatron()
+
+
+@pytest.mark.parametrize("spec", [TINY_GPT, TINY_GPT.replace(normalization="LayerNorm"), TINY_MOE],
+                         ids=["gpt-rms", "gpt-layernorm", "moe"])
+def test_te_param_specs_name_te_params_with_analytic_keys(spec):
+    lay = Layout.parse("tp2pp2", 4) if not spec.is_moe else Layout.parse("tp1pp2ep2", 4)
+    te = spec.replace(transformer_engine=True)
+    for pp in range(lay.pp):
+        local = chunk_param_specs(spec, lay, pp, 0)
+        fused = chunk_param_specs(te, lay, pp, 0)
+        # the same tensors with the same keys and shapes, under TE's names
+        assert sorted((p.key, p.local_shape) for p in local) == \
+            sorted((p.key, p.local_shape) for p in fused)
+        assert {analytic_param_name(p.local_name): p.key for p in fused} == \
+            {p.local_name: p.key for p in local}
+        names = [p.local_name for p in fused]
+        assert not any(".input_layernorm." in n for n in names)
+        assert any(n.endswith("self_attention.linear_qkv.layer_norm_weight") for n in names)
+        assert any(n.endswith("pre_mlp_layernorm.weight") for n in names) == spec.is_moe
+        assert any(n.endswith("layer_norm_bias") for n in names) == (spec.normalization == "LayerNorm")
+        # TE registers the norm's parameters before the layer's weight (named_parameters order)
+        for i, n in enumerate(names):
+            if n.endswith("linear_qkv.layer_norm_weight") or n.endswith("linear_fc1.layer_norm_weight"):
+                rest = names[i + 1:i + 3]
+                host = n.rsplit(".", 1)[0]
+                assert host + ".weight" in rest
+    # the analytic layout holds the same bytes (the order changes only bucket boundaries)
+    assert analytic_layout(te, lay).bytes_per_rank()["param"].sum() == \
+        analytic_layout(spec, lay).bytes_per_rank()["param"].sum()
+
+
+def test_live_key_of_te_fused_norm_is_the_analytic_key():
+    key = LiveState._canonical_key
+    assert key("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+               "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", (5,)) == \
+        "decoder.layers.5.input_layernorm.weight"
+    assert key("decoder.layers.1.mlp.linear_fc1.layer_norm_bias",
+               "decoder.layers.1.mlp.linear_fc1.layer_norm_bias", (3,)) == \
+        "decoder.layers.3.pre_mlp_layernorm.bias"
+    assert analytic_param_name("decoder.layers.2.mlp.linear_fc1.weight") == \
+        "decoder.layers.2.mlp.linear_fc1.weight"
+    assert analytic_param_name("output_layer.layer_norm_weight") == "output_layer.layer_norm_weight"
+
+
+# ----------------------------------------------------------------- optimizer step
+class FusedAdam(torch.optim.Optimizer):
+    """TE's / apex's FusedAdam as far as the step goes: `group['step']`, made at step 1."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    def step(self):
+        for g in self.param_groups:
+            g["step"] = g.get("step", 0) + 1
+            for p in g["params"]:
+                st = self.state[p]
+                st.setdefault("exp_avg", torch.zeros_like(p))
+                st.setdefault("exp_avg_sq", torch.zeros_like(p))
+
+
+class _DistOpt:  # what optimizers_of unwraps: `.optimizer` is the torch optimizer
+    def __init__(self, inner):
+        self.optimizer = inner
+
+
+def _chain(*inners):
+    class Chained:
+        chained_optimizers = [_DistOpt(i) for i in inners]
+    return Chained()
+
+
+@pytest.mark.parametrize("style", ["torch", "fused"])
+def test_optimizer_step_read_and_written_where_the_optimizer_keeps_it(style):
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    if style == "torch":
+        inner = torch.optim.Adam(params, lr=0.1)
+        for p in params:
+            p.grad = torch.ones_like(p)
+    else:
+        inner = FusedAdam(params)
+    fresh_params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    fresh = torch.optim.Adam(fresh_params) if style == "torch" else FusedAdam(fresh_params)
+    a, b = _chain(inner), _chain(fresh)
+    assert read_optimizer_step(a) is None
+    for _ in range(3):
+        inner.step()
+    assert read_optimizer_step(a) == 3.0
+    ensure_optimizer_state(b)  # what binding B does before the transfer
+    has_param_step = any("step" in st for st in fresh.state.values())
+    assert has_param_step == (style == "torch")
+    write_optimizer_step(b, 3.0)
+    assert read_optimizer_step(b) == 3.0
+    if style == "torch":
+        steps = [fresh.state[p]["step"] for p in fresh_params]
+        assert all(float(s) == 3.0 for s in steps)
+        assert steps[0] is not steps[1]  # one tensor per parameter, never shared
+    else:
+        assert all(g["step"] == 3 for g in fresh.param_groups)
+        fresh.step()
+        assert read_optimizer_step(b) == 4.0  # bias correction continues, not from 1
+
+
+# ----------------------------------------------------------------- the preparation thread
+class _FakeCuda:
+    """torch.cuda as far as the preparation thread uses it, recording per thread."""
+
+    def __init__(self):
+        import threading
+
+        self.set_in: list = []  # (thread name, device)
+        self.streams: list = []
+        self.entered: list = []  # thread names that entered their stream
+        self.synced: list = []
+        self._threading = threading
+
+    def set_device(self, device):
+        self.set_in.append((self._threading.current_thread().name, device))
+
+    def Stream(self, device=None):  # noqa: N802 - torch's name
+        fake = self
+
+        class S:
+            def synchronize(self):
+                fake.synced.append(self)
+        s = S()
+        self.streams.append((s, device))
+        return s
+
+    def stream(self, s):
+        import contextlib
+        fake = self
+
+        @contextlib.contextmanager
+        def ctx():
+            fake.entered.append((fake._threading.current_thread().name, s))
+            yield
+        return ctx()
+
+
+def test_preparation_thread_sets_the_rank_device_and_its_own_stream(monkeypatch):
+    from dynatrain_megatron.elastic import communicators, device_manager
+
+    fake = _FakeCuda()
+    monkeypatch.setattr(communicators.torch, "cuda", fake)
+    monkeypatch.setattr(device_manager, "build_groups", lambda layout, placement: "groups")
+    dev = torch.device("cuda", 3)  # what the training thread had set (LOCAL_RANK 3)
+    dm = device_manager.DeviceManager(device=dev)
+    seen = []
+    dm.prepare(Layout.parse("tp1", 1), None, background=True,
+               then=lambda g: seen.append(g) or "prepared")
+    dm._thread.join(30)
+    assert seen == ["groups"]
+    assert fake.set_in == [("dynatrain-prepare", dev)]  # in the thread, the rank's device
+    (stream, sdev), = fake.streams
+    assert sdev == dev and fake.entered == [("dynatrain-prepare", stream)]
+    assert fake.synced == [stream]  # B complete before the training thread reads it
+    assert dm._prepared == "prepared"
+
+
+def test_device_manager_records_the_creating_threads_device(monkeypatch):
+    from dynatrain_megatron.elastic import communicators, device_manager
+
+    class C:
+        @staticmethod
+        def is_available():
+            return True
+
+        @staticmethod
+        def current_device():
+            return 5
+    monkeypatch.setattr(communicators.torch, "cuda", C)
+    assert device_manager.DeviceManager().device == torch.device("cuda", 5)
+    monkeypatch.setattr(C, "is_available", staticmethod(lambda: False))
+    assert device_manager.DeviceManager().device is None  # CPU: nothing to set
+
+
+# ----------------------------------------------------------------- NCCL-safe transport
+def test_every_rank_posts_the_transfer_groups_first_batch_even_empty(monkeypatch):
+    """NCCL's first batch_isend_irecv on a group needs every rank of it: a rank with
+    nothing to exchange still takes part (the warm-up), once per group."""
+    from dynatrain_megatron.transition import transport as tp
+
+    calls = []
+    monkeypatch.setattr(tp.dist, "all_reduce", lambda t, group=None, **k: calls.append(("warm", group)))
+    monkeypatch.setattr(tp.dist, "batch_isend_irecv", lambda ops: calls.append(("batch", len(ops))) or [])
+    monkeypatch.setattr(tp, "collective_device", lambda group=None: torch.device("cpu"))
+    monkeypatch.setattr(tp.dist, "P2POp", lambda *a, **k: a)
+    groups = [object.__new__(type("G", (), {})) for _ in range(2)]  # two ranks' handles
+    tp._WARM.clear()
+    idle = tp.TorchP2PTransport(groups[0], nccl=True)
+    busy = tp.TorchP2PTransport(groups[1], nccl=True)
+    idle.start({}, {}).wait()  # rank with nothing to send or receive in round 0
+    busy.start({1: [torch.zeros(2)]}, {}).wait()
+    assert calls == [("warm", groups[0]), ("warm", groups[1]), ("batch", 1)]
+    calls.clear()
+    idle.start({}, {}).wait()
+    busy.start({1: [torch.zeros(2)]}, {1: [torch.zeros(2)]}).wait()
+    assert calls == [("batch", 2)]  # warmed once; later rounds are plain batches
+    gloo = tp.TorchP2PTransport(object.__new__(type("H", (), {})), nccl=False)
+    gloo.start({}, {}).wait()
+    assert calls == [("batch", 2)]  # gloo: unchanged (creates communicators eagerly)
+
+
+class _Work:
+    def __init__(self, done_after: float):
+        import time
+        self.t = time.monotonic() + done_after
+        self.waited = False
+
+    def is_completed(self):
+        import time
+        return time.monotonic() >= self.t
+
+    def wait(self, timeout=None):
+        self.waited = True
+        return True
+
+
+def test_polled_deadline_aborts_the_group_and_raises_timeout():
+    from dynatrain_megatron.transition.transport import Pending
+
+    aborted = []
+    w = _Work(done_after=3600)
+    with pytest.raises(TimeoutError, match="aborted"):
+        Pending([w], polled=True, on_timeout=lambda: aborted.append(1)).wait(timeout=0.05)
+    assert aborted == [1] and not w.waited  # never a blocking wait on a peer that is gone
+    ok = [_Work(0.01), _Work(0.0)]
+    Pending(ok, polled=True, on_timeout=lambda: aborted.append(2)).wait(timeout=5)
+    assert all(x.waited for x in ok) and aborted == [1]
+
+
+def test_batched_checksums_equal_one_by_one():
+    from dynatrain_megatron.transition.checksum import _device_sum, checksum, checksums
+
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=g)
+    msgs = [buf[o:o + n] for o, n in ((0, 0), (1, 7), (3, 801), (8, 4000), (5, 13))]
+    assert checksums(msgs) == [checksum(m) for m in msgs]
+    # the device formula (no host sync), run here on CPU tensors, is the same sum
+    assert [int(_device_sum(m)) & 0xFFFFFFFFFFFFFFFF for m in msgs] == [checksum(m) for m in msgs]
+
+
+# ----------------------------------------------------------------- memory of A and B together
+def test_switch_memory_arithmetic_and_decision():
+    from dynatrain_megatron.vps.errors import LayoutError
+    from dynatrain_megatron.vps.memory import estimate_state_memory, switch_memory_plan
+
+    spec = ModelSpec.from_yaml(ROOT / "configs/models/llama3-70b.yaml").replace(params_dtype="bf16")
+    a, b = Layout.parse("tp8pp4dp4", 128), Layout.parse("tp4pp4dp8", 128)
+    dev = tuple(range(128))
+    GiB = 1 << 30
+
+    def plan(mem, act=20 * GiB, reserve=4 * GiB):
+        return switch_memory_plan(spec, a, dev, b, dev, device_memory_bytes=mem,
+                                  activation_bytes=act, reserve_bytes=reserve)
+
+    p = plan(80 * GiB)
+    # the per-device sum is exactly A's state + grads (estimate_state_memory) + activations
+    # + B's state + grads + reserve, on the same device for both layouts (same placement)
+    ea, eb = estimate_state_memory(spec, a), estimate_state_memory(spec, b)
+    (m0, bg, d0), (m1, ip, d1) = p.need_bytes[:2]
+    assert (m0, m1) == ("background", "in_pause")
+    assert bg == ip + 20 * GiB
+    assert bg <= ea.max_bytes + eb.max_bytes + 24 * GiB
+    assert p.a_state + p.a_grads + p.activations + p.b_state + p.reserve == bg
+    assert abs(p.a_state + p.a_grads - 19.04 * GiB) < 0.01 * GiB  # the issue's figures
+    assert abs(p.b_state - 31.72 * GiB) < 0.01 * GiB
+    assert p.mode == "background" and "in the background" in p.describe()
+    # between the two needs: B is built at the boundary, after A's activations are freed
+    q = plan((bg + ip) // 2)
+    assert q.mode == "in_pause" and "degraded" in q.describe()
+    assert plan(bg).mode == "background" and plan(bg - 1).mode == "in_pause"
+    # then without A's gradient buffers (freed at the boundary)
+    (m2, rg, _), = p.need_bytes[2:]
+    assert m2 == "release_a_grads" and rg == ip - p.a_grads
+    assert plan(ip - 1).mode == "release_a_grads" and "gradient buffers" in plan(rg).describe()
+    r = plan(rg - 1)
+    assert r.mode is None and not r.fits and "do not fit" in r.describe()
+    # standby devices of A carry no activations; a scale-in B on fewer devices still counts
+    small = switch_memory_plan(spec, a, dev, Layout.parse("tp8pp4dp2", 64), dev[:64],
+                               device_memory_bytes=80 * GiB, activation_bytes=0)
+    assert small.need_bytes[0][1] == small.need_bytes[1][1]  # B-only devices: no A at all
+    with pytest.raises(LayoutError, match="activation_bytes"):
+        plan(80 * GiB, act=-1)
+
+
+# ----------------------------------------------------------------- scripts/gpu_check.py
+def test_gpu_check_dry_run_lists_every_check_and_each_has_its_worker(tmp_path):
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    script = ROOT / "scripts/gpu_check.py"
+    out = tmp_path / "report.json"
+    p = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(out.read_text())
+    names = [c["name"] for c in report["checks"]]
+    assert report["dry_run"] is True
+    assert {"train_tiny_gpt", "train_tiny_moe", "megatron_lm", "bind_live_vs_analytic",
+            "identity_switch", "bandwidth", "nccl_timeout_rollback",
+            "multi_rank_switch_vs_checkpoint"} == set(names)
+    assert all(n in p.stdout for n in names)
+    spec = importlib.util.spec_from_file_location("gpu_check", script)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules["gpu_check"]
+    for n in names:  # every listed check can run (megatron_lm through its own function)
+        assert callable(getattr(mod, f"w_{n}", None) or (n == "megatron_lm" and mod.run_megatron_lm_check))
+    # one GPU: at most ten minutes of limits besides the multi-GPU check
+    one = [c for c in mod.plan(1, None) if c["runs"]]
+    assert "multi_rank_switch_vs_checkpoint" not in {c["name"] for c in one}
+    assert sum(c["limit_s"] for c in one) <= 600
+    bad = subprocess.run([sys.executable, str(script), "--dry-run", "--only", "nope", "--out",
+                          str(out)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown checks" in bad.stderr
+
+
+def test_b_groups_warmed_in_creation_order_members_only(monkeypatch):
+    """At the safe point every rank warms the NCCL groups of B it belongs to, in the
+    order they were created (the same on every rank), the transfer group last; gloo
+    twins and groups this rank is not in are left alone."""
+    import types
+
+    from dynatrain_megatron.elastic import communicators as cm
+
+    G = type("G", (), {})
+    tp, dp, twin, transfer = G(), G(), G(), G()
+    non_member = cm.dist.GroupMember.NON_GROUP_MEMBER
+    groups = types.SimpleNamespace(created=[tp, non_member, dp, twin, tp, transfer],
+                                   transfer=transfer)
+    warmed = []
+    monkeypatch.setattr(cm, "is_nccl", lambda group=None: True)
+    monkeypatch.setattr(cm.dist, "get_backend", lambda g=None: "gloo" if g is twin else "nccl")
+    monkeypatch.setattr(cm, "warm_up", warmed.append)
+    cm.warm_up_groups(groups)
+    assert warmed == [tp, dp, transfer]
+    warmed.clear()
+    monkeypatch.setattr(cm, "is_nccl", lambda group=None: False)
+    cm.warm_up_groups(groups)  # gloo made them eagerly: nothing to do
+    assert warmed == []
+
+
+@pytest.mark.parametrize("memory_gib,expect", [(80, "background"), (60, "in_pause"),
+                                               (50, "release_a_grads"), (40, None)])
+def test_hook_prepares_b_as_the_memory_plan_decides(monkeypatch, memory_gib, expect):
+    """The hook's reaction to an accepted request with `--dynatrain-device-memory`: B in the
+    background, B at the step boundary (degraded, logged), or no switch (request failed)."""
+    from dynatrain_megatron.elastic.controller import Decision
+    from dynatrain_megatron.integration import hook as H
+    from dynatrain_megatron.integration import memory_check as MC
+    from dynatrain_megatron.integration.train_config import TrainConfig
+    from dynatrain_megatron.vps.placement import Placement
+
+    spec = ModelSpec.from_yaml(ROOT / "configs/models/llama3-70b.yaml").replace(params_dtype="bf16")
+    monkeypatch.setattr(MC, "agree_on_max", lambda v: v)  # one process stands for all ranks
+    monkeypatch.setattr(H, "choose_dst_placement", lambda spec, b, s, sp, dst, dev, *a: Placement(dev))
+    started = []
+    monkeypatch.setattr(H, "start_preparation", lambda *a, **k: started.append(a[4]))
+
+    class Ctl:
+        done_with: list = []
+
+        def done(self, d, outcome, reason=""):
+            self.done_with.append((outcome, reason))
+
+    GiB = 1 << 30
+    hook = H.DynatrainHook(spec, TrainConfig(), Ctl(), memory=MC.SwitchMemoryCheck(
+        memory_gib * GiB, activation_reserve_bytes=20 * GiB, reserve_bytes=4 * GiB))
+    src = Layout.parse("tp8pp4dp4", 128)
+    hook.layout, hook.layout_placement = src, Placement(tuple(range(128)))
+    hook._on_decision(Decision("tp4pp4dp8", 128, "signal"), 10)
+    if expect == "background":
+        assert [str(x) for x in started] == ["tp4pp4dp8"] and hook._sync_target is None
+    elif expect in ("in_pause", "release_a_grads"):  # built in the pause
+        assert started == [] and str(hook._sync_target[0]) == "tp4pp4dp8"
+        assert hook._release_a_grads == (expect == "release_a_grads")
+    else:
+        assert started == [] and hook._sync_target is None and hook.decision is None
+        assert hook.controller.done_with[-1][0] == "failed"
+        assert "do not fit" in hook.rejected[-1]
+
+
+def test_released_a_grads_come_back_when_the_switch_rolls_back(monkeypatch):
+    """Degraded mode release_a_grads: A's gradient buffers are freed before B is built in
+    the pause and restored (zeroed, megatron's restore_grad_buffers) on a rollback."""
+    import types
+
+    from dynatrain_megatron.integration import hook as H
+    from dynatrain_megatron.integration.train_config import TrainConfig
+    from dynatrain_megatron.vps.placement import Placement
+
+    calls = []
+
+    class Chunk:
+        def offload_grad_buffers(self, synchronize, empty_cache):
+            calls.append("offload")
+
+        def restore_grad_buffers(self, synchronize):
+            calls.append("restore")
+
+    objs = types.SimpleNamespace(model=[Chunk(), Chunk()])
+    trainer = types.SimpleNamespace(objs=objs, iteration=7)
+    monkeypatch.setattr(H, "build_groups", lambda dst, pl: calls.append("build B") or "groups")
+    aborted = types.SimpleNamespace(aborted="switch aborted in transfer: test")
+    monkeypatch.setattr(H, "switch_trainer", lambda tr, *a, **k: (tr, aborted))
+
+    class Ctl:
+        def done(self, d, outcome, reason=""):
+            calls.append(outcome)
+
+    hook = H.DynatrainHook(TINY_GPT, TrainConfig(), Ctl())
+    hook.layout, hook.layout_placement = Layout.parse("tp1", 2), Placement((0, 1))
+    hook._sync_target = (Layout.parse("tp2", 2), Placement((0, 1)))
+    hook._release_a_grads = True
+    assert hook._switch(trainer) is trainer
+    assert calls == ["offload", "offload", "build B", "restore", "restore", "failed"]
+    assert hook._release_a_grads is False  # once: the next switch decides again
