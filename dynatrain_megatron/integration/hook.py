@@ -18,7 +18,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..elastic.controller import Controller, Decision, load_schedule
+from ..elastic.controller import Controller, Decision
+from ..elastic.schedule import load_schedule
 from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import build_groups
 from ..elastic.join import open_reviewer
@@ -28,9 +29,8 @@ from ..transition.switch_types import SwitchOptions
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
-from ..vps.memory import check_memory_fit
 from ..vps.placement import Placement
-from .builders import MegatronBuilder, TrainingObjects, bucket_size_of
+from .builders import MegatronBuilder, TrainingObjects, bucket_size_of, validator_options
 from .memory_check import SwitchMemoryCheck, release_grad_buffers, restore_grad_buffers
 from .memory_check import from_args as memory_check_from_args
 from .switching import WorldBroken, prepared_switch_args, start_preparation, switch_trainer
@@ -99,15 +99,11 @@ class DynatrainHook:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig) -> "DynatrainHook":
-        schedule = load_schedule(args.dynatrain_schedule) if args.dynatrain_schedule else None
-        def check(lay: Layout) -> None:
-            _check_batch(train, lay)
-            if args.dynatrain_device_memory:
-                check_memory_fit(spec, lay, args.dynatrain_device_memory,
-                                 bucket_size=bucket_size_of(train, lay))
-
+        schedule = (load_schedule(args.dynatrain_schedule, train.train_iters)
+                    if args.dynatrain_schedule else None)
         ctl = Controller(spec, args.dynatrain_signal_file, args.dynatrain_poll_interval, schedule,
-                         extra_check=check)
+                         check_options=lambda lay: validator_options(
+                             train, lay, args.dynatrain_device_memory))
         # join requests (elastic/join.py): reviewed on rank 0 at each poll when configured
         ctl.joins = open_reviewer(args.dynatrain_rendezvous_dir, args.dynatrain_secret_file)
         return cls(spec, train, ctl, ranks_per_node=args.dynatrain_ranks_per_node,
@@ -120,7 +116,9 @@ class DynatrainHook:
 
     def start(self, trainer: Optional[Trainer], layout: Layout, placement: Placement) -> None:
         """Tell the hook the job's first layout; every process calls it (standby ranks,
-        outside the layout, with `trainer=None`)."""
+        outside the layout, with `trainer=None`). Checks the schedule's layouts against
+        the job's world (DynatrainError, on every rank alike, before the first step)."""
+        self.controller.check_schedule(layout.world_size)
         self.layout, self.layout_placement = layout, placement
 
     def after_step(self, trainer: Trainer) -> Optional[Trainer]:
@@ -175,10 +173,18 @@ class DynatrainHook:
             log.info("already at layout %s: nothing to do", src)
             self.controller.done(d, "applied", "already at this layout")
             return
-        dst = Layout.parse(d.target, d.world)
-        placement = choose_dst_placement(self.spec, self.builder, src, self.layout_placement,
-                                         dst, tuple(range(dst.world_size)), self.placement,
-                                         self.ranks_per_node)
+        try:  # the same pure computation on every rank: all refuse alike, A untouched
+            dst = Layout.parse(d.target, d.world)
+            placement = choose_dst_placement(self.spec, self.builder, src, self.layout_placement,
+                                             dst, tuple(range(dst.world_size)), self.placement,
+                                             self.ranks_per_node)
+        except Exception as e:  # noqa: BLE001 - a request must never end training
+            reason = f"no placement for {d.target} on {d.world} ranks: {type(e).__name__}: {e}"
+            log.error("switch to %s rejected: %s; training continues at %s", d.target, reason,
+                      src)
+            self.rejected.append(reason)
+            self.controller.done(d, "rejected", reason)
+            return
         self.decision = d
         in_pause = False
         if self.memory is not None:  # collective; the same decision on every rank
@@ -220,7 +226,13 @@ class DynatrainHook:
             groups_s = time.perf_counter() - t0
         else:
             dst, dst_placement = self.devices.target
-            kw = prepared_switch_args(self.devices)
+            kw, error = {}, None
+            try:
+                kw = prepared_switch_args(self.devices)
+            except Exception as e:  # noqa: BLE001 - B's groups or preparation failed
+                error = e
+            if not everyone_ok(error is None):  # every rank gives up alike, A untouched
+                return self._preparation_failed(trainer, dst, kw, error)
             groups_s = self.devices.build_seconds
             t0 = time.perf_counter()
         try:
@@ -286,29 +298,41 @@ class DynatrainHook:
             log.warning("%d joiner(s) accepted but not admitted: growing the world needs "
                         "--dynatrain-rendezvous-dir", len(accepted))
             return trainer
-        from ..elastic.rejoin import rendezvous_store
+        from ..elastic.join import JoinError, join_store
         from . import grow
 
         generation = accepted[0].generation
         world = dist.get_world_size() + len(accepted)
-        store = rendezvous_store(self.rendezvous_dir)
-        # only a joiner that is a training process (`--dynatrain-join`) says it is ready; an
-        # accepted `dynatrain join` (which only asks) never does, and the world stays as is
-        box = [grow.all_ready(store, generation, [v.rank for v in accepted])
-               if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
         reviewer = self.controller.joins
-        if not box[0]:
+        try:
+            store = join_store(self.rendezvous_dir)  # the reviewer's and the joiner's
+        except JoinError as e:  # became unsafe since the reviewer opened it (same verdict
+            log.error("accepted joiner(s) not admitted: %s", e)  # on every rank: shared)
+            if reviewer is not None:
+                reviewer.accepted.clear()
+            return trainer
+        # only a joiner that is a training process (`--dynatrain-join`) says it is ready (a
+        # word tagged with the secret); an accepted `dynatrain join` (which only asks) never
+        # does, and the world stays as is. Rank 0 (it holds the secret) sends the others the
+        # secret meeting prefix over the job's own communicator.
+        box = [None, None]
+        if dist.get_rank() == 0 and reviewer is not None:
+            ok = grow.all_ready(store, generation, accepted, reviewer.secret, reviewer.nonce)
+            box = [ok, grow.meeting_prefix(reviewer.secret, reviewer.nonce, generation)]
+        dist.broadcast_object_list(box, src=0)
+        ok, prefix = box
+        if not ok:
             log.warning("%d accepted joiner(s) did not come to enter the world: not admitted",
                         len(accepted))
             if reviewer is not None:
                 reviewer.accepted.clear()
             return trainer
         if dist.get_rank() == 0:
-            grow.announce(store, generation, world, self.layout, self.layout_placement)
+            grow.announce(store, prefix, world, self.layout, self.layout_placement,
+                          reviewer.secret)
         self._drop_preparation(broken=False)  # it belongs to the old world
         t0 = time.perf_counter()
-        trainer = grow.grow_world(trainer, self.spec, self.builder.train, store, generation,
+        trainer = grow.grow_world(trainer, self.spec, self.builder.train, store, prefix,
                                   world, self.layout, self.layout_placement, self.timeout)
         if reviewer is not None:  # rank 0: number the next joiners after these
             reviewer.world_size, reviewer.generation = world, generation + 1
@@ -319,6 +343,26 @@ class DynatrainHook:
                                   pause_s=round(pause, 4)))
         log.info("admitted %d joiner(s): the world has %d processes (%.3f s)", len(accepted),
                  world, pause)
+        return trainer
+
+    def _preparation_failed(self, trainer: Optional[Trainer], dst: Layout, kw: dict,
+                            error: Optional[BaseException]) -> Optional[Trainer]:
+        """B's background build or preparation failed on some rank: free what was built,
+        file the request as failed and train on at A."""
+        from .switching import discard_prepared, free_layout
+
+        if kw.get("prepared") is not None:
+            discard_prepared(kw["prepared"])
+        elif kw.get("new_groups") is not None:
+            free_layout(None, kw["new_groups"])
+        self._drop_preparation(broken=False)
+        reason = (f"preparing {dst} failed: {type(error).__name__}: {str(error)[:500]}"
+                  if error is not None else f"preparing {dst} failed on another rank")
+        log.error("%s; training continues at %s", reason, self.layout)
+        self.failed.append(reason)
+        if self.decision is not None:
+            self.controller.done(self.decision, "failed", reason)
+        self.decision = None
         return trainer
 
     def _drop_preparation(self, broken: bool) -> None:
@@ -411,7 +455,12 @@ class DynatrainHook:
         return text
 
 
-def _check_batch(train: TrainConfig, layout: Layout) -> None:
-    if train.global_batch_size % (train.micro_batch_size * layout.dp):
-        raise DynatrainError(f"global batch {train.global_batch_size} is not divisible by "
-                             f"micro batch {train.micro_batch_size} * dp {layout.dp} of {layout}")
+def everyone_ok(ok: bool) -> bool:
+    """Collective over the world: whether `ok` holds on every rank."""
+    import torch
+
+    from ..transition.transport import collective_device
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
