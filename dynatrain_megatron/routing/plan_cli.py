@@ -30,9 +30,10 @@ from ..vps.errors import DynatrainError, LayoutError, ModelSpecError
 from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
+from ..vps.placement import is_rank_ordered
 from .cost import (CheckpointModel, LinkModel, bandwidth_lower_bound, checkpoint_estimate,
                    describe, estimate)
-from .placement import placement_choice
+from .placement import best_rank_ordered, placement_choice
 from .plan import Plan
 from .regions import RoutingError
 from .schedule import build_schedule
@@ -183,6 +184,7 @@ def plan_report(spec: ModelSpec, src: Layout, dst: Layout, *, kinds=KINDS, rpn: 
     cand = range(max(Wa, Wb)) if leaving == "planner" else range(Wb)
     ch = placement_choice(spec, src, None, dst, cand, rpn, bucket, kinds, unit_size)
     plan: Plan = ch.default_plan if default_placement else ch.chosen_plan
+    ro_placement, ro_plan = best_rank_ordered(ch, rpn)
     sched = build_schedule(plan, budget)
     dsched = build_schedule(ch.default_plan, budget)
     est, dest = estimate(sched, links), estimate(dsched, links)
@@ -195,6 +197,13 @@ def plan_report(spec: ModelSpec, src: Layout, dst: Layout, *, kinds=KINDS, rpn: 
         "model": spec.name, "from": str(src), "to": str(dst), "world_from": Wa,
         "world_to": Wb, "ranks_per_node": rpn, "kinds": list(kinds),
         "placement": "default" if plan.dst_placement == ch.default else "planner",
+        # a live switch uses the planner's best placement (any order of global ranks),
+        # unless pinned to the default order (--dynatrain-default-placement)
+        "live_switch_placement": "default" if default_placement else "best",
+        "best_bytes_moved": ch.chosen_stats.moved_bytes,
+        "best_rank_ordered_bytes_moved": ro_plan.stats.moved_bytes,
+        "best_rank_ordered_is_default": ro_placement == ch.default,
+        "best_is_rank_ordered": is_rank_ordered(dst, ch.chosen),
         "placement_devices": list(plan.dst_placement.devices) if Wb <= 64 else None,
         "plan_seconds": plan_seconds,
         "state_bytes_per_kind": {k: v for k, v in st.state_per_kind},
@@ -277,6 +286,9 @@ def format_report(r: dict[str, Any]) -> str:
          f"{_s(r['default_bandwidth_lower_bound_seconds']):>22s}",
          f"{'peak extra mem / rank':24s}{_gb(r['peak_extra_bytes_per_rank']):>30s}"
          f"{_gb(r['default_peak_extra_bytes_per_rank']):>22s}",
+         f"bytes moved by order    default {_gb(r['default_bytes_moved'])} | best rank-ordered "
+         f"{_gb(r['best_rank_ordered_bytes_moved'])} | best {_gb(r['best_bytes_moved'])}; "
+         f"a live switch uses the {r['live_switch_placement']} placement",
          "moved per kind          " + ", ".join(f"{k} {_gb(v)}" for k, v in
                                                 r["bytes_moved_per_kind"].items()),
          f"max per rank, chosen    send intra {_gb(r['max_rank_send_intra_bytes'])} | inter "
