@@ -127,7 +127,9 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
     def make(ranks: Sequence[int]):
         key = tuple(ranks)
         if key not in cache:
-            g = dist.new_group(list(key), sort_ranks=False)  # group rank = position
+            # group rank = position; an ascending list keeps torch's default call (the
+            # only one TorchComms' split path takes: transition.switch checks that)
+            g = dist.new_group(list(key), sort_ranks=list(key) == sorted(key))
             cache[key] = g
             created.append(g)
         return cache[key]

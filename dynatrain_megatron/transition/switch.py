@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..adapters.live import LiveState, optimizer_state_complete, optimizers_of, storage_fingerprint
 from ..adapters.verify import check_live_matches_analytic
-from ..routing.placement import choose_placement
+from ..routing.placement import best_rank_ordered, placement_choice
 from ..routing.planner import build_plan
 from ..routing.schedule import schedule
 from ..vps.analytic import analytic_layout
@@ -330,9 +330,14 @@ def choose_dst_placement(spec: ModelSpec, builder: Builder, src: Layout, src_pla
     if policy == "default":
         return Placement(tuple(devices))
     kinds = KINDS if move_weights else OPT_KINDS
-    return choose_placement(spec, src, src_placement, dst, devices, ranks_per_node=ranks_per_node,
-                            bucket_size=(builder.bucket_size(src), builder.bucket_size(dst)),
-                            kinds=kinds)
+    choice = placement_choice(spec, src, src_placement, dst, devices, ranks_per_node,
+                              (builder.bucket_size(src), builder.bucket_size(dst)), kinds)
+    if torch.distributed.config.use_torchcomms and choice.chosen != choice.default:
+        # TorchComms creates groups by splitting, which always sorts members by global rank
+        log.warning("TorchComms is on: groups cannot keep a member order, so B's placement "
+                    "is the best rank-ordered one")
+        return best_rank_ordered(choice, ranks_per_node)[0]
+    return choice.chosen
 
 
 def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
