@@ -57,8 +57,8 @@ def permuted_switch_cases(root: str, steps_after: int = 3, leak_switches: int = 
     and `steps_after` steps against the checkpoint path (A saved just before the switch,
     loaded in a fresh job at B on the default order). The first case goes on from its
     permuted world: a dist_checkpointing save there (loaded at the default order, it must
-    train on identically), a second switch, a scale-in; then a loop of permuted switches
-    (process groups and RSS flat)."""
+    train on identically), a second switch, a scale-in and a scale-out; then a loop of
+    permuted switches (process groups and RSS flat)."""
     from dynatrain_megatron.integration import dist_ckpt
     from dynatrain_megatron.integration.builders import MegatronBuilder
     from dynatrain_megatron.integration.switching import switch_trainer
@@ -70,8 +70,9 @@ def permuted_switch_cases(root: str, steps_after: int = 3, leak_switches: int = 
     train = switch_train_config()
     out: dict = {}
 
-    def switch(tr, builder, s, dst, tag, devices=None, background=False):
-        la, pa = tr.objs.layout, tr.objs.groups.placement
+    def switch(tr, builder, s, dst, tag, devices=None, background=False, src=None):
+        # `src`: A's (layout, placement), for the ranks on standby (no trainer)
+        la, pa = src if src is not None else (tr.objs.layout, tr.objs.groups.placement)
         plan = _planner_bytes(s, builder, la, pa, dst, rpn) if devices is None else None
         kw = {}
         if background:
@@ -80,7 +81,7 @@ def permuted_switch_cases(root: str, steps_after: int = 3, leak_switches: int = 
         if tag in CKPT_AT_A:
             ckpt = os.path.join(root, f"{tag}-a")
             dist_ckpt.save(tr.objs, tr.iteration, tr.consumed_samples, ckpt)
-        before = gather_layout_state(s, tr)
+        before = gather_layout_state(s, tr) if tr is not None else None
         tr, res = switch_trainer(tr, builder, la, pa, dst, dst_devices=devices,
                                  ranks_per_node=rpn, **kw)
         after = gather_layout_state(s, tr) if tr is not None else None
@@ -96,7 +97,7 @@ def permuted_switch_cases(root: str, steps_after: int = 3, leak_switches: int = 
                         background=sorted(r.background), phases=sorted(r.phases))
         if len(res.placement.devices) == world:  # (collective over the world)
             out[tag]["replica_mismatches"] = _replica_mismatches(s, tr, after)
-        return tr, ckpt
+        return tr, ckpt, res.placement
 
     CKPT_AT_A = {"dense_pp", "dense_dp", "moe"}
 
@@ -106,17 +107,20 @@ def permuted_switch_cases(root: str, steps_after: int = 3, leak_switches: int = 
     tr = start_job(s, "tp4pp1dp2", train)
     for _ in range(2):
         tr.step()
-    tr, ckpt_a = switch(tr, builder, s, Layout.parse("tp4pp2dp1", world), "dense_pp",
-                        background=True)
+    tr, ckpt_a, _ = switch(tr, builder, s, Layout.parse("tp4pp2dp1", world), "dense_pp",
+                           background=True)
     ckpt_perm = os.path.join(root, "saved-in-permuted-world")
     dist_ckpt.save(tr.objs, tr.iteration, tr.consumed_samples, ckpt_perm)
     out["dense_pp"]["losses"] = [tr.step().loss for _ in range(steps_after)]
     # a second switch from the permuted world (its best placement, from a permuted A)
-    tr, _ = switch(tr, builder, s, Layout.parse("tp2pp2dp2", world), "second")
+    tr, _, _ = switch(tr, builder, s, Layout.parse("tp2pp2dp2", world), "second")
     out["second"]["losses"] = [tr.step().loss for _ in range(steps_after)]
     # scale-in from a permuted world: onto 4 of the 8 devices, the others on standby
-    tr, _ = switch(tr, builder, s, Layout.parse("tp2pp2dp1", world // 2), "scale_in",
-                   devices=tuple(range(world // 2)))
+    small = Layout.parse("tp2pp2dp1", world // 2)
+    tr, _, pl = switch(tr, builder, s, small, "scale_in", devices=tuple(range(world // 2)))
+    # and out again from there (the standby ranks join), onto all 8 devices
+    tr, _, _ = switch(tr, builder, s, Layout.parse("tp2pp2dp2", world), "scale_out",
+                      devices=tuple(range(world)), src=(small, pl))
     if tr is not None:
         release(tr.objs)
     out["dense_pp"]["ckpt_losses"] = _fresh_from_checkpoint(s, train, "tp4pp2dp1", ckpt_a,
@@ -132,7 +136,7 @@ def permuted_switch_cases(root: str, steps_after: int = 3, leak_switches: int = 
         tr = start_job(s, a, train)
         for _ in range(2):
             tr.step()
-        tr, ckpt_a = switch(tr, builder, s, Layout.parse(b, world), tag)
+        tr, ckpt_a, _ = switch(tr, builder, s, Layout.parse(b, world), tag)
         out[tag]["losses"] = [tr.step().loss for _ in range(steps_after)]
         release(tr.objs)
         out[tag]["ckpt_losses"] = _fresh_from_checkpoint(s, train, b, ckpt_a, steps_after)

@@ -65,6 +65,13 @@ def test_scale_in_from_a_permuted_world(runs):
     assert rec["members"] == [True] * 4 + [False] * 4
 
 
+def test_scale_out_from_the_permuted_smaller_world(runs):
+    rec = runs["scale_out"]
+    _exact(rec)
+    assert list(rec["src_devices"]) != sorted(rec["src_devices"])
+    assert rec["members"] == [True] * 8
+
+
 def test_checkpoint_saved_in_permuted_world_loads_at_default_order(runs):
     # saved right after the switch in the permuted world; a fresh job at the default order
     # loads it and trains the same 3 steps as the permuted world did
