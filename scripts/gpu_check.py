@@ -343,7 +343,7 @@ def _worker(name: str, result: str) -> int:
 
 
 def _run_check(c: Check, ngpu: int, limit_s: float, tmp: Path) -> dict:
-    from dynatrain_megatron.integration.multiproc import free_port
+    from dynatrain_megatron.integration.launch import free_port
 
     result = tmp / f"{c.name}.json"
     if c.name == "megatron_lm":

@@ -154,7 +154,8 @@ def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before
     tb.iteration, tb.consumed_samples = it, consumed
     world = tb.objs.groups.layout_group
     full_b = G.gather_full_state(LiveState(tb.objs.model, tb.objs.optimizer,
-                                           tb.objs.groups.virtual_rank, s.vocab_size), s, world)
+                                           tb.objs.groups.virtual_rank, s.vocab_size), s, world,
+                                 dst=min(tb.objs.groups.placement.devices))
     losses = [tb.step().loss for _ in range(steps_after)]
     release(tb.objs)
     diff = None if full_a is None else G.states_equal(full_a, full_b)
@@ -265,7 +266,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
         # every replica (not only the main ones) must hold the state
         objs = tr.objs
         ref = G.broadcast_full_state(after, group=objs.groups.layout_group,
-                                     src=objs.groups.placement.devices[0])
+                                     src=min(objs.groups.placement.devices))
         bad = G.mismatches_against(LiveState(objs.model, objs.optimizer, objs.groups.virtual_rank,
                                              s.vocab_size), ref)
         bad_all = [None] * dist.get_world_size()
@@ -532,13 +533,15 @@ def _hook_scale(s, train, builder, la, lb, signal_dir: str, steps: int = 9) -> d
 
 
 def gather_layout_state(s: ModelSpec, tr):
-    """The full logical state of a trainer's layout, on the layout's first rank."""
+    """The full logical state of a trainer's layout, on the layout's lowest global rank
+    (whatever the placement: global rank 0 when the layout spans the world)."""
     from dynatrain_megatron.adapters.live import LiveState
     from dynatrain_megatron.testing import gather as G
 
     g = tr.objs.groups.layout_group
     return G.gather_full_state(LiveState(tr.objs.model, tr.objs.optimizer,
-                                         tr.objs.groups.virtual_rank, s.vocab_size), s, g)
+                                         tr.objs.groups.virtual_rank, s.vocab_size), s, g,
+                               dst=min(tr.objs.groups.placement.devices))
 
 
 def fault_cases(model: str, a: str, b: str, faults: list[dict], timeout: float,

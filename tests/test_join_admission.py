@@ -15,7 +15,7 @@ import torch.distributed as dist
 from dynatrain_megatron.elastic import join as J
 from dynatrain_megatron.elastic.job_secret import JobSecret
 from dynatrain_megatron.integration import grow
-from dynatrain_megatron.integration.multiproc import free_port
+from dynatrain_megatron.integration.launch import free_port
 from dynatrain_megatron.vps.layout import Layout
 from dynatrain_megatron.vps.placement import Placement
 

@@ -100,3 +100,28 @@ def test_tp_change_refines_ranks_inside_nodes():
     assert c.moved_fraction(OPT_KINDS) < 0.55 < d.moved_fraction(OPT_KINDS)
     dev = ch.chosen.devices
     assert all(len({x // 8 for x in dev[4 * u:4 * u + 4]}) == 1 for u in range(32))
+
+
+@pytest.mark.parametrize("a,b", [("tp4pp1dp2", "tp4pp2dp1"), ("tp2pp1dp4", "tp2pp2dp2"),
+                                 ("tp1pp2dp4", "tp1pp4dp2")])
+def test_plan_reports_default_best_rank_ordered_and_best(a, b):
+    """`dynatrain plan` shows the three orders side by side and which one a live switch
+    uses; the best rank-ordered placement really is rank-ordered, and the best one (used
+    live) moves strictly fewer bytes than it on these transitions."""
+    from dynatrain_megatron.routing.placement_search import best_rank_ordered
+    from dynatrain_megatron.cli.plan import plan_report
+    from dynatrain_megatron.vps.placement import is_rank_ordered
+
+    s = spec("tiny-gpt")
+    A, B = lay(a, 8), lay(b, 8)
+    r = plan_report(s, A, B)
+    assert r["live_switch_placement"] == "best" and r["placement"] == "planner"
+    assert r["bytes_moved"] == r["best_bytes_moved"] < r["best_rank_ordered_bytes_moved"]
+    assert r["best_rank_ordered_bytes_moved"] <= r["default_bytes_moved"]
+    assert not r["best_is_rank_ordered"]
+    pinned = plan_report(s, A, B, default_placement=True)
+    assert pinned["live_switch_placement"] == "default"
+    assert pinned["bytes_moved"] == pinned["default_bytes_moved"]
+    ro, plan = best_rank_ordered(placement_choice(s, A, None, B))
+    assert is_rank_ordered(B, ro) and plan.dst_placement == ro
+    assert plan.stats.moved_bytes == r["best_rank_ordered_bytes_moved"]

@@ -94,3 +94,21 @@ def test_cli_names_lost_tensors_and_refuses_unknown_devices(capsys):
     assert main(["lost", "--model", model, "--layout", "tp2pp2dp1", "--world", "4",
                  "--dead", "9"]) == 2
     assert "outside the world of 4 ranks" in capsys.readouterr().err
+
+
+def test_lost_state_follows_the_virtual_rank_of_a_permuted_placement():
+    """After a switch onto a non-rank-ordered placement, a dead device loses what its
+    *virtual* rank held: the same as the default order with that virtual rank dead."""
+    from dynatrain_megatron.vps import Placement
+
+    lay = Layout.parse("tp4pp2dp1", 8)
+    pl = Placement((4, 5, 6, 7, 0, 1, 2, 3))  # the best placement of tp4pp1dp2 -> tp4pp2dp1
+    for dead_device in (0, 5):
+        vr = pl.virtual_rank(dead_device)
+        rep, ref = lost_state(SPEC, lay, [dead_device], pl), lost_state(SPEC, lay, [vr])
+        assert vr != dead_device
+        # the same tensors and boxes (the element counts alone match any rank's here)
+        assert sorted(map(str, rep.lost)) == sorted(map(str, ref.lost)) != []
+        assert rep.lost_elements == _oracle(lay, [vr])
+        other = lost_state(SPEC, lay, [dead_device])  # read as a virtual rank: other layers
+        assert sorted(map(str, other.lost)) != sorted(map(str, rep.lost))

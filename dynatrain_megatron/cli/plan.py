@@ -29,7 +29,7 @@ from ..configs import load_model
 from ..routing.cost import (CheckpointModel, bandwidth_lower_bound, checkpoint_estimate,
                             describe, estimate)
 from ..routing.links import LinkModel
-from ..routing.placement_search import placement_choice
+from ..routing.placement_search import best_rank_ordered, placement_choice
 from ..routing.plan import Plan
 from ..routing.regions import RoutingError
 from ..routing.schedule import build_schedule
@@ -39,6 +39,7 @@ from ..vps.errors import DynatrainError, LayoutError
 from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
+from ..vps.placement import is_rank_ordered
 
 KIND_SETS = {"all": KINDS, "weights": ("param",), "optimizer": OPT_KINDS}
 
@@ -158,6 +159,7 @@ def plan_report(spec: ModelSpec, src: Layout, dst: Layout, *, kinds=KINDS, rpn: 
     cand = range(max(Wa, Wb)) if leaving == "planner" else range(Wb)
     ch = placement_choice(spec, src, None, dst, cand, rpn, bucket, kinds, unit_size)
     plan: Plan = ch.default_plan if default_placement else ch.chosen_plan
+    ro_placement, ro_plan = best_rank_ordered(ch, rpn)
     sched = build_schedule(plan, budget)
     dsched = build_schedule(ch.default_plan, budget)
     est, dest = estimate(sched, links), estimate(dsched, links)
@@ -170,6 +172,13 @@ def plan_report(spec: ModelSpec, src: Layout, dst: Layout, *, kinds=KINDS, rpn: 
         "model": spec.name, "from": str(src), "to": str(dst), "world_from": Wa,
         "world_to": Wb, "ranks_per_node": rpn, "kinds": list(kinds),
         "placement": "default" if plan.dst_placement == ch.default else "planner",
+        # a live switch uses the planner's best placement (any order of global ranks),
+        # unless pinned to the default order (--dynatrain-default-placement)
+        "live_switch_placement": "default" if default_placement else "best",
+        "best_bytes_moved": ch.chosen_stats.moved_bytes,
+        "best_rank_ordered_bytes_moved": ro_plan.stats.moved_bytes,
+        "best_rank_ordered_is_default": ro_placement == ch.default,
+        "best_is_rank_ordered": is_rank_ordered(dst, ch.chosen),
         "placement_devices": list(plan.dst_placement.devices) if Wb <= 64 else None,
         "plan_seconds": plan_seconds,
         "state_bytes_per_kind": {k: v for k, v in st.state_per_kind},
@@ -238,6 +247,9 @@ def format_report(r: dict[str, Any]) -> str:
          f"{format_seconds(r['default_bandwidth_lower_bound_seconds']):>22s}",
          f"{'peak extra mem / rank':24s}{format_bytes(r['peak_extra_bytes_per_rank']):>30s}"
          f"{format_bytes(r['default_peak_extra_bytes_per_rank']):>22s}",
+         f"bytes moved by order    default {format_bytes(r['default_bytes_moved'])} | best rank-ordered "
+         f"{format_bytes(r['best_rank_ordered_bytes_moved'])} | best {format_bytes(r['best_bytes_moved'])}; "
+         f"a live switch uses the {r['live_switch_placement']} placement",
          "moved per kind          " + ", ".join(f"{k} {format_bytes(v)}" for k, v in
                                                 r["bytes_moved_per_kind"].items()),
          f"max per rank, chosen    send intra {format_bytes(r['max_rank_send_intra_bytes'])} | inter "

@@ -7,7 +7,19 @@ switch wants to *choose* which device takes which coordinate of the new layout (
 
 So we create every group of the layout ourselves, in the same order on every rank (gloo
 creates groups eagerly: a different order deadlocks), give megatron-core a
-`ProcessGroupCollection`, and `destroy()` releases exactly the groups we made. `install()`
+`ProcessGroupCollection`, and `destroy()` releases exactly the groups we made.
+
+Any placement: each group is created with its members in *virtual-rank* order
+(`new_group(..., sort_ranks=False)`), so a member's group rank is its coordinate in the
+layout whatever the order of the global ranks of the devices that host it. megatron-core
+reads every coordinate from the groups (`get_pg_rank`, `get_process_group_ranks`,
+`get_global_rank` for pipeline peers, the DistOpt's shard index, all-to-all split
+positions) and we fill the global-rank lists (`_PIPELINE_GLOBAL_RANKS`, embedding,
+data-parallel) in the same order, so the whole of megatron sees the virtual rank. Every
+process keeps its global rank, device and default group; the groups are built through
+torch's own `new_group`, so they get the backend and options it would give any group, and
+reductions run in the same member order as at megatron's default placement (the same
+rounding). `install()`
 also points megatron's `parallel_state` globals at these groups, because some megatron code
 paths (schedules, RNG helpers, Megatron-LM's training loop) still read the globals.
 """
@@ -21,7 +33,7 @@ import torch.distributed as dist
 
 from ..transition.transport import abort_group
 from ..vps.layout import GROUP_AXES, Layout
-from ..vps.placement import Placement, is_rank_ordered
+from ..vps.placement import Placement
 from .communicators import group_device
 
 log = logging.getLogger(__name__)
@@ -107,13 +119,11 @@ def optimizer_instance_groups(layout: Layout) -> dict[str, list[list[int]]]:
 
 
 def build_groups(layout: Layout, placement: Optional[Placement] = None) -> ParallelGroups:
-    """Create all groups of `layout` on `placement`. Collective over the default group."""
+    """Create all groups of `layout` on `placement`, members in virtual-rank order (module
+    doc). Collective over the default group."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     placement = placement or Placement.default(layout.world_size)
-    if not is_rank_ordered(layout, placement):
-        raise ValueError(f"placement {placement} of {layout} is not rank-ordered: torch numbers "
-                         f"group members by sorted rank, so megatron would see other coordinates")
     if len(placement.devices) != layout.world_size:
         raise ValueError(f"placement has {len(placement.devices)} devices, layout {layout} needs "
                          f"{layout.world_size}")
@@ -127,7 +137,10 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
     def make(ranks: Sequence[int]):
         key = tuple(ranks)
         if key not in cache:
-            g = dist.new_group(list(key), device_id=device)
+            # group rank = position; an ascending list keeps torch's default call (the
+            # only one TorchComms' split path takes: transition.switch checks that)
+            g = dist.new_group(list(key), device_id=device,
+                               sort_ranks=list(key) == sorted(key))
             cache[key] = g
             created.append(g)
         return cache[key]

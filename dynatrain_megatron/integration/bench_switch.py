@@ -343,6 +343,7 @@ def bench_rank(cfg: dict) -> dict:
     from ..elastic.groups import build_groups, install
     from ..routing.cost import estimate, state_bytes
     from ..routing.links import LinkModel
+    from ..routing.placement_search import best_rank_ordered, placement_choice
     from ..routing.planner import build_plan
     from ..routing.regions import key_index
     from ..routing.schedule import build_schedule
@@ -461,6 +462,11 @@ def bench_rank(cfg: dict) -> dict:
     dplan = build_plan(spec, (la, first["src_placement"]), (lb, Placement.default(world)),
                        kinds=kinds, ranks_per_node=rpn, bucket_size=buckets)
     st = plan.stats
+    # the three placements side by side: default order, best rank-ordered, best (any order)
+    ch = placement_choice(spec, la, first["src_placement"], lb, tuple(range(lb.world_size)), rpn,
+                          buckets, kinds)
+    out.update(best_rank_ordered_bytes_moved=best_rank_ordered(ch, rpn)[1].stats.moved_bytes,
+               best_placement_bytes_moved=ch.chosen_stats.moved_bytes)
     out.update(kinds=list(kinds), max_rank_send_bytes=st.max_send_bytes,
                max_rank_recv_bytes=st.max_recv_bytes, max_rank_traffic_bytes=st.max_traffic_bytes,
                default_placement_bytes_moved=dplan.stats.moved_bytes,
@@ -603,6 +609,8 @@ def summarize(r: dict, cfg: dict) -> dict:
         bytes_moved=fwd[0]["bytes_moved"], lower_bound_bytes=fwd[0]["lower_bound"],
         local_copy_bytes=fwd[0]["local"],
         default_placement_bytes_moved=r["default_placement_bytes_moved"],
+        best_rank_ordered_bytes_moved=r["best_rank_ordered_bytes_moved"],
+        best_placement_bytes_moved=r["best_placement_bytes_moved"],
         state_bytes_moved_kinds=r["state_bytes_moved_kinds"],
         state_bytes_all_kinds=r["state_bytes_all_kinds"],
         max_rank_send_bytes=r["max_rank_send_bytes"], max_rank_recv_bytes=r["max_rank_recv_bytes"],
@@ -710,6 +718,10 @@ def format_summary(s: dict) -> str:
          f"    bytes moved         {format_bytes(s['bytes_moved'])} (lower bound {format_bytes(s['lower_bound_bytes'])}; "
          f"default placement {format_bytes(s['default_placement_bytes_moved'])}; local copies "
          f"{format_bytes(s['local_copy_bytes'])}; placement {s['placement']})",
+         f"    by placement        default {format_bytes(s['default_placement_bytes_moved'])} | best "
+         f"rank-ordered {format_bytes(s['best_rank_ordered_bytes_moved'])} | best "
+         f"{format_bytes(s['best_placement_bytes_moved'])}; this switch used "
+         f"{'the default order' if s['placement'] == 'default' else 'the best placement'}",
          f"    max per rank        send {format_bytes(s['max_rank_send_bytes'])}, recv "
          f"{format_bytes(s['max_rank_recv_bytes'])}; {s['num_pieces']:,} network + "
          f"{s['num_local_pieces']:,} local pieces in {s['rounds']} round(s); peak extra (staging) "

@@ -43,7 +43,7 @@ import numpy as np
 from ..vps.fragment import KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
-from ..vps.placement import Placement
+from ..vps.placement import Placement, is_rank_ordered, rank_ordered
 from .plan import Plan, PlanStats
 from .geometry import BucketSize, Geometry, geometry, norm_kinds, split_bucket
 from .planner import plan_for
@@ -319,4 +319,22 @@ def choose_placement(spec: ModelSpec, src_layout: Layout, src_placement: Optiona
                             ranks_per_node, bucket_size, kinds, unit_size).chosen
 
 
-__all__ = ["PlacementChoice", "placement_choice", "choose_placement"]
+def best_rank_ordered(choice: PlacementChoice, ranks_per_node: int = 8) -> tuple[Placement, Plan]:
+    """The best *rank-ordered* placement (`vps.placement.is_rank_ordered`) and its plan: the
+    chosen placement with its grid sorted along every axis, or the default order when that
+    fails the expert grid or moves no fewer bytes. This is what a switch could use while B's
+    groups had to number their members by sorted global rank; `dynatrain plan` reports it
+    beside the best placement (which a live switch now uses) to show what that gained."""
+    layout, chosen = choice.chosen_plan.geometry.dst_layout, choice.chosen
+    if not is_rank_ordered(layout, chosen):
+        chosen = rank_ordered(layout, chosen)
+    if chosen == choice.default or not is_rank_ordered(layout, chosen):
+        return choice.default, choice.default_plan
+    plan = plan_for(choice.chosen_plan.geometry, choice.chosen_plan.src_placement, chosen,
+                    ranks_per_node)
+    if plan.stats.moved_bytes < choice.default_stats.moved_bytes:
+        return chosen, plan
+    return choice.default, choice.default_plan
+
+
+__all__ = ["PlacementChoice", "placement_choice", "choose_placement", "best_rank_ordered"]

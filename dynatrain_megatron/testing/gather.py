@@ -29,12 +29,13 @@ def local_main_pieces(live: LiveState, kinds: Iterable[str] = KINDS) -> list[tup
 
 
 def gather_full_state(live: LiveState, spec: ModelSpec, group=None,
-                      kinds: Iterable[str] = KINDS) -> Optional[FullState]:
-    """Assemble the full logical state on the group's first rank (None elsewhere)."""
+                      kinds: Iterable[str] = KINDS, dst: Optional[int] = None) -> Optional[FullState]:
+    """Assemble the full logical state on global rank `dst` (default: the group's first
+    member, its virtual rank 0) of the group (None elsewhere)."""
     kinds = tuple(kinds)
     pieces = local_main_pieces(live, kinds)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    dst = ranks[0]
+    dst = ranks[0] if dst is None else dst
     bucket = [None] * len(ranks) if dist.get_rank() == dst else None
     dist.gather_object(pieces, bucket, dst=dst, group=group)
     if dist.get_rank() != dst:

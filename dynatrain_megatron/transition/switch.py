@@ -27,7 +27,7 @@ from ..adapters.live import (LiveState, optimizer_state_complete, optimizers_of,
                              read_optimizer_step, storage_fingerprint, write_optimizer_step)
 from ..adapters.verify import check_live_matches_analytic
 from ..routing.piece import Piece
-from ..routing.placement_search import choose_placement
+from ..routing.placement_search import best_rank_ordered, placement_choice
 from ..routing.plan import device_plan_errors
 from ..routing.planner import build_plan
 from ..routing.regions import RoutingError
@@ -37,7 +37,7 @@ from ..vps.errors import LayoutError
 from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
-from ..vps.placement import Placement, is_rank_ordered, rank_ordered
+from ..vps.placement import Placement
 from .vocab_padding import carry_vocab_padding
 from .executor import PACK_ALIGN, Executor
 from .faults import FaultPlan
@@ -219,32 +219,21 @@ def rebuild_weights_from_masters(objs) -> None:
 def choose_dst_placement(spec: ModelSpec, builder: Builder, src: Layout, src_placement: Placement,
                          dst: Layout, devices: Sequence[int], policy: str = "best",
                          ranks_per_node: int = 8, move_weights: bool = False) -> Placement:
-    """B's placement for a switch: megatron's default order, or the planner's best
-    rank-ordered one. Pure and deterministic: every rank gets the same answer alone."""
+    """B's placement for a switch: megatron's default order (`policy="default"`), or the
+    planner's best placement, whatever its order of global ranks (B's groups number their
+    members by virtual rank: `elastic.groups`). Pure and deterministic: every rank gets
+    the same answer alone."""
     if policy == "default":
         return Placement(tuple(devices))
     kinds = KINDS if move_weights else OPT_KINDS
-    return _best_rank_ordered(spec, src, src_placement, dst, devices, kinds, ranks_per_node,
-                              (builder.bucket_size(src), builder.bucket_size(dst)))
-
-
-def _best_rank_ordered(spec, src, src_placement, dst, devices, kinds, ranks_per_node,
-                       bucket_size) -> Placement:
-    """The planner's placement, made rank-ordered (see vps.placement.is_rank_ordered); the
-    default order when that moves fewer bytes or cannot be ordered."""
-    default = Placement(tuple(devices))
-    chosen = choose_placement(spec, src, src_placement, dst, devices,
-                              ranks_per_node=ranks_per_node, bucket_size=bucket_size, kinds=kinds)
-    if not is_rank_ordered(dst, chosen):
-        chosen = rank_ordered(dst, chosen)
-        if not is_rank_ordered(dst, chosen):
-            return default
-
-    def moved(pl: Placement) -> int:
-        return build_plan(spec, (src, src_placement), (dst, pl), kinds=kinds,
-                          ranks_per_node=ranks_per_node, bucket_size=bucket_size).stats.moved_bytes
-
-    return chosen if moved(chosen) < moved(default) else default
+    choice = placement_choice(spec, src, src_placement, dst, devices, ranks_per_node,
+                              (builder.bucket_size(src), builder.bucket_size(dst)), kinds)
+    if torch.distributed.config.use_torchcomms and choice.chosen != choice.default:
+        # TorchComms creates groups by splitting, which always sorts members by global rank
+        log.warning("TorchComms is on: groups cannot keep a member order, so B's placement "
+                    "is the best rank-ordered one")
+        return best_rank_ordered(choice, ranks_per_node)[0]
+    return choice.chosen
 
 
 def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,

@@ -52,10 +52,10 @@ def _grids(layout, devices) -> list:
 
 def is_rank_ordered(layout, placement: "Placement") -> bool:
     """True when, in every megatron process group of the layout, devices ascend with the
-    member's position. torch.distributed numbers a group's members by sorted global rank and
-    megatron-core reads TP/PP/DP/EP ranks (and all-to-all split positions) from the groups,
-    so only such placements make megatron's coordinates equal the layout's virtual ones.
-    (The world group used for grad-norm sums is exempt: its order changes rounding only.)"""
+    member's position: the placements whose groups torch's default `new_group` (members
+    sorted by global rank) would number in virtual-rank order. Live switches no longer
+    need it (`elastic.groups` builds groups in member order); `dynatrain plan` reports the
+    best such placement to show what that gains."""
     from .layout import GROUP_AXES
 
     dev = placement.devices
