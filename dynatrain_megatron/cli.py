@@ -15,9 +15,11 @@ def _layout_cmd(args: argparse.Namespace) -> int:
     from .vps import Layout, ModelSpec, analytic_layout
     from .vps.distopt import resolve_bucket_size
 
+    from .vps.validate import validate_layout
+
     spec = ModelSpec.from_yaml(args.model)
     layout = Layout.parse(args.layout, args.world)
-    layout.check_model(spec)
+    validate_layout(spec, layout, transformer_engine=not args.no_transformer_engine)
     t0 = time.perf_counter()
     an = analytic_layout(spec, layout, resolve_bucket_size(args.bucket_size, args.bucket_size is not None,
                                                           layout.dp))
@@ -91,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--rank", type=int, default=None)
     lay.add_argument("--bucket-size", type=int, default=None,
                      help="DDP bucket size in elements (implies overlapped grad reduce)")
+    lay.add_argument("--no-transformer-engine", action="store_true",
+                     help="the job runs without Transformer Engine (then no CP)")
     lay.add_argument("--all", action="store_true")
     lay.add_argument("--json", action="store_true")
     lay.set_defaults(func=_layout_cmd)

@@ -8,16 +8,17 @@ A bad request is rejected with its reason (logged, and the file is moved aside a
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch.distributed as dist
-import yaml
 
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
+from ..vps.validate import validate_layout
 from . import signal_file as sf
 from .join import JoinReviewer, JoinVerdict
 
@@ -34,33 +35,30 @@ class Decision:
     rejected: Optional[str] = None  # the reason, when a request was refused
     stop: bool = False  # the job is over: standby ranks leave
     joins: tuple[JoinVerdict, ...] = ()  # join requests reviewed at this poll (elastic/join.py)
-
-
-def load_schedule(path: str) -> list[tuple[int, str]]:
-    """YAML: a list of {iteration: N, layout: "tp2pp2"} (switches for scripted runs)."""
-    data = yaml.safe_load(Path(path).read_text())
-    items = data.get("switches", data) if isinstance(data, dict) else data
-    if not isinstance(items, list):
-        raise DynatrainError(f"schedule {path}: expected a list of {{iteration, layout}}")
-    out = []
-    for i, it in enumerate(items):
-        if not isinstance(it, dict) or "iteration" not in it or "layout" not in it:
-            raise DynatrainError(f"schedule {path} entry {i}: needs 'iteration' and 'layout'")
-        out.append((int(it["iteration"]), str(it["layout"])))
-    return sorted(out)
+    schedule_pos: Optional[int] = None  # the schedule entry this decision ran (every rank)
 
 
 class Controller:
-    """Polled once per step boundary by every rank (collective when it polls)."""
+    """Polled once per step boundary by every rank (collective when it polls).
+
+    `schedule`: (iteration, layout) entries, sorted (see `schedule.load_schedule`); an
+    entry whose iteration passes while a switch is pending (the job does not poll then)
+    runs at the next poll, after that switch. `check_options(layout)`: the job's keywords
+    of the one validator (`vps.validate.layout_errors`: Transformer Engine, device memory,
+    batch) for a layout.
+    `extra_check`: any further check of the caller (LayoutError / DynatrainError).
+    """
 
     def __init__(self, spec: ModelSpec, signal_path: Optional[str], poll_interval: int = 1,
                  schedule: Optional[list[tuple[int, str]]] = None,
-                 extra_check: Optional[Callable[[Layout], None]] = None) -> None:
+                 extra_check: Optional[Callable[[Layout], None]] = None,
+                 check_options: Optional[Callable[[Layout], Mapping[str, Any]]] = None) -> None:
         self.spec = spec
         self.signal_path = signal_path
         self.poll_interval = max(1, poll_interval)
         self.schedule = list(schedule or [])
         self.extra_check = extra_check
+        self.check_options = check_options
         # False where the training loop cannot put ranks on standby (Megatron-LM's own loop):
         # a request for another device count is then refused up front
         self.allow_device_count_change = True
@@ -68,77 +66,142 @@ class Controller:
         # requests at each poll; every rank keeps the verdicts it was sent
         self.joins: Optional[JoinReviewer] = None
         self._claimed: Optional[Path] = None  # rank 0: the accepted request's file
+        self._next_entry = 0  # every rank: the first schedule entry not yet run
+        self._unmovable: set[tuple[int, int, int]] = set()  # rank 0: refused, left in place
         self.join_verdicts: list[JoinVerdict] = []
 
     def validate(self, text: str, world: int) -> Layout:
+        """The layout `text` on `world` ranks, checked by the one validator (and the
+        caller's `extra_check`); LayoutError / DynatrainError with every reason."""
         layout = Layout.parse(text, world)
-        layout.check_model(self.spec)
+        validate_layout(self.spec, layout,
+                        **(self.check_options(layout) if self.check_options else {}))
         if self.extra_check is not None:
             self.extra_check(layout)
         return layout
 
-    def _decide_on_rank0(self, iteration: int, world: int) -> Decision:
+    def check_schedule(self, world: int) -> None:
+        """Start-up check of every schedule entry for the world it will run on (the
+        job's; a signal request that changes the world is checked again at its poll)."""
+        errs = []
         for it, lay in self.schedule:
-            if it == iteration:
-                try:
-                    return Decision(str(self.validate(lay, world)), world, "schedule")
-                except DynatrainError as e:
-                    log.error("scheduled switch at iteration %d to %r rejected: %s", it, lay, e)
-                    return Decision(None, None, "schedule", rejected=str(e))
+            try:
+                self.validate(lay, world)
+            except DynatrainError as e:
+                errs.append(f"iteration {it}: {e}")
+        if errs:
+            raise DynatrainError(f"schedule refused on {world} ranks: " + "; ".join(errs))
+
+    def _schedule_due(self, iteration: int) -> bool:
+        return (self._next_entry < len(self.schedule)
+                and self.schedule[self._next_entry][0] <= iteration)
+
+    def _decide_on_rank0(self, iteration: int, world: int) -> Decision:
+        """Rank 0's decision; never raises: anything that goes wrong with a request
+        (reading, parsing, validating, claiming, filing) rejects it with its reason."""
+        if self._schedule_due(iteration):
+            return self._scheduled(iteration, world)
         if not self.signal_path:
             return Decision(None, None, "signal")
-        claimed = sf.claim(self.signal_path)  # a request written from now on is the next one
+        try:
+            return self._from_signal(world)
+        except Exception as e:  # noqa: BLE001 - hostile input must never reach training
+            reason = f"{type(e).__name__}: {sf.excerpt(str(e), 400)}"
+            log.error("switch request refused: %s; training continues", reason)
+            return Decision(None, None, "signal", rejected=reason)
+
+    def _scheduled(self, iteration: int, world: int) -> Decision:
+        pos = self._next_entry
+        it, lay = self.schedule[pos]
+        if it < iteration:
+            log.warning("scheduled switch of iteration %d to %s runs at iteration %d, after "
+                        "the switch that was pending at its iteration", it, lay, iteration)
+        try:
+            return Decision(str(self.validate(lay, world)), world, "schedule", schedule_pos=pos)
+        except Exception as e:  # noqa: BLE001 - e.g. the world changed since start-up
+            log.error("scheduled switch at iteration %d to %r rejected: %s", it, lay, e)
+            return Decision(None, None, "schedule", rejected=str(e), schedule_pos=pos)
+
+    def _from_signal(self, world: int) -> Decision:
+        path = Path(self.signal_path)
+        try:
+            claimed = sf.claim(path)  # a request written from now on is the next one
+        except sf.RequestError as e:
+            return self._refuse_in_place(path, e)
         if claimed is None:
             return Decision(None, None, "signal")
         try:
             req = sf.read_request(claimed)
-        except (DynatrainError, OSError, TypeError) as e:
-            sf.archive(self.signal_path, "rejected", str(e), request_file=claimed)
-            log.error("switch request rejected: %s; training continues", e)
-            return Decision(None, None, "signal", rejected=str(e))
-        if req is None:  # gone between the rename and the read
-            return Decision(None, None, "signal")
-        target_world = req.world or world
-        processes = dist.get_world_size()
-        try:
-            if target_world != world and not self.allow_device_count_change:
-                raise DynatrainError(f"request for {target_world} ranks: this job's loop cannot "
-                                     f"change its device count (it has {world})")
-            if target_world > processes:
-                raise DynatrainError(f"request for {target_world} ranks, the job has {processes} "
-                                     f"processes ({world} training, {processes - world} on "
-                                     f"standby); more need a relaunch with more processes")
-            layout = self.validate(req.layout, target_world)
-        except DynatrainError as e:
-            sf.archive(self.signal_path, "rejected", str(e), request_file=claimed)
-            log.error("switch request %r from %s rejected: %s; training continues",
-                      req.layout, req.origin or "?", e)
-            return Decision(None, None, "signal", rejected=str(e))
+            if req is None:  # gone between the rename and the read
+                return Decision(None, None, "signal")
+            layout, target_world = self._check_request(req, world)
+        except Exception as e:  # noqa: BLE001 - see _decide_on_rank0
+            reason = sf.excerpt(str(e), 2000) if not isinstance(e, DynatrainError) else str(e)
+            sf.archive(path, "rejected", reason, request_file=claimed)
+            log.error("switch request rejected: %s; training continues", reason)
+            return Decision(None, None, "signal", rejected=reason)
         log.info("switch request to %s from %s accepted", layout, req.origin or "?")
         self._claimed = claimed  # filed with its outcome by `done`
         return Decision(str(layout), target_world, "signal")
+
+    def _check_request(self, req: sf.SwitchRequest, world: int) -> tuple[Layout, int]:
+        target_world = req.world or world
+        processes = dist.get_world_size()
+        if target_world != world and not self.allow_device_count_change:
+            raise DynatrainError(f"request for {target_world} ranks: this job's loop cannot "
+                                 f"change its device count (it has {world})")
+        if target_world > processes:
+            raise DynatrainError(f"request for {target_world} ranks, the job has {processes} "
+                                 f"processes ({world} training, {processes - world} on "
+                                 f"standby); more need a relaunch with more processes")
+        return self.validate(req.layout, target_world), target_world
+
+    def _refuse_in_place(self, path: Path, e: Exception) -> Decision:
+        """A request that cannot be moved out of the signal path (another user's file in
+        a sticky directory): refused and filed once, then ignored until it changes."""
+        try:
+            st = os.lstat(path)
+            key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        except OSError:
+            return Decision(None, None, "signal")
+        if key in self._unmovable:
+            return Decision(None, None, "signal")
+        self._unmovable.add(key)
+        sf.archive(path, "rejected", str(e), request_file=path)
+        log.error("switch request refused: %s; training continues", e)
+        return Decision(None, None, "signal", rejected=str(e))
 
     def poll(self, iteration: int, world: Optional[int] = None) -> Decision:
         """Collective over every process (training and standby ranks) at the same step
         boundary. `world`: ranks of the current layout (default: every process); a request
         may name any count up to the number of processes (scale-in / scale-out)."""
-        if iteration % self.poll_interval and not any(it == iteration for it, _ in self.schedule):
+        if iteration % self.poll_interval and not self._schedule_due(iteration):
             return Decision(None, None, "signal")
         world = world or dist.get_world_size()
         box = [self._decide_on_rank0(iteration, world) if dist.get_rank() == 0 else None]
         if self.joins is not None:  # rides on the same broadcast: no extra collective
             box[0] = replace(box[0], joins=self.joins.review())
         dist.broadcast_object_list(box, src=0)
-        self.join_verdicts.extend(box[0].joins)
-        return box[0]
+        return self._received(box[0])
+
+    def _received(self, d: Decision) -> Decision:
+        self.join_verdicts.extend(d.joins)
+        if d.schedule_pos is not None:
+            self._next_entry = d.schedule_pos + 1
+        return d
 
     def follow(self) -> Decision:
         """A standby rank's side of `poll`/`stop`: wait for rank 0's next decision (it does
         not step, so it cannot know which iterations poll; it simply takes the next one)."""
         box = [None]
         dist.broadcast_object_list(box, src=0)
-        self.join_verdicts.extend(box[0].joins)
-        return box[0]
+        return self._received(box[0])
+
+    def _received(self, d: Decision) -> Decision:
+        self.join_verdicts.extend(d.joins)
+        if d.schedule_pos is not None:
+            self._next_entry = d.schedule_pos + 1
+        return d
 
     def stop(self) -> None:
         """Collective: the job is over; standby ranks waiting in `follow` leave."""
@@ -150,5 +213,9 @@ class Controller:
         of the signal path when it was accepted, so a newer one there is left alone)."""
         if decision.source == "signal" and dist.get_rank() == 0 and self.signal_path \
                 and self._claimed is not None:
-            sf.archive(self.signal_path, outcome, reason, request_file=self._claimed)
-            self._claimed = None
+            claimed, self._claimed = self._claimed, None
+            try:
+                sf.archive(self.signal_path, outcome, reason, request_file=claimed)
+            except Exception as e:  # noqa: BLE001 - filing must never end training
+                log.error("could not file the request %s as %s (%s): %s", claimed, outcome,
+                          reason, e)

@@ -1,25 +1,45 @@
-"""Switch requests through a signal file.
+"""Switch requests through a signal file, read as hostile input.
 
-A request is a small JSON object `{"layout": "tp4pp1dp1", "world": 4, "origin": ...}`
-written atomically (write to a temporary file in the same directory, fsync, rename), so the
-job never reads half a request. After it is handled the file is moved aside with its outcome
-(`<file>.applied.<n>` / `<file>.rejected.<n>`, with the reason inside), which tells the
-requester what happened and leaves an audit trail.
+A request is a small JSON object `{"layout": "tp4pp1dp1", "world": 4, "origin": ...}`.
+Writers must put it in place with a rename (write a temporary file in the same directory,
+fsync, rename), as `dynatrain request` does: the job claims whatever sits at the path at
+its poll, so a file written in place may be read half-written (it is then rejected, never
+half-obeyed).
 
-A file that is world-writable or owned by another user is refused: it could redirect a
-multi-week run.
+The job handles the path as input from anyone who can write to its directory:
+
+* the signal directory must be the job user's (or root's) and writable by nobody else,
+  unless it is sticky (`/tmp`-like), where only the file's owner can move it;
+* the request is claimed first, by renaming it within the directory to
+  `<path>.accepted.<n>` (a rename moves a link or a FIFO itself, never its target); a
+  request written from then on is a new file at the path, read at the next poll;
+* the claimed name is opened with `O_NOFOLLOW | O_NONBLOCK` and checked on the open
+  descriptor (`fstat`): a regular file, owned by the job's user, writable by nobody else,
+  at most `MAX_REQUEST_BYTES`; it is read from that descriptor only;
+* the content must match a strict schema (known keys only, exact types, no duplicate keys,
+  an ASCII layout string, bounded numbers);
+* the outcome is filed in a fresh file `<path>.<outcome>.<n>` created with
+  `O_CREAT | O_EXCL | O_NOFOLLOW` and mode 0600 (never written through an existing name),
+  holding the reason and the request (a bounded excerpt where it is not a valid request).
+  A claimed regular file is then removed (the rest of a write still in progress goes to
+  that removed file, never into the record); anything else claimed (a link, a FIFO, a
+  directory) is kept beside its record as `<record>.original`.
+
+Errors quote at most `EXCERPT_BYTES` of a bad request, so a huge file never reaches the
+log or the audit trail whole.
 """
 from __future__ import annotations
 
 import getpass
 import json
+import math
 import os
 import socket
 import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from ..vps.errors import DynatrainError
 from .private_file import write_private
@@ -29,98 +49,258 @@ class RequestError(DynatrainError):
     """A signal file that cannot be turned into a request (corrupt, unsafe, ...)."""
 
 
+MAX_REQUEST_BYTES = 64 * 1024
+EXCERPT_BYTES = 120
+MAX_LAYOUT_CHARS = 64
+MAX_ORIGIN_CHARS = 256
+MAX_WORLD = 1 << 20
+_KEYS = ("layout", "world", "origin", "requested_at")
+
+
+def excerpt(data: bytes | str, limit: int = EXCERPT_BYTES) -> str:
+    """A bounded, printable quote of (possibly hostile) content for logs and reasons."""
+    more = len(data) > limit
+    return repr(data[:limit]) + (f" ... ({len(data)} in all)" if more else "")
+
+
 @dataclass(frozen=True, slots=True)
 class SwitchRequest:
+    """One request, checked field by field (exact types: a bool is not a world size)."""
+
     layout: str
     world: Optional[int] = None
     origin: str = ""
     requested_at: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layout, str) or not self.layout.strip():
-            raise RequestError(f"request needs a non-empty 'layout' string, got {self.layout!r}")
-        if self.world is not None and (not isinstance(self.world, int) or self.world < 1):
-            raise RequestError(f"request 'world' must be a positive int, got {self.world!r}")
+        lay = self.layout
+        if type(lay) is not str or not lay.strip():
+            raise RequestError(f"request needs a non-empty 'layout' string, got "
+                               f"{excerpt(repr(lay))}")
+        if len(lay) > MAX_LAYOUT_CHARS or not lay.isascii() or not lay.isprintable():
+            raise RequestError(f"request 'layout' must be at most {MAX_LAYOUT_CHARS} printable "
+                               f"ASCII characters, got {excerpt(lay)}")
+        w = self.world
+        if w is not None and (type(w) is not int or not 1 <= w <= MAX_WORLD):
+            raise RequestError(f"request 'world' must be a positive int up to {MAX_WORLD}, got "
+                               f"{excerpt(repr(w))} ({type(w).__name__})")
+        if type(self.origin) is not str or len(self.origin) > MAX_ORIGIN_CHARS:
+            raise RequestError(f"request 'origin' must be a string of at most "
+                               f"{MAX_ORIGIN_CHARS} characters, got {excerpt(repr(self.origin))}")
+        t = self.requested_at
+        if type(t) not in (int, float) or not math.isfinite(t):
+            raise RequestError(f"request 'requested_at' must be a finite number, got "
+                               f"{excerpt(repr(t))}")
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str = "request") -> "SwitchRequest":
+        """Parse and check the bytes of a signal file (any failure: RequestError)."""
+        if len(data) > MAX_REQUEST_BYTES:
+            raise RequestError(f"{where} is {len(data)} bytes, over the limit of "
+                               f"{MAX_REQUEST_BYTES}: {excerpt(data)}")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(f"{where} is not UTF-8 ({e.reason} at byte {e.start}): "
+                               f"{excerpt(data)}") from None
+        try:
+            obj = json.loads(text, object_pairs_hook=_no_duplicates,
+                             parse_constant=_no_constant, parse_int=_bounded_int)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"{where} is not valid JSON ({e.msg} at char {e.pos}): "
+                               f"{excerpt(text)}") from None
+        except RecursionError:
+            raise RequestError(f"{where} is nested too deeply: {excerpt(text)}") from None
+        except ValueError as e:  # raised by the hooks below
+            raise RequestError(f"{where}: {e}") from None
+        if not isinstance(obj, dict):
+            raise RequestError(f"{where} must hold a JSON object, got {type(obj).__name__}: "
+                               f"{excerpt(text)}")
+        unknown = [k for k in obj if k not in _KEYS]
+        if unknown:
+            raise RequestError(f"{where} has unknown fields "
+                               f"{excerpt(', '.join(map(repr, unknown)))} (known: {_KEYS})")
+        if "layout" not in obj:
+            raise RequestError(f"{where} has no 'layout'")
+        return cls(**obj)
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {excerpt(k)} given twice")
+        out[k] = v
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a request may hold")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > 18:
+        raise ValueError(f"integer with {len(text)} digits: {excerpt(text)}")
+    return int(text)
+
+
+# ------------------------------------------------------------------ writing
 def write_request(path: str | Path, layout: str, world: Optional[int] = None) -> SwitchRequest:
-    """Atomically write a request (what `dynatrain request` does)."""
+    """Atomically write a request (what `dynatrain request` does): a temporary file in the
+    same directory, mode 0600, renamed into place."""
     path = Path(path)
     req = SwitchRequest(layout=layout, world=world,
-                        origin=f"{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}",
+                        origin=f"{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}"[
+                            :MAX_ORIGIN_CHARS],
                         requested_at=time.time())
     write_private(path, json.dumps(asdict(req)).encode())
     return req
 
 
-def read_request(path: str | Path) -> Optional[SwitchRequest]:
-    """The pending request, None when there is none; RequestError when it is unusable."""
-    path = Path(path)
+# ------------------------------------------------------------------ reading
+def directory_errors(directory: str | Path) -> list[str]:
+    """Why a signal (or rendezvous) directory is unsafe: others may write to it and it is
+    not sticky, or it belongs to another user (who could swap its files)."""
+    d = Path(directory)
+    st = os.stat(d)
+    errs = []
+    if st.st_uid not in (os.getuid(), 0):
+        errs.append(f"directory {d} is owned by uid {st.st_uid}, not the job's uid "
+                    f"{os.getuid()} (nor root)")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        errs.append(f"directory {d} is writable by others (mode {stat.filemode(st.st_mode)}) "
+                    f"and not sticky: anyone there could replace the job's files")
+    return errs
+
+
+def _open_checked(path: Path) -> tuple[int, os.stat_result]:
+    """An O_NOFOLLOW | O_NONBLOCK descriptor of `path` checked with fstat: a regular file
+    of the job's user that nobody else may write (FileNotFoundError when absent)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
-        st = path.stat()
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        kind = "a symbolic link" if os.path.islink(path) else f"unreadable ({e.strerror})"
+        raise RequestError(f"signal file {path} is {kind}: refused") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RequestError(f"signal file {path} is not a regular file "
+                               f"({stat.filemode(st.st_mode)}): refused")
+        if st.st_uid != os.getuid():
+            raise RequestError(f"signal file {path} is owned by uid {st.st_uid}, not the job's "
+                               f"uid {os.getuid()}: refused")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise RequestError(f"signal file {path} is group- or world-writable "
+                               f"({stat.filemode(st.st_mode)}): refused (it could redirect the "
+                               f"job); write it with `dynatrain request`")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _read_fd(fd: int, limit: int) -> bytes:
+    chunks, n = [], 0
+    while n <= limit:
+        b = os.read(fd, min(65536, limit + 1 - n))
+        if not b:
+            break
+        chunks.append(b)
+        n += len(b)
+    return b"".join(chunks)
+
+
+def read_request(path: str | Path) -> Optional[SwitchRequest]:
+    """The request at `path`, None when there is none; RequestError when it is unsafe or
+    unusable (the directory, the file or its content; see the module docstring)."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return None
+    errs = directory_errors(path.parent)
+    if errs:
+        raise RequestError(f"signal file {path} refused: " + "; ".join(errs))
+    try:
+        fd, _ = _open_checked(path)
     except FileNotFoundError:
         return None
-    if st.st_mode & stat.S_IWOTH:
-        raise RequestError(f"signal file {path} is world-writable: refused (it could redirect "
-                           f"the job); write it with `dynatrain request`")
-    if st.st_uid != os.getuid():
-        raise RequestError(f"signal file {path} is owned by uid {st.st_uid}, not the job's "
-                           f"uid {os.getuid()}: refused")
-    text = path.read_text()
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RequestError(f"signal file {path} is not valid JSON ({e.msg} at char {e.pos}): "
-                           f"{text[:80]!r}") from None
-    if not isinstance(data, dict):
-        raise RequestError(f"signal file {path} must hold a JSON object, got {type(data).__name__}")
-    unknown = set(data) - {"layout", "world", "origin", "requested_at"}
-    if unknown:
-        raise RequestError(f"signal file {path} has unknown fields {sorted(unknown)}")
-    if "layout" not in data:
-        raise RequestError(f"signal file {path} has no 'layout'")
-    return SwitchRequest(**data)
+        data = _read_fd(fd, MAX_REQUEST_BYTES)
+    finally:
+        os.close(fd)
+    return SwitchRequest.from_json(data, where=f"signal file {path}")
 
 
-def _next_name(path: Path, outcome: str) -> Path:
-    n = 0
-    while True:
-        dst = path.with_name(f"{path.name}.{outcome}.{n}")
-        if not dst.exists():
-            return dst
-        n += 1
+# ------------------------------------------------------------------ claiming and filing
+def _numbered(path: Path, outcome: str, n: int) -> Path:
+    return path.with_name(f"{path.name}.{outcome}.{n}")
 
 
 def claim(path: str | Path) -> Optional[Path]:
-    """Take the pending request out of the signal path at once, as `<path>.accepted.<n>`
-    (an atomic rename), and return where it went; None when there is none. A request
-    written while this one is checked or switched to is then a new file, read at the next
-    poll: before, the outcome of the running switch was filed under the newer request,
-    which was lost (seen when a request arrived during a background preparation)."""
+    """Take whatever sits at the signal path out of it at once, renamed within the
+    directory to `<path>.accepted.<n>` (a link or FIFO is moved, never followed), and
+    return where it went; None when there is none. RequestError when it cannot be moved
+    (a file of another user in a sticky directory)."""
     path = Path(path)
-    dst = _next_name(path, "accepted")
-    try:
-        os.replace(path, dst)
-    except FileNotFoundError:
-        return None
-    return dst
+    for n in range(1 << 20):
+        dst = _numbered(path, "accepted", n)
+        if os.path.lexists(dst):
+            continue
+        try:
+            os.rename(path, dst)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise RequestError(f"signal file {path} cannot be claimed ({e.strerror}): "
+                               f"refused") from None
+        return dst
+    raise RequestError(f"no free name to claim {path}")
+
+
+def _create_record(path: Path, outcome: str, data: bytes) -> Path:
+    """A fresh `<path>.<outcome>.<n>` (O_EXCL | O_NOFOLLOW, 0600) holding `data`."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    for n in range(1 << 20):
+        dst = _numbered(path, outcome, n)
+        try:
+            fd = os.open(dst, flags, 0o600)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return dst
+    raise RequestError(f"no free name to file {path}.{outcome}")
 
 
 def archive(path: str | Path, outcome: str, reason: str = "",
             request_file: str | Path | None = None) -> Path:
-    """File the handled request as `<path>.<outcome>.<n>` with the reason. The request is
-    read from `request_file` (where `claim` put it), by default from `path` itself."""
+    """File the handled request as a new `<path>.<outcome>.<n>` holding the outcome, the
+    reason and the request. The request is read (safely, bounded) from `request_file`
+    (where `claim` put it), by default from `path` itself; see the module docstring for
+    what becomes of it."""
     path = Path(path)
     src = Path(request_file) if request_file is not None else path
-    dst = _next_name(path, outcome)
+    body, regular = "", False
     try:
-        body = src.read_text()
-    except OSError:
-        body = ""
-    try:
-        os.replace(src, dst)
-    except FileNotFoundError:
+        fd, _ = _open_checked(src)
+        try:
+            data = _read_fd(fd, MAX_REQUEST_BYTES)
+        finally:
+            os.close(fd)
+        regular = True
+        body = (data.decode("utf-8", errors="replace") if len(data) <= MAX_REQUEST_BYTES
+                else excerpt(data, 4096))
+    except (OSError, RequestError):
         pass
-    with open(dst, "w") as f:
-        f.write(json.dumps({"outcome": outcome, "reason": reason, "request": body}))
+    record = {"outcome": outcome, "reason": reason[:4 * MAX_REQUEST_BYTES], "request": body}
+    dst = _create_record(path, outcome, json.dumps(record).encode())
+    try:
+        if regular:
+            os.unlink(src)
+        elif os.path.lexists(src):
+            os.rename(src, dst.with_name(dst.name + ".original"))
+    except OSError:
+        pass  # left where it was claimed; the record says what happened
     return dst

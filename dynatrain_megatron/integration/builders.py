@@ -7,6 +7,7 @@ callable and never imports this module.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from ..compat.world_collectives import default_group_as
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
+from ..vps.validate import validate_layout
 from ..elastic.groups import ParallelGroups
 from .train_config import TrainConfig
 
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+@functools.cache
 def transformer_engine_available() -> bool:
     try:
         import transformer_engine  # noqa: F401
@@ -157,6 +160,17 @@ def bucket_size_of(train: TrainConfig, layout: Layout) -> Optional[int]:
     return resolve_bucket_size(train.ddp_bucket_size, train.overlap_grad_reduce, layout.dp)
 
 
+def validator_options(train: TrainConfig, layout: Layout,
+                      device_memory_bytes: Optional[int] = None) -> dict[str, Any]:
+    """The keywords of the one validator (`vps.validate.layout_errors`) for this job's
+    builders at `layout`: Transformer Engine, the batch, the bucket size, the device."""
+    return dict(transformer_engine=transformer_engine_available(),
+                global_batch_size=train.global_batch_size,
+                micro_batch_size=train.micro_batch_size,
+                device_memory_bytes=device_memory_bytes,
+                bucket_size=bucket_size_of(train, layout))
+
+
 def restore_tensor_parallel_attributes(chunks: list[torch.nn.Module], spec: ModelSpec) -> None:
     """megatron-core sets `tensor_model_parallel` / `partition_dim` / `partition_stride` on
     TP-split weights only inside its weight *initialisation*; built without it (a switch
@@ -249,13 +263,7 @@ def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGrou
     can be built while another layout trains."""
     from megatron.core.distributed import finalize_model_grads
 
-    layout.check_model(spec)
-    if layout.cp > 1 and not transformer_engine_available():
-        from ..vps.errors import LayoutError
-
-        raise LayoutError(f"layout {layout}: context parallelism needs Transformer Engine's "
-                          f"attention; megatron-core's local DotProductAttention refuses "
-                          f"context_parallel_size > 1 (plan and check CP analytically on CPU)")
+    validate_layout(spec, layout, **validator_options(train, layout))
     config = make_transformer_config(spec, layout)
     chunks = build_model_chunks(spec, layout, groups, config, init_weights=init_weights)
     if not init_weights:

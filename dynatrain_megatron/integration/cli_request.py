@@ -1,11 +1,14 @@
-"""`dynatrain request --signal-file F --layout tp4pp1dp1 [--world N]`: ask a running job to
-switch (atomic write-then-rename of the signal file)."""
+"""`dynatrain request --signal-file F --layout tp4pp1dp1 [--world N] [--model M.yaml]`: ask a
+running job to switch (atomic write-then-rename of the signal file). With `--model`, the
+layout is checked by the one validator first, and nothing is written when it is refused."""
 from __future__ import annotations
 
 import argparse
 
 from ..elastic.signal_file import write_request
 from ..vps.layout import Layout
+from ..vps.model_spec import ModelSpec
+from ..vps.validate import validate_layout
 
 
 def add_parser(sub) -> None:
@@ -13,11 +16,19 @@ def add_parser(sub) -> None:
     p.add_argument("--signal-file", required=True)
     p.add_argument("--layout", required=True)
     p.add_argument("--world", type=int, default=None)
+    p.add_argument("--model", default=None,
+                   help="configs/models/NAME.yaml: validate the layout for it (and --world) "
+                        "before writing")
+    p.add_argument("--no-transformer-engine", action="store_true",
+                   help="with --model: the job runs without Transformer Engine (then no CP)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    Layout.parse(args.layout, args.world)  # malformed layouts fail here, with the reason
+    layout = Layout.parse(args.layout, args.world)  # malformed layouts fail here, with the reason
+    if args.model:
+        validate_layout(ModelSpec.from_yaml(args.model), layout,
+                        transformer_engine=not args.no_transformer_engine)
     req = write_request(args.signal_file, args.layout, args.world)
     print(f"requested {req.layout}" + (f" on {req.world} ranks" if req.world else "")
           + f" via {args.signal_file}")

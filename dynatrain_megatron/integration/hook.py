@@ -18,18 +18,17 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..elastic.controller import Controller, Decision, load_schedule
+from ..elastic.controller import Controller, Decision
+from ..elastic.schedule import load_schedule
 from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import build_groups
 from ..elastic.join import open_reviewer
 from ..transition.faults import FaultPlan
 from ..transition.switch import choose_dst_placement
-from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
-from ..vps.memory import check_memory_fit
 from ..vps.placement import Placement
-from .builders import MegatronBuilder, TrainingObjects, bucket_size_of
+from .builders import MegatronBuilder, TrainingObjects, validator_options
 from .switching import WorldBroken, prepared_switch_args, start_preparation, switch_trainer
 from .train_config import TrainConfig
 from .training import Trainer
@@ -90,15 +89,11 @@ class DynatrainHook:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig) -> "DynatrainHook":
-        schedule = load_schedule(args.dynatrain_schedule) if args.dynatrain_schedule else None
-        def check(lay: Layout) -> None:
-            _check_batch(train, lay)
-            if args.dynatrain_device_memory:
-                check_memory_fit(spec, lay, args.dynatrain_device_memory,
-                                 bucket_size=bucket_size_of(train, lay))
-
+        schedule = (load_schedule(args.dynatrain_schedule, train.train_iters)
+                    if args.dynatrain_schedule else None)
         ctl = Controller(spec, args.dynatrain_signal_file, args.dynatrain_poll_interval, schedule,
-                         extra_check=check)
+                         check_options=lambda lay: validator_options(
+                             train, lay, args.dynatrain_device_memory))
         # join requests (elastic/join.py): reviewed on rank 0 at each poll when configured
         ctl.joins = open_reviewer(args.dynatrain_rendezvous_dir, args.dynatrain_secret_file)
         return cls(spec, train, ctl, ranks_per_node=args.dynatrain_ranks_per_node,
@@ -110,7 +105,9 @@ class DynatrainHook:
 
     def start(self, trainer: Optional[Trainer], layout: Layout, placement: Placement) -> None:
         """Tell the hook the job's first layout; every process calls it (standby ranks,
-        outside the layout, with `trainer=None`)."""
+        outside the layout, with `trainer=None`). Checks the schedule's layouts against
+        the job's world (DynatrainError, on every rank alike, before the first step)."""
+        self.controller.check_schedule(layout.world_size)
         self.layout, self.layout_placement = layout, placement
 
     def after_step(self, trainer: Trainer) -> Optional[Trainer]:
@@ -165,10 +162,18 @@ class DynatrainHook:
             log.info("already at layout %s: nothing to do", src)
             self.controller.done(d, "applied", "already at this layout")
             return
-        dst = Layout.parse(d.target, d.world)
-        placement = choose_dst_placement(self.spec, self.builder, src, self.layout_placement,
-                                         dst, tuple(range(dst.world_size)), self.placement,
-                                         self.ranks_per_node)
+        try:  # the same pure computation on every rank: all refuse alike, A untouched
+            dst = Layout.parse(d.target, d.world)
+            placement = choose_dst_placement(self.spec, self.builder, src, self.layout_placement,
+                                             dst, tuple(range(dst.world_size)), self.placement,
+                                             self.ranks_per_node)
+        except Exception as e:  # noqa: BLE001 - a request must never end training
+            reason = f"no placement for {d.target} on {d.world} ranks: {type(e).__name__}: {e}"
+            log.error("switch to %s rejected: %s; training continues at %s", d.target, reason,
+                      src)
+            self.rejected.append(reason)
+            self.controller.done(d, "rejected", reason)
+            return
         self.decision = d
         if not self.background_groups:
             log.info("iteration %s: switch %s (%d ranks) -> %s (%d ranks) requested; groups "
@@ -379,8 +384,3 @@ class DynatrainHook:
         log.info(text)
         return text
 
-
-def _check_batch(train: TrainConfig, layout: Layout) -> None:
-    if train.global_batch_size % (train.micro_batch_size * layout.dp):
-        raise DynatrainError(f"global batch {train.global_batch_size} is not divisible by "
-                             f"micro batch {train.micro_batch_size} * dp {layout.dp} of {layout}")

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from ..vps.errors import DynatrainError
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from .arguments import add_dynatrain_args, add_training_args, layout_from_args, train_config_from_args
@@ -116,8 +117,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # the secret a joining process must prove it holds: generated here when none is
         # given, handed to every rank through its environment (elastic/job_secret.py)
         share_with_ranks(args.dynatrain_secret_file, args.dynatrain_rendezvous_dir)
-        hook = DynatrainHook.from_args(args, spec, train)
-        hook.start(trainer, layout, placement)
+        try:  # a bad schedule or DYNATRAIN_FAULTS: a clear error before the first step
+            hook = DynatrainHook.from_args(args, spec, train)
+            hook.start(trainer, layout, placement)
+        except DynatrainError as e:
+            parser.error(str(e))
     return _run(args, spec, train, trainer, hook)
 
 

@@ -30,6 +30,17 @@ class InjectedFault(DynatrainError):
     """Raised by a `FaultPlan` on the rank and phase it names."""
 
 
+_OPTIONAL = ("fail_rank", "fail_phase", "corrupt_rank", "delay_rank")
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "fail_rank": (int,), "fail_phase": (str,), "corrupt_rank": (int,), "delay_rank": (int,),
+    "delay_seconds": (int, float), "round": (int,), "kill": (bool,), "exit_code": (int,),
+    "iteration": (int,)}
+
+
+class FaultSpecError(DynatrainError, ValueError):
+    """`DYNATRAIN_FAULTS` that does not describe a fault plan."""
+
+
 @dataclass(frozen=True, slots=True)
 class FaultPlan:
     fail_rank: Optional[int] = None
@@ -52,8 +63,35 @@ class FaultPlan:
 
     @classmethod
     def from_env(cls) -> Optional["FaultPlan"]:
+        """The plan in `DYNATRAIN_FAULTS` (None when unset); FaultSpecError naming every
+        defect otherwise (unknown keys, a value of the wrong type: `"kill": "false"` is not
+        a bool), so a mistyped plan fails at start-up instead of never firing."""
         text = os.environ.get("DYNATRAIN_FAULTS")
-        return cls(**json.loads(text)) if text else None
+        return cls.from_json(text) if text else None
+
+    @classmethod
+    def from_json(cls, text: str) -> "FaultPlan":
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise FaultSpecError(f"DYNATRAIN_FAULTS is not valid JSON ({e}): {text[:120]!r}") \
+                from None
+        if not isinstance(data, dict):
+            raise FaultSpecError(f"DYNATRAIN_FAULTS must be a JSON object, got "
+                                 f"{type(data).__name__}")
+        errs = []
+        for k, v in data.items():
+            want = _FIELD_TYPES.get(k)
+            if want is None:
+                errs.append(f"unknown key {k!r} (known: {sorted(_FIELD_TYPES)})")
+            elif not (type(v) in want or (v is None and k in _OPTIONAL)):
+                errs.append(f"{k} must be {' or '.join(t.__name__ for t in want)}, got {v!r}")
+        if errs:
+            raise FaultSpecError("DYNATRAIN_FAULTS: " + "; ".join(errs))
+        try:
+            return cls(**data)
+        except ValueError as e:
+            raise FaultSpecError(f"DYNATRAIN_FAULTS: {e}") from None
 
     def fail(self, rank: int, phase: str, round_index: int = 0) -> None:
         at = {"round": self.round, "step": self.iteration}.get(phase, round_index)

@@ -22,7 +22,9 @@ import numpy as np
 from .errors import LayoutError
 from .model_spec import ModelSpec
 
-_TOKEN = re.compile(r"(vpp|etp|ppf|ppl|doi|tp|pp|cp|ep|dp)(\d+)")
+_TOKEN = re.compile(r"(vpp|etp|ppf|ppl|doi|tp|pp|cp|ep|dp)([0-9]+)", re.ASCII)
+MAX_LAYOUT_CHARS = 64  # a layout string names at most 8 axes of a few digits each
+MAX_AXIS_DIGITS = 7  # up to 9,999,999 per axis
 _AXES = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp", "doi")
 
 # axis names of the two megatron rank grids, fastest first
@@ -100,11 +102,18 @@ class Layout:
         """
         if not isinstance(text, str):
             raise LayoutError(f"layout must be a string, got {type(text).__name__}")
+        if len(text) > MAX_LAYOUT_CHARS or not text.isascii():
+            raise LayoutError(f"malformed layout {text[:MAX_LAYOUT_CHARS]!r}"
+                              f"{'...' if len(text) > MAX_LAYOUT_CHARS else ''}: at most "
+                              f"{MAX_LAYOUT_CHARS} ASCII characters ({len(text)} given)")
         s = text.strip().lower()
         pos, vals = 0, {}
         for m in _TOKEN.finditer(s):
             if m.start() != pos:
                 break
+            if len(m.group(2)) > MAX_AXIS_DIGITS:
+                raise LayoutError(f"layout {text!r}: axis {m.group(1)} size {m.group(2)} is "
+                                  f"too large")
             ax, num = m.group(1), int(m.group(2))
             if ax in vals:
                 raise LayoutError(f"layout {text!r}: axis {ax} given twice")
@@ -229,9 +238,10 @@ class Layout:
         e = []
         n_mid = self.pp - (1 if self.ppf else 0) - (1 if self.ppl else 0)
         rest = num_layers - self.ppf - self.ppl
-        if rest < 0 or (n_mid == 0 and rest != 0) or (n_mid and rest % n_mid):
+        if rest < 0 or (n_mid == 0 and rest != 0) or (n_mid and (rest == 0 or rest % n_mid)):
             e.append(f"num_layers {num_layers} - ppf {self.ppf} - ppl {self.ppl} = {rest} does "
-                     f"not split evenly over the {n_mid} middle stage(s)")
+                     f"not split evenly over the {n_mid} middle stage(s) (every stage needs "
+                     f"at least one layer)")
         elif any(n % self.vpp for n in self.stage_num_layers(num_layers)):
             e.append(f"stage layer counts {self.stage_num_layers(num_layers)} are not all "
                      f"divisible by vpp {self.vpp}")
