@@ -1,0 +1,108 @@
+"""Start-up checks of the operator's inputs (issue 14): the `--dynatrain-schedule` file and
+`DYNATRAIN_FAULTS` are refused whole, with every defect named, before the first step."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dynatrain_megatron.elastic import controller as C
+from dynatrain_megatron.elastic.schedule import ScheduleError, load_schedule
+from dynatrain_megatron.transition.faults import FaultPlan, FaultSpecError
+from dynatrain_megatron.vps.model_spec import ModelSpec
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "models"
+
+
+@pytest.mark.parametrize("text,match", [
+    ("- {iteration: 3, layout: tp2pp2}\n- {iteration: 3, layout: tp1pp2}", "increasing order"),
+    ("- {iteration: 5, layout: tp2pp2}\n- {iteration: 3, layout: tp1pp2}", "increasing order"),
+    ("- {iteration: 0, layout: tp2pp2}", "outside 1..20"),
+    ("- {iteration: -2, layout: tp2pp2}", "outside 1..20"),
+    ("- {iteration: 21, layout: tp2pp2}", "outside 1..20"),
+    ("- {iteration: 3, layout: tp2pp2, world: 4}", "unknown keys ['world']"),
+    ("- {iteration: 3.7, layout: tp2pp2}", "iteration must be an int, got '3.7' (float)"),
+    ("- {iteration: abc, layout: tp2pp2}", "iteration must be an int, got 'abc' (str)"),
+    ("- {iteration: true, layout: tp2pp2}", "(bool)"),
+    ("- {iteration: 3}", "lacks ['layout']"),
+    ("- {iteration: 3, layout: 4}", "layout must be an ASCII string"),
+    ("- {iteration: 3, layout: [tp2\n", "not valid YAML"),
+    ("switches: []", "non-empty list"),
+    ("{switches: [], extra: 1}", "exactly one key"),
+    ("- tp2pp2", "must be a mapping"),
+])
+def test_schedule_defects_are_start_up_errors(tmp_path, text, match):
+    p = tmp_path / "s.yaml"
+    p.write_text(text)
+    with pytest.raises(ScheduleError, match=match.replace("[", r"\[").replace("(", r"\(")
+                       .replace(")", r"\)").replace("]", r"\]").replace(".", r"\.")):
+        load_schedule(p, train_iters=20)
+
+
+def test_schedule_lists_every_defect_at_once(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("- {iteration: 0, layout: tp2pp2}\n- {iteration: 4.5, layout: tp1pp2, x: 1}\n")
+    with pytest.raises(ScheduleError) as e:
+        load_schedule(p, train_iters=20)
+    assert "entry 0: iteration 0" in str(e.value) and "entry 1: iteration must be" in str(e.value)
+    assert "unknown keys ['x']" in str(e.value)
+
+
+def test_schedule_layouts_checked_for_the_world_at_start_up(tmp_path, monkeypatch):
+    p = tmp_path / "s.yaml"
+    p.write_text("switches:\n- {iteration: 2, layout: tp2pp2}\n- {iteration: 4, layout: tp1cp2}\n"
+                 "- {iteration: 6, layout: tp1etp2}\n- {iteration: 8, layout: tp3}\n")
+    sched = load_schedule(p, train_iters=20)
+    assert sched == [(2, "tp2pp2"), (4, "tp1cp2"), (6, "tp1etp2"), (8, "tp3")]
+    spec = ModelSpec.from_yaml(CONFIGS / "tiny-gpt.yaml")
+    ctl = C.Controller(spec, None, schedule=sched)
+    with pytest.raises(C.DynatrainError) as e:
+        ctl.check_schedule(4)
+    msg = str(e.value)
+    assert "iteration 4:" in msg and "Transformer Engine" in msg
+    assert "iteration 6:" in msg and "needs an MoE model" in msg
+    assert "iteration 8:" in msg and "does not divide world size 4" in msg
+    assert "iteration 2:" not in msg
+
+
+def test_schedule_entry_during_a_pending_switch_runs_after_it(monkeypatch, caplog):
+    """Rank 0's side: the job does not poll while a switch is pending; the entries of those
+    iterations run at the next polls, in order, and the log says so."""
+    monkeypatch.setattr(C.dist, "get_world_size", lambda *a: 4)
+    monkeypatch.setattr(C.dist, "get_rank", lambda *a: 0)
+    monkeypatch.setattr(C.dist, "broadcast_object_list", lambda box, src=0: None)
+    spec = ModelSpec.from_yaml(CONFIGS / "tiny-gpt.yaml")
+    ctl = C.Controller(spec, None, poll_interval=5, schedule=[(2, "tp2pp2"), (3, "tp1pp2"),
+                                                              (4, "tp2pp1")])
+    assert ctl.poll(1, 4).target is None
+    assert ctl.poll(2, 4).target == "tp2pp2dp1"  # starts a switch; 3 and 4 are not polled
+    d = ctl.poll(5, 4)
+    assert d.target == "tp1pp2dp2" and "iteration 3 to tp1pp2 runs at iteration 5" in caplog.text
+    assert ctl.poll(6, 4).target == "tp2pp1dp2"  # due, though 6 is not a poll iteration
+    assert ctl.poll(7, 4).target is None
+
+
+@pytest.mark.parametrize("text,match", [
+    ("{not json", "not valid JSON"),
+    ("[1]", "must be a JSON object"),
+    ('{"kill": "false"}', "kill must be bool, got 'false'"),
+    ('{"fail_rank": "1", "fail_phase": "step"}', "fail_rank must be int"),
+    ('{"fail_rank": 1, "fail_phase": "step", "iteration": 2.5}', "iteration must be int"),
+    ('{"fail_rank": 1, "fail_phase": "stepp"}', "fail_phase 'stepp'"),
+    ('{"fail_rank": 1}', "go together"),
+    ('{"failrank": 1}', "unknown key 'failrank'"),
+    ('{"delay_rank": true, "delay_seconds": 1}', "delay_rank must be int"),
+])
+def test_faults_env_strict(monkeypatch, text, match):
+    monkeypatch.setenv("DYNATRAIN_FAULTS", text)
+    with pytest.raises(FaultSpecError, match=match):
+        FaultPlan.from_env()
+
+
+def test_faults_env_valid(monkeypatch):
+    monkeypatch.setenv("DYNATRAIN_FAULTS", '{"fail_rank": 1, "fail_phase": "step", '
+                                           '"iteration": 3, "kill": true, "delay_seconds": 0.5}')
+    assert FaultPlan.from_env() == FaultPlan(fail_rank=1, fail_phase="step", iteration=3,
+                                             kill=True, delay_seconds=0.5)
+    monkeypatch.delenv("DYNATRAIN_FAULTS")
+    assert FaultPlan.from_env() is None
