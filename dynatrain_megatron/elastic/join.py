@@ -1,10 +1,12 @@
 """Join requests: a process launched after the job asks to join it, and must prove it
 holds the job's secret (`elastic/job_secret.py`) without ever sending it.
 
-The protocol runs through the rendezvous store the job's processes already meet in
-(`elastic/rejoin.py`: torchrun's agent TCPStore, or a FileStore in
-`--dynatrain-rendezvous-dir`). Everyone who can reach that store can write to it, so
-nothing read from it is trusted unless it carries a valid tag.
+The protocol runs through one store (`join_store`: a FileStore in
+`--dynatrain-rendezvous-dir`, whose directory and file others may not write, or else
+torchrun's agent TCPStore, which anyone who reaches its port can write). Nothing read from
+it is trusted unless it carries a valid tag, from the request to the admission
+(`integration/grow.py`: the joiner's `ready` is tagged, and the grown world meets under a
+prefix derived from the secret).
 
 1. The job (rank 0) publishes a fresh random **nonce** at start (`dynatrain/join/nonce`).
 2. A joiner reads it, draws a fresh random request id, and claims a **slot** with
@@ -306,18 +308,44 @@ def open_reviewer(rendezvous_dir: Optional[str], secret_file: Optional[str] = No
         log.warning("join requests are not reviewed: the job has no secret "
                     "(--dynatrain-secret-file or $%s)", ENV_VAR)
         return None
-    if rendezvous_dir:
-        # the directory named wins over torchrun's agent store (which rejoin.rendezvous_store
-        # prefers): it is where `dynatrain join --rendezvous-dir` writes
-        os.makedirs(rendezvous_dir, exist_ok=True)
-        store: dist.Store = dist.FileStore(os.path.join(rendezvous_dir, "rendezvous"), -1)
-    else:
-        from .rejoin import rendezvous_store
-
-        store = rendezvous_store(None)
+    try:
+        store = join_store(rendezvous_dir)
+    except JoinError as e:
+        log.error("join requests are not reviewed: %s", e)
+        return None
+    if not rendezvous_dir:
         log.info("joiners reach this job with `dynatrain join --store %s:%s`",
                  os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
     return JoinReviewer(store, secret, dist.get_world_size())
+
+
+def join_store(rendezvous_dir: Optional[str]) -> dist.Store:
+    """The one store that join requests, verdicts, the ready step and the growth of the
+    world go through, for the job's ranks and the joiner alike: the FileStore in
+    `rendezvous_dir` when one is named (even under torchrun: a joiner started by its own
+    torchrun has another agent store), else torchrun's agent TCPStore.
+
+    A rendezvous directory another user owns or others may write to (not sticky), or a
+    store file that is not the job user's regular file or that others may write, is
+    refused (JoinError): whoever could replace the file could take over admission."""
+    if not rendezvous_dir:
+        from .rejoin import rendezvous_store
+
+        return rendezvous_store(None)
+    from .private_file import directory_errors, file_errors
+
+    os.makedirs(rendezvous_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(rendezvous_dir, "rendezvous")
+    errs = directory_errors(rendezvous_dir) + file_errors(path)
+    if errs:
+        raise JoinError("rendezvous store refused: " + "; ".join(errs))
+    return dist.FileStore(path, -1)
+
+
+def current_nonce(store: dist.Store) -> str:
+    """The nonce of the job reviewing requests in `store` (JoinError when none)."""
+    return _wait_for(store, NONCE_KEY, 0.0, "no job reviews join requests in this store "
+                     "(no nonce published)").decode("ascii", "replace")
 
 
 def post_request(store: dist.Store, secret: Optional[JobSecret], origin: Optional[Origin] = None,

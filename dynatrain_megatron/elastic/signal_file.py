@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..vps.errors import DynatrainError
-from .private_file import write_private
+from .private_file import directory_errors, write_private
 
 
 class RequestError(DynatrainError):
@@ -158,21 +158,6 @@ def write_request(path: str | Path, layout: str, world: Optional[int] = None) ->
 
 
 # ------------------------------------------------------------------ reading
-def directory_errors(directory: str | Path) -> list[str]:
-    """Why a signal (or rendezvous) directory is unsafe: others may write to it and it is
-    not sticky, or it belongs to another user (who could swap its files)."""
-    d = Path(directory)
-    st = os.stat(d)
-    errs = []
-    if st.st_uid not in (os.getuid(), 0):
-        errs.append(f"directory {d} is owned by uid {st.st_uid}, not the job's uid "
-                    f"{os.getuid()} (nor root)")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        errs.append(f"directory {d} is writable by others (mode {stat.filemode(st.st_mode)}) "
-                    f"and not sticky: anyone there could replace the job's files")
-    return errs
-
-
 def _open_checked(path: Path) -> tuple[int, os.stat_result]:
     """An O_NOFOLLOW | O_NONBLOCK descriptor of `path` checked with fstat: a regular file
     of the job's user that nobody else may write (FileNotFoundError when absent)."""

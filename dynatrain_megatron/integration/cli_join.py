@@ -42,8 +42,9 @@ def run(args: argparse.Namespace) -> int:
         if not os.path.isdir(args.rendezvous_dir):  # else FileStore fails only after 300 s
             raise JoinError(f"rendezvous directory {args.rendezvous_dir} does not exist (the "
                             f"job creates it: is --dynatrain-rendezvous-dir the same?)")
-        # the job's FileStore (elastic/rejoin.py:rendezvous_store names it the same way)
-        store = dist.FileStore(os.path.join(args.rendezvous_dir, "rendezvous"), -1)
+        from ..elastic.join import join_store
+
+        store = join_store(args.rendezvous_dir)  # the job's FileStore, checked as the job does
     if secret is None:
         print("no job secret found: the request goes untagged and will be refused")
     slot, req = post_request(store, secret, timeout=args.timeout)

@@ -260,29 +260,35 @@ class DynatrainHook:
             log.warning("%d joiner(s) accepted but not admitted: growing the world needs "
                         "--dynatrain-rendezvous-dir", len(accepted))
             return trainer
-        from ..elastic.rejoin import rendezvous_store
+        from ..elastic.join import join_store
         from . import grow
 
         generation = accepted[0].generation
         world = dist.get_world_size() + len(accepted)
-        store = rendezvous_store(self.rendezvous_dir)
-        # only a joiner that is a training process (`--dynatrain-join`) says it is ready; an
-        # accepted `dynatrain join` (which only asks) never does, and the world stays as is
-        box = [grow.all_ready(store, generation, [v.rank for v in accepted])
-               if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        store = join_store(self.rendezvous_dir)  # the reviewer's and the joiner's
         reviewer = self.controller.joins
-        if not box[0]:
+        # only a joiner that is a training process (`--dynatrain-join`) says it is ready (a
+        # word tagged with the secret); an accepted `dynatrain join` (which only asks) never
+        # does, and the world stays as is. Rank 0 (it holds the secret) sends the others the
+        # secret meeting prefix over the job's own communicator.
+        box = [None, None]
+        if dist.get_rank() == 0 and reviewer is not None:
+            ok = grow.all_ready(store, generation, accepted, reviewer.secret, reviewer.nonce)
+            box = [ok, grow.meeting_prefix(reviewer.secret, reviewer.nonce, generation)]
+        dist.broadcast_object_list(box, src=0)
+        ok, prefix = box
+        if not ok:
             log.warning("%d accepted joiner(s) did not come to enter the world: not admitted",
                         len(accepted))
             if reviewer is not None:
                 reviewer.accepted.clear()
             return trainer
         if dist.get_rank() == 0:
-            grow.announce(store, generation, world, self.layout, self.layout_placement)
+            grow.announce(store, prefix, world, self.layout, self.layout_placement,
+                          reviewer.secret)
         self._drop_preparation(broken=False)  # it belongs to the old world
         t0 = time.perf_counter()
-        trainer = grow.grow_world(trainer, self.spec, self.builder.train, store, generation,
+        trainer = grow.grow_world(trainer, self.spec, self.builder.train, store, prefix,
                                   world, self.layout, self.layout_placement, self.timeout)
         if reviewer is not None:  # rank 0: number the next joiners after these
             reviewer.world_size, reviewer.generation = world, generation + 1

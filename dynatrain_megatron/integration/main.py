@@ -133,9 +133,8 @@ def _join_and_run(args: argparse.Namespace) -> int:
 
     from ..compat import prepare_runtime
     from ..elastic.job_secret import load_secret
-    from ..elastic.join import post_request, wait_verdict
-    from ..elastic.rejoin import rendezvous_store
-    from .grow import join_world
+    from ..elastic.join import JoinError, current_nonce, join_store, post_request, wait_verdict
+    from .grow import join_world, meeting_prefix, ready
     from .hook import DynatrainHook
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s joiner] %(message)s",
@@ -147,23 +146,32 @@ def _join_and_run(args: argparse.Namespace) -> int:
     if args.bf16:
         spec = spec.replace(params_dtype="bf16")
     train = train_config_from_args(args)
-    store = rendezvous_store(args.dynatrain_rendezvous_dir)
+    try:
+        store = join_store(args.dynatrain_rendezvous_dir)  # the job's, even under torchrun
+    except JoinError as e:
+        log.error("%s", e)
+        return 2
     secret = load_secret(args.dynatrain_secret_file, rendezvous_dir=None)
+    if secret is None:
+        log.error("--dynatrain-join needs the job's secret (--dynatrain-secret-file or $%s)",
+                  "DYNATRAIN_JOB_SECRET")
+        return 2
     # everything slow first: once accepted, the job waits for this process in the new world
     prepare_runtime()
     from .session import freeze_long_lived_objects
 
     freeze_long_lived_objects()
-    slot, _ = post_request(store, secret)
+    slot, req = post_request(store, secret)
     verdict = wait_verdict(store, slot, secret)
     if not verdict.accepted:
         log.error("the job refused this process: %s", verdict.reason)
         return 1
     log.info("accepted: generation %d, rank %d", verdict.generation, verdict.rank)
-    from .grow import ready
-
-    ready(store, verdict.generation, verdict.rank)
-    layout, placement = join_world(spec, train, store, verdict.generation, verdict.rank)
+    nonce = current_nonce(store)  # the one the job's tag on the verdict was checked with
+    ready(store, verdict.generation, verdict.rank, secret, nonce, req.request_id)
+    layout, placement = join_world(spec, train, store,
+                                   meeting_prefix(secret, nonce, verdict.generation),
+                                   verdict.rank, secret)
     setup_logging()
     hook = DynatrainHook.from_args(args, spec, train)
     hook.start(None, layout, placement)
