@@ -72,7 +72,8 @@ def test_a_process_without_the_secret_cannot_claim_an_acceptance(agent_store):
 def test_join_store_refuses_what_others_can_write(tmp_path):
     ok = tmp_path / "ok"
     assert isinstance(J.join_store(str(ok)), dist.FileStore)
-    assert (ok.stat().st_mode & 0o777) == 0o700  # created private
+    assert (ok.stat().st_mode & 0o777) == 0o700  # created private, whatever the umask
+    assert ((ok / "rendezvous").stat().st_mode & 0o777) == 0o600
     open_dir = tmp_path / "open"
     open_dir.mkdir()
     os.chmod(open_dir, 0o777)

@@ -336,7 +336,13 @@ def join_store(rendezvous_dir: Optional[str]) -> dist.Store:
 
     os.makedirs(rendezvous_dir, mode=0o700, exist_ok=True)
     path = os.path.join(rendezvous_dir, "rendezvous")
-    errs = directory_errors(rendezvous_dir) + file_errors(path)
+    errs = directory_errors(rendezvous_dir)
+    if not errs:
+        try:  # created 0600 whatever the umask (FileStore would create it 0666 & ~umask)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        except FileExistsError:
+            pass
+        errs = file_errors(path)
     if errs:
         raise JoinError("rendezvous store refused: " + "; ".join(errs))
     return dist.FileStore(path, -1)

@@ -260,13 +260,19 @@ class DynatrainHook:
             log.warning("%d joiner(s) accepted but not admitted: growing the world needs "
                         "--dynatrain-rendezvous-dir", len(accepted))
             return trainer
-        from ..elastic.join import join_store
+        from ..elastic.join import JoinError, join_store
         from . import grow
 
         generation = accepted[0].generation
         world = dist.get_world_size() + len(accepted)
-        store = join_store(self.rendezvous_dir)  # the reviewer's and the joiner's
         reviewer = self.controller.joins
+        try:
+            store = join_store(self.rendezvous_dir)  # the reviewer's and the joiner's
+        except JoinError as e:  # became unsafe since the reviewer opened it (same verdict
+            log.error("accepted joiner(s) not admitted: %s", e)  # on every rank: shared)
+            if reviewer is not None:
+                reviewer.accepted.clear()
+            return trainer
         # only a joiner that is a training process (`--dynatrain-join`) says it is ready (a
         # word tagged with the secret); an accepted `dynatrain join` (which only asks) never
         # does, and the world stays as is. Rank 0 (it holds the secret) sends the others the
