@@ -251,3 +251,32 @@ def test_request_cli_bounds_and_validates(tmp_path, capsys):
     assert cli(["request", "--signal-file", str(p), "--layout", "tp2pp2", "--world", "4",
                 "--model", model]) == 0
     assert sf.read_request(p).layout == "tp2pp2"
+
+
+def test_placement_failure_rejects_the_switch_and_keeps_a(job, monkeypatch):
+    """A layout the validator let through but the placement choice cannot handle (it raises
+    on every rank alike, outside the switch's transaction) is a rejected request: the
+    hook keeps layout A and files the request, never raising into training."""
+    from dynatrain_megatron.integration import hook as H
+    from dynatrain_megatron.integration.train_config import TrainConfig
+    from dynatrain_megatron.vps.layout import Layout
+    from dynatrain_megatron.vps.placement import Placement
+
+    ctl, sig_dir, outside, victim = job
+    monkeypatch.setattr(H.dist, "get_rank", lambda *a: 0)
+
+    def boom(*a, **k):
+        raise sf.RequestError("no rank-ordered placement")  # any exception type
+
+    monkeypatch.setattr(H, "choose_dst_placement", boom)
+    hook = H.DynatrainHook(ctl.spec, TrainConfig(global_batch_size=8, micro_batch_size=2), ctl)
+    a = Layout.parse("tp2pp2", 4)
+    hook.start(None, a, Placement((0, 1, 2, 3)))
+    sf.write_request(sig_dir / "switch.json", "tp2pp1dp2", 4)
+    d = ctl._decide_on_rank0(1, 4)
+    assert d.target == "tp2pp1dp2"
+    hook._on_decision(d, 1)
+    assert hook.layout == a and hook.decision is None and not hook.devices.pending
+    assert "no placement for tp2pp1dp2" in hook.rejected[-1]
+    rec = json.loads((sig_dir / "switch.json.rejected.0").read_text())
+    assert "no rank-ordered placement" in rec["reason"] and '"tp2pp1dp2"' in rec["request"]
