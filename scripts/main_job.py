@@ -39,7 +39,7 @@ def main() -> int:
     args = ap.parse_args()
     run = Path(args.run_dir)
     shutil.rmtree(run, ignore_errors=True)
-    run.mkdir(parents=True)
+    run.mkdir(mode=0o700, parents=True)  # the signal directory: only the job may write
     signal = run / "switch.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
            "--master_port", str(free_port()), str(ROOT / "scripts/pretrain_gpt.py"),

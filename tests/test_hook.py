@@ -47,8 +47,9 @@ def test_bad_requests_are_rejected_and_training_goes_on(res):
     """A corrupt file, a malformed layout, an impossible one, and a world-writable file."""
     r = res["rejects"]
     assert r["layout"] == "tp2pp2dp1"
+    # the world-writable file is refused unread and kept beside its record
     assert r["files"] == ["b.json.rejected.0", "b.json.rejected.1", "b.json.rejected.2",
-                          "b.json.rejected.3"]
+                          "b.json.rejected.3", "b.json.rejected.3.original"]
     assert "not valid JSON" in r["rejected"][0]
     assert "malformed layout" in r["rejected"][1]
     assert "tp*pp*cp = 8 does not divide world size 4" in r["rejected"][2]
