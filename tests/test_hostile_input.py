@@ -146,7 +146,8 @@ def test_unsafe_objects_at_the_signal_path(job):
              ("fifo", lambda: os.mkfifo(path, 0o600), "not a regular file"),
              ("dir", lambda: os.mkdir(path, 0o700), "not a regular file"),
              ("0660", lambda: (path.write_bytes(VALID), os.chmod(path, 0o660)), "group- or world"),
-             ("0666", lambda: (path.write_bytes(VALID), os.chmod(path, 0o666)), "group- or world")]
+             ("0666", lambda: (path.write_bytes(VALID), os.chmod(path, 0o666)), "group- or world"),
+             ("hardlink", lambda: os.link(own, path), "2 hard links")]
     if os.getuid() == 0:  # only root can make a file another user owns
         cases.append(("foreign", lambda: (path.write_bytes(VALID), os.chmod(path, 0o600),
                                           os.chown(path, 12345, 12345)), "owned by uid 12345"))

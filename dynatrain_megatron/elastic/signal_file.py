@@ -14,8 +14,9 @@ The job handles the path as input from anyone who can write to its directory:
   `<path>.accepted.<n>` (a rename moves a link or a FIFO itself, never its target); a
   request written from then on is a new file at the path, read at the next poll;
 * the claimed name is opened with `O_NOFOLLOW | O_NONBLOCK` and checked on the open
-  descriptor (`fstat`): a regular file, owned by the job's user, writable by nobody else,
-  at most `MAX_REQUEST_BYTES`; it is read from that descriptor only;
+  descriptor (`fstat`): a regular file with one name (a hard link could be another file's),
+  owned by the job's user, writable by nobody else, at most `MAX_REQUEST_BYTES`; it is
+  read from that descriptor only;
 * the content must match a strict schema (known keys only, exact types, no duplicate keys,
   an ASCII layout string, bounded numbers);
 * the outcome is filed in a fresh file `<path>.<outcome>.<n>` created with
@@ -177,6 +178,9 @@ def _open_checked(path: Path) -> tuple[int, os.stat_result]:
         if st.st_uid != os.getuid():
             raise RequestError(f"signal file {path} is owned by uid {st.st_uid}, not the job's "
                                f"uid {os.getuid()}: refused")
+        if st.st_nlink != 1:  # another name of some file, e.g. a hard link planted in /tmp
+            raise RequestError(f"signal file {path} has {st.st_nlink} hard links: refused "
+                               f"(it may be another file's name)")
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise RequestError(f"signal file {path} is group- or world-writable "
                                f"({stat.filemode(st.st_mode)}): refused (it could redirect the "
