@@ -281,3 +281,30 @@ def test_placement_failure_rejects_the_switch_and_keeps_a(job, monkeypatch):
     assert "no placement for tp2pp1dp2" in hook.rejected[-1]
     rec = json.loads((sig_dir / "switch.json.rejected.0").read_text())
     assert "no rank-ordered placement" in rec["reason"] and '"tp2pp1dp2"' in rec["request"]
+
+
+def test_failed_background_preparation_is_a_failed_request_and_keeps_a(job, monkeypatch):
+    """B's groups or preparation raising in the background thread surfaces at the switch
+    as a failed request on every rank alike (agreed with one collective), A untouched."""
+    from dynatrain_megatron.integration import hook as H
+    from dynatrain_megatron.integration.train_config import TrainConfig
+    from dynatrain_megatron.vps.layout import Layout
+    from dynatrain_megatron.vps.placement import Placement
+
+    ctl, sig_dir, outside, victim = job
+    monkeypatch.setattr(H.dist, "get_rank", lambda *a: 0)
+    monkeypatch.setattr(H, "everyone_ok", lambda ok: ok)  # one rank stands for all here
+    hook = H.DynatrainHook(ctl.spec, TrainConfig(global_batch_size=8, micro_batch_size=2), ctl)
+    a = Layout.parse("tp2pp2", 4)
+    hook.start(None, a, Placement((0, 1, 2, 3)))
+    sf.write_request(sig_dir / "switch.json", "tp2pp1dp2", 4)
+    hook.decision = ctl._decide_on_rank0(1, 4)
+    b = Layout.parse("tp2pp1dp2", 4)
+    hook.devices.target = (b, Placement((0, 1, 2, 3)))
+    hook.devices._error = MemoryError("B does not fit")  # as the thread leaves it
+    assert hook._switch("trainer at A") == "trainer at A"
+    assert hook.layout == a and not hook.devices.pending and hook.decision is None
+    assert "preparing tp2pp1dp2 failed: RuntimeError" in hook.failed[-1]
+    assert "B does not fit" in hook.failed[-1]
+    rec = json.loads((sig_dir / "switch.json.failed.0").read_text())
+    assert rec["outcome"] == "failed" and "B does not fit" in rec["reason"]

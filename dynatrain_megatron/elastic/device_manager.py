@@ -66,7 +66,10 @@ class DeviceManager:
                 self.build_seconds = time.perf_counter() - t0
                 if then is not None and self._result is not None:
                     t0 = time.perf_counter()
-                    self._prepared = then(self._result)
+                    try:
+                        self._prepared = then(self._result)
+                    except BaseException as e:  # surfaced by take(); the groups are freed
+                        self._error = e  # by abandon()
                     self.prepare_seconds = time.perf_counter() - t0
 
         if background:
@@ -89,7 +92,8 @@ class DeviceManager:
         self._thread = None
         if self._error is not None:
             err, self._error, self.target = self._error, None, None
-            raise RuntimeError(f"building the new layout's groups failed: {err}") from err
+            raise RuntimeError(f"building or preparing the new layout failed: "
+                               f"{type(err).__name__}: {err}") from err
         res, self._result, self.target = self._result, None, None
         assert res is not None
         return res

@@ -198,7 +198,13 @@ class DynatrainHook:
             groups_s = time.perf_counter() - t0
         else:
             dst, dst_placement = self.devices.target
-            kw = prepared_switch_args(self.devices)
+            kw, error = {}, None
+            try:
+                kw = prepared_switch_args(self.devices)
+            except Exception as e:  # noqa: BLE001 - B's groups or preparation failed
+                error = e
+            if not everyone_ok(error is None):  # every rank gives up alike, A untouched
+                return self._preparation_failed(trainer, dst, kw, error)
             groups_s = self.devices.build_seconds
             t0 = time.perf_counter()
         try:
@@ -307,6 +313,26 @@ class DynatrainHook:
                  world, pause)
         return trainer
 
+    def _preparation_failed(self, trainer: Optional[Trainer], dst: Layout, kw: dict,
+                            error: Optional[BaseException]) -> Optional[Trainer]:
+        """B's background build or preparation failed on some rank: free what was built,
+        file the request as failed and train on at A."""
+        from .switching import discard_prepared, free_layout
+
+        if kw.get("prepared") is not None:
+            discard_prepared(kw["prepared"])
+        elif kw.get("new_groups") is not None:
+            free_layout(None, kw["new_groups"])
+        self._drop_preparation(broken=False)
+        reason = (f"preparing {dst} failed: {type(error).__name__}: {str(error)[:500]}"
+                  if error is not None else f"preparing {dst} failed on another rank")
+        log.error("%s; training continues at %s", reason, self.layout)
+        self.failed.append(reason)
+        if self.decision is not None:
+            self.controller.done(self.decision, "failed", reason)
+        self.decision = None
+        return trainer
+
     def _drop_preparation(self, broken: bool) -> None:
         """Free a switch being prepared in the background (groups, B's objects) and start
         afresh: the world it was prepared for is changing."""
@@ -396,3 +422,13 @@ class DynatrainHook:
         log.info(text)
         return text
 
+
+def everyone_ok(ok: bool) -> bool:
+    """Collective over the world: whether `ok` holds on every rank."""
+    import torch
+
+    from ..transition.transport import collective_device
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
