@@ -79,7 +79,14 @@ def test_schedule_entry_during_a_pending_switch_runs_after_it(monkeypatch, caplo
     d = ctl.poll(5, 4)
     assert d.target == "tp1pp2dp2" and "iteration 3 to tp1pp2 runs at iteration 5" in caplog.text
     assert ctl.poll(6, 4).target == "tp2pp1dp2"  # due, though 6 is not a poll iteration
-    assert ctl.poll(7, 4).target is None
+    d = ctl.poll(10, 4)
+    assert d.target is None and d.schedule_next == 3
+    # a process that came in later (a joiner, on standby) takes rank 0's position from any
+    # decision, so it agrees on which iterations poll once it trains
+    late = C.Controller(spec, None, poll_interval=5, schedule=ctl.schedule)
+    assert late._schedule_due(11)
+    late._received(d)
+    assert not late._schedule_due(11) and not ctl._schedule_due(11)
 
 
 @pytest.mark.parametrize("text,match", [

@@ -35,7 +35,7 @@ class Decision:
     rejected: Optional[str] = None  # the reason, when a request was refused
     stop: bool = False  # the job is over: standby ranks leave
     joins: tuple[JoinVerdict, ...] = ()  # join requests reviewed at this poll (elastic/join.py)
-    schedule_pos: Optional[int] = None  # the schedule entry this decision ran (every rank)
+    schedule_next: Optional[int] = None  # rank 0's first schedule entry not yet run
 
 
 class Controller:
@@ -117,10 +117,11 @@ class Controller:
             log.warning("scheduled switch of iteration %d to %s runs at iteration %d, after "
                         "the switch that was pending at its iteration", it, lay, iteration)
         try:
-            return Decision(str(self.validate(lay, world)), world, "schedule", schedule_pos=pos)
+            return Decision(str(self.validate(lay, world)), world, "schedule",
+                            schedule_next=pos + 1)
         except Exception as e:  # noqa: BLE001 - e.g. the world changed since start-up
             log.error("scheduled switch at iteration %d to %r rejected: %s", it, lay, e)
-            return Decision(None, None, "schedule", rejected=str(e), schedule_pos=pos)
+            return Decision(None, None, "schedule", rejected=str(e), schedule_next=pos + 1)
 
     def _from_signal(self, world: int) -> Decision:
         path = Path(self.signal_path)
@@ -178,17 +179,14 @@ class Controller:
         if iteration % self.poll_interval and not self._schedule_due(iteration):
             return Decision(None, None, "signal")
         world = world or dist.get_world_size()
-        box = [self._decide_on_rank0(iteration, world) if dist.get_rank() == 0 else None]
+        box = [None]
+        if dist.get_rank() == 0:
+            d = self._decide_on_rank0(iteration, world)
+            box = [replace(d, schedule_next=d.schedule_next or self._next_entry)]
         if self.joins is not None:  # rides on the same broadcast: no extra collective
             box[0] = replace(box[0], joins=self.joins.review())
         dist.broadcast_object_list(box, src=0)
         return self._received(box[0])
-
-    def _received(self, d: Decision) -> Decision:
-        self.join_verdicts.extend(d.joins)
-        if d.schedule_pos is not None:
-            self._next_entry = d.schedule_pos + 1
-        return d
 
     def follow(self) -> Decision:
         """A standby rank's side of `poll`/`stop`: wait for rank 0's next decision (it does
@@ -198,14 +196,16 @@ class Controller:
         return self._received(box[0])
 
     def _received(self, d: Decision) -> Decision:
+        """Every rank (standby ones and joiners too) takes rank 0's schedule position, so
+        all agree which iterations poll, whenever they came in."""
         self.join_verdicts.extend(d.joins)
-        if d.schedule_pos is not None:
-            self._next_entry = d.schedule_pos + 1
+        if d.schedule_next is not None:
+            self._next_entry = d.schedule_next
         return d
 
     def stop(self) -> None:
         """Collective: the job is over; standby ranks waiting in `follow` leave."""
-        box = [Decision(None, None, "signal", stop=True)]
+        box = [Decision(None, None, "signal", stop=True, schedule_next=self._next_entry)]
         dist.broadcast_object_list(box, src=0)
 
     def done(self, decision: Decision, outcome: str, reason: str = "") -> None:
