@@ -274,8 +274,10 @@ class DynatrainHook:
         reviewer = self.controller.joins
         try:
             store = join_store(self.rendezvous_dir)  # the reviewer's and the joiner's
-        except JoinError as e:  # became unsafe since the reviewer opened it (same verdict
-            log.error("accepted joiner(s) not admitted: %s", e)  # on every rank: shared)
+        except JoinError as e:
+            # it became unsafe since the reviewer opened it: every rank sees the same
+            # (shared) directory, so all give up alike
+            log.error("accepted joiner(s) not admitted: %s", e)
             if reviewer is not None:
                 reviewer.accepted.clear()
             return trainer
