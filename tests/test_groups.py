@@ -16,13 +16,15 @@ class _FakeGroup:
 def _build(monkeypatch, layout, placement, rank, world):
     calls = []
 
-    def new_group(ranks):
-        calls.append(tuple(ranks))
-        return _FakeGroup(ranks)
+    def new_group(ranks, device_id=None, sort_ranks=True):
+        # torch numbers members by sorted global rank unless sort_ranks=False
+        calls.append((tuple(ranks), sort_ranks))
+        return _FakeGroup(sorted(ranks) if sort_ranks else ranks)
 
     monkeypatch.setattr(G.dist, "new_group", new_group)
     monkeypatch.setattr(G.dist, "get_rank", lambda: rank)
     monkeypatch.setattr(G.dist, "get_world_size", lambda: world)
+    monkeypatch.setattr(G.dist, "get_backend", lambda *a, **k: "gloo")
     return G.build_groups(layout, placement), calls
 
 
@@ -38,7 +40,7 @@ def test_groups_of_a_layout(monkeypatch, text, world, devices):
     built = {r: _build(monkeypatch, lay, pl, r, world) for r in range(world)}
     order = built[0][1]
     assert all(calls == order for _, calls in built.values())  # collective order
-    assert order[-1] == tuple(range(world))  # the transfer group spans the world
+    assert order[-1][0] == tuple(range(world))  # the transfer group spans the world
     for r, (groups, calls) in built.items():
         assert len(groups.created) == len(set(calls[:-1])) + 1  # each group made once
         assert groups.transfer.ranks == tuple(range(world))
@@ -69,7 +71,16 @@ def test_groups_of_a_layout(monkeypatch, text, world, devices):
             assert groups.group_ranks["intra_dp_cp"] == groups.group_ranks["dp_cp"]
 
 
-def test_a_placement_that_is_not_rank_ordered_is_refused(monkeypatch):
+def test_a_placement_that_is_not_rank_ordered_numbers_members_by_virtual_rank(monkeypatch):
+    """Devices (1, 0, 2, 3): virtual rank 0 sits on device 1, so its TP group is [1, 0]
+    in that order (group rank = virtual TP rank), asked of torch with sort_ranks=False;
+    ascending member lists keep torch's default call."""
     lay = Layout.parse("tp2pp1dp2", 4)
-    with pytest.raises(ValueError, match="not rank-ordered"):
-        _build(monkeypatch, lay, Placement((1, 0, 2, 3)), 0, 4)
+    pl = Placement((1, 0, 2, 3))
+    groups, calls = _build(monkeypatch, lay, pl, 1, 4)
+    assert groups.virtual_rank == 0
+    assert groups.pg_collection.tp.ranks == (1, 0)
+    assert groups.group_ranks["tp"] == [1, 0]
+    for ranks, sort_ranks in calls:
+        assert sort_ranks == (list(ranks) == sorted(ranks))
+    assert ((1, 0), False) in calls
