@@ -13,7 +13,7 @@ $(STAMP): setup.py
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU torch build (local on our machines); pinned first so nothing pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/pip install -q -e ".[test,bench,megatron-lm]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -13,7 +13,7 @@ from dynatrain_megatron.integration import megatron_lm as mlm
 from dynatrain_megatron.vps.errors import DynatrainError
 from dynatrain_megatron.vps.layout import Layout
 
-PATCH = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm-001b00c" / "dynatrain.patch"
+PATCH = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm-core_v0.16.1" / "dynatrain.patch"
 
 
 def megatron_args(**over) -> argparse.Namespace:
