@@ -34,6 +34,7 @@ class Decision:
     rejected: Optional[str] = None  # the reason, when a request was refused
     stop: bool = False  # the job is over: standby ranks leave
     joins: tuple[JoinVerdict, ...] = ()  # join requests reviewed at this poll (elastic/join.py)
+    at: Optional[int] = None  # a scheduled switch: the iteration after which it must land
 
 
 def load_schedule(path: str) -> list[tuple[int, str]]:
@@ -55,11 +56,17 @@ class Controller:
 
     def __init__(self, spec: ModelSpec, signal_path: Optional[str], poll_interval: int = 1,
                  schedule: Optional[list[tuple[int, str]]] = None,
-                 extra_check: Optional[Callable[[Layout], None]] = None) -> None:
+                 extra_check: Optional[Callable[[Layout], None]] = None,
+                 schedule_lead: int = 1) -> None:
         self.spec = spec
         self.signal_path = signal_path
         self.poll_interval = max(1, poll_interval)
-        self.schedule = list(schedule or [])
+        self.schedule = sorted(schedule or [])
+        # a scheduled switch is decided this many iterations before the one it must land
+        # after, so that B is prepared in the background meanwhile; entries are taken in
+        # order, each once (the same on every rank: every rank reads the same schedule)
+        self.schedule_lead = max(0, schedule_lead)
+        self._next_scheduled = 0
         self.extra_check = extra_check
         # False where the training loop cannot put ranks on standby (Megatron-LM's own loop):
         # a request for another device count is then refused up front
@@ -77,14 +84,23 @@ class Controller:
             self.extra_check(layout)
         return layout
 
+    def _due(self, iteration: int) -> Optional[tuple[int, str]]:
+        """The next scheduled switch, once `iteration` is within the lead of it."""
+        if self._next_scheduled < len(self.schedule):
+            it, lay = self.schedule[self._next_scheduled]
+            if iteration >= it - self.schedule_lead:
+                return it, lay
+        return None
+
     def _decide_on_rank0(self, iteration: int, world: int) -> Decision:
-        for it, lay in self.schedule:
-            if it == iteration:
-                try:
-                    return Decision(str(self.validate(lay, world)), world, "schedule")
-                except DynatrainError as e:
-                    log.error("scheduled switch at iteration %d to %r rejected: %s", it, lay, e)
-                    return Decision(None, None, "schedule", rejected=str(e))
+        due = self._due(iteration)
+        if due is not None:
+            it, lay = due
+            try:
+                return Decision(str(self.validate(lay, world)), world, "schedule", at=it)
+            except DynatrainError as e:
+                log.error("scheduled switch at iteration %d to %r rejected: %s", it, lay, e)
+                return Decision(None, None, "schedule", rejected=str(e), at=it)
         if not self.signal_path:
             return Decision(None, None, "signal")
         claimed = sf.claim(self.signal_path)  # a request written from now on is the next one
@@ -122,7 +138,8 @@ class Controller:
         """Collective over every process (training and standby ranks) at the same step
         boundary. `world`: ranks of the current layout (default: every process); a request
         may name any count up to the number of processes (scale-in / scale-out)."""
-        if iteration % self.poll_interval and not any(it == iteration for it, _ in self.schedule):
+        due = self._due(iteration)
+        if iteration % self.poll_interval and due is None:
             return Decision(None, None, "signal")
         world = world or dist.get_world_size()
         box = [self._decide_on_rank0(iteration, world) if dist.get_rank() == 0 else None]
@@ -130,6 +147,8 @@ class Controller:
             box[0] = replace(box[0], joins=self.joins.review())
         dist.broadcast_object_list(box, src=0)
         self.join_verdicts.extend(box[0].joins)
+        if due is not None and box[0].source == "schedule":
+            self._next_scheduled += 1
         return box[0]
 
     def follow(self) -> Decision:
