@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 NPROC ?= 4
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast bench clean
+.PHONY: install run run-megatron-lm test test-fast bench clean
 
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,6 +20,11 @@ install: $(STAMP)
 
 run: $(STAMP)
 	$(BIN)/python scripts/main_job.py --nproc $(NPROC)
+
+# real Megatron-LM (MEGATRON_LM=DIR for your own checkout; default ../shared/megatron-lm/core_v0.16.1):
+# patched copy, switched in memory, beside its own --save + restart + --load, timed
+run-megatron-lm: $(STAMP)
+	$(BIN)/python scripts/megatron_lm_job.py --nproc $(NPROC)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --timeout=1500
