@@ -235,3 +235,15 @@ def test_patch_is_well_formed_and_calls_only_what_exists():
     # the fields the patch reads from dynatrain_step's result
     fields = set(re.findall(r"\bdt\.(\w+)", text))
     assert fields <= set(mlm.LoopObjects.__dataclass_fields__)
+
+
+def test_unswitchable_job_is_refused_before_its_first_step():
+    # the patched pretrain() registers its dataset provider before train(): the refusal
+    # comes there, naming the flag, and nothing is registered
+    mlm.reset_session()
+    with pytest.raises(DynatrainError, match="--hidden-dropout 0.1"):
+        mlm.register_dataset_provider(lambda *a: None, megatron_args(hidden_dropout=0.1))
+    assert mlm._DATASET_PROVIDER is None
+    mlm.register_dataset_provider(print, megatron_args())
+    assert mlm._DATASET_PROVIDER is print
+    mlm.reset_session()
