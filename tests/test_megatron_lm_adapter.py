@@ -247,3 +247,13 @@ def test_unswitchable_job_is_refused_before_its_first_step():
     mlm.register_dataset_provider(print, megatron_args())
     assert mlm._DATASET_PROVIDER is print
     mlm.reset_session()
+
+
+def test_softmax_precision_follows_megatron_lm():
+    # Megatron-LM computes the attention softmax in the params dtype unless told otherwise
+    # (megatron-core's default is fp32): B must do the same or bf16 drifts after a switch
+    assert not mlm.spec_from_megatron_args(megatron_args()).attention_softmax_in_fp32
+    assert mlm.spec_from_megatron_args(
+        megatron_args(attention_softmax_in_fp32=True)).attention_softmax_in_fp32
+    assert mlm.spec_from_megatron_args(
+        megatron_args(apply_query_key_layer_scaling=True)).attention_softmax_in_fp32

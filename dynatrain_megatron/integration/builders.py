@@ -75,6 +75,7 @@ def make_transformer_config(spec: ModelSpec, layout: Layout):
         persist_layer_norm=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
+        attention_softmax_in_fp32=spec.attention_softmax_in_fp32,
     )
     if spec.is_moe:
         kw.update(

@@ -132,6 +132,9 @@ def spec_from_megatron_args(args: Any, vocab_size: Optional[int] = None,
         qk_layernorm=bool(_get(args, "qk_layernorm", False)),
         params_dtype=params_dtype_of(args),
         init_method_std=_get(args, "init_method_std", 0.02),
+        # as Megatron-LM's config (changes bf16/fp16 numerics; fp32 is unaffected)
+        attention_softmax_in_fp32=bool(_get(args, "attention_softmax_in_fp32", False)
+                                       or _get(args, "apply_query_key_layer_scaling", False)),
     )
     experts = _get(args, "num_experts")
     if experts:

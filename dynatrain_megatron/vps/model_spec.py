@@ -46,6 +46,9 @@ class ModelSpec:
     moe_shared_expert_intermediate_size: Optional[int] = None
     params_dtype: str = "fp32"
     init_method_std: float = 0.02
+    # numerics only (no state shape): megatron-core's default; Megatron-LM's is False
+    # unless --attention-softmax-in-fp32 / --apply-query-key-layer-scaling
+    attention_softmax_in_fp32: bool = True
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
