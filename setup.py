@@ -26,6 +26,9 @@ setup(
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout"],
         "bench": ["matplotlib"],
+        # what Megatron-LM's own training code (megatron/training, pretrain_gpt.py) imports
+        # beyond megatron-core; compat/megatron_lm.py checks them at start-up
+        "megatron-lm": ["six", "regex", "pydantic"],
         # Transformer Engine needs CUDA; NVIDIA apex is a source install (see README).
         # PyPI's "apex" is an unrelated project and must never be listed here.
         "gpu": ["transformer-engine[pytorch]"],

@@ -78,7 +78,7 @@ def case(root):
     for k, v in vars(p.parse_args(["--dynatrain", "--dynatrain-signal-file", signal,
                                    "--dynatrain-ranks-per-node", "4"])).items():
         setattr(args, k, v)
-    mlm.register_dataset_provider(lambda n: ("train_it", "valid_it", "test_it"))
+    mlm.register_dataset_provider(lambda n: ("train_it", "valid_it", "test_it"), args)
     model, opt, sched, cfg = objs.model, objs.optimizer, objs.scheduler, objs.config
     tr_it, va_it = "orig_train", "orig_valid"
     losses, changed_at = [], []

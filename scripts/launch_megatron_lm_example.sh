@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Megatron-LM's own pretrain_gpt.py, patched with patches/megatron-lm-001b00c/dynatrain.patch,
+# Megatron-LM's own pretrain_gpt.py, patched with patches/megatron-lm-core_v0.16.1/dynatrain.patch,
 # training a small Llama-style GPT on mock data with --dynatrain: switch its layout while it
 # trains with `dynatrain request --signal-file $JOB_DIR/switch.json --layout tp1pp2dp4`.
 #
@@ -22,7 +22,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 if ! grep -qs "dynatrain_lm.dynatrain_step" "$MEGATRON_LM/megatron/training/training.py"; then
     echo "the dynatrain patch is not applied to $MEGATRON_LM; run:" >&2
-    echo "  (cd $MEGATRON_LM && git apply $HERE/patches/megatron-lm-001b00c/dynatrain.patch)" >&2
+    echo "  dynatrain megatron-lm patch $MEGATRON_LM" >&2
     exit 2
 fi
 

@@ -13,7 +13,7 @@ from dynatrain_megatron.integration import megatron_lm as mlm
 from dynatrain_megatron.vps.errors import DynatrainError
 from dynatrain_megatron.vps.layout import Layout
 
-PATCH = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm-001b00c" / "dynatrain.patch"
+PATCH = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm-core_v0.16.1" / "dynatrain.patch"
 
 
 def megatron_args(**over) -> argparse.Namespace:
@@ -235,3 +235,25 @@ def test_patch_is_well_formed_and_calls_only_what_exists():
     # the fields the patch reads from dynatrain_step's result
     fields = set(re.findall(r"\bdt\.(\w+)", text))
     assert fields <= set(mlm.LoopObjects.__dataclass_fields__)
+
+
+def test_unswitchable_job_is_refused_before_its_first_step():
+    # the patched pretrain() registers its dataset provider before train(): the refusal
+    # comes there, naming the flag, and nothing is registered
+    mlm.reset_session()
+    with pytest.raises(DynatrainError, match="--hidden-dropout 0.1"):
+        mlm.register_dataset_provider(lambda *a: None, megatron_args(hidden_dropout=0.1))
+    assert mlm._DATASET_PROVIDER is None
+    mlm.register_dataset_provider(print, megatron_args())
+    assert mlm._DATASET_PROVIDER is print
+    mlm.reset_session()
+
+
+def test_softmax_precision_follows_megatron_lm():
+    # Megatron-LM computes the attention softmax in the params dtype unless told otherwise
+    # (megatron-core's default is fp32): B must do the same or bf16 drifts after a switch
+    assert not mlm.spec_from_megatron_args(megatron_args()).attention_softmax_in_fp32
+    assert mlm.spec_from_megatron_args(
+        megatron_args(attention_softmax_in_fp32=True)).attention_softmax_in_fp32
+    assert mlm.spec_from_megatron_args(
+        megatron_args(apply_query_key_layer_scaling=True)).attention_softmax_in_fp32

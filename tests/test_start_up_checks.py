@@ -73,7 +73,7 @@ def test_schedule_entry_during_a_pending_switch_runs_after_it(monkeypatch, caplo
     monkeypatch.setattr(C.dist, "broadcast_object_list", lambda box, src=0: None)
     spec = ModelSpec.from_yaml(CONFIGS / "tiny-gpt.yaml")
     ctl = C.Controller(spec, None, poll_interval=5, schedule=[(2, "tp2pp2"), (3, "tp1pp2"),
-                                                              (4, "tp2pp1")])
+                                                              (4, "tp2pp1")], schedule_lead=0)
     assert ctl.poll(1, 4).target is None
     assert ctl.poll(2, 4).target == "tp2pp2dp1"  # starts a switch; 3 and 4 are not polled
     d = ctl.poll(5, 4)
@@ -83,7 +83,7 @@ def test_schedule_entry_during_a_pending_switch_runs_after_it(monkeypatch, caplo
     assert d.target is None and d.schedule_next == 3
     # a process that came in later (a joiner, on standby) takes rank 0's position from any
     # decision, so it agrees on which iterations poll once it trains
-    late = C.Controller(spec, None, poll_interval=5, schedule=ctl.schedule)
+    late = C.Controller(spec, None, poll_interval=5, schedule=ctl.schedule, schedule_lead=0)
     assert late._schedule_due(11)
     late._received(d)
     assert not late._schedule_due(11) and not ctl._schedule_due(11)
@@ -113,3 +113,17 @@ def test_faults_env_valid(monkeypatch):
                                              kill=True, delay_seconds=0.5)
     monkeypatch.delenv("DYNATRAIN_FAULTS")
     assert FaultPlan.from_env() is None
+
+
+def test_a_scheduled_switch_is_decided_its_lead_early_and_lands_after_its_iteration(monkeypatch):
+    """With the default lead of one iteration the entry of iteration 3 is decided at 2 (B
+    is prepared in the background meanwhile) and carries `at=3`, where the hook lands it."""
+    monkeypatch.setattr(C.dist, "get_world_size", lambda *a: 4)
+    monkeypatch.setattr(C.dist, "get_rank", lambda *a: 0)
+    monkeypatch.setattr(C.dist, "broadcast_object_list", lambda box, src=0: None)
+    spec = ModelSpec.from_yaml(CONFIGS / "tiny-gpt.yaml")
+    ctl = C.Controller(spec, None, poll_interval=5, schedule=[(3, "tp2pp2")])
+    assert ctl.poll(1, 4).target is None
+    d = ctl.poll(2, 4)
+    assert (d.target, d.at, d.schedule_next) == ("tp2pp2dp1", 3, 1)
+    assert ctl.poll(3, 4).target is None  # taken once

@@ -22,6 +22,7 @@ SUBCOMMANDS = (
     "dynatrain_megatron.cli.join",
     "dynatrain_megatron.cli.launch",
     "dynatrain_megatron.cli.bench_switch",
+    "dynatrain_megatron.cli.megatron_lm",
 )
 
 

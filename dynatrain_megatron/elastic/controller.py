@@ -36,6 +36,7 @@ class Decision:
     stop: bool = False  # the job is over: standby ranks leave
     joins: tuple[JoinVerdict, ...] = ()  # join requests reviewed at this poll (elastic/join.py)
     schedule_next: Optional[int] = None  # rank 0's first schedule entry not yet run
+    at: Optional[int] = None  # a scheduled switch: the iteration after which it must land
 
 
 class Controller:
@@ -52,11 +53,16 @@ class Controller:
     def __init__(self, spec: ModelSpec, signal_path: Optional[str], poll_interval: int = 1,
                  schedule: Optional[list[tuple[int, str]]] = None,
                  extra_check: Optional[Callable[[Layout], None]] = None,
-                 check_options: Optional[Callable[[Layout], Mapping[str, Any]]] = None) -> None:
+                 check_options: Optional[Callable[[Layout], Mapping[str, Any]]] = None,
+                 schedule_lead: int = 1) -> None:
         self.spec = spec
         self.signal_path = signal_path
         self.poll_interval = max(1, poll_interval)
-        self.schedule = list(schedule or [])
+        self.schedule = sorted(schedule or [])
+        # a scheduled switch is decided this many iterations before the one it must land
+        # after, so that B is prepared in the background meanwhile; entries are taken in
+        # order, each once (the same on every rank: every rank reads the same schedule)
+        self.schedule_lead = max(0, schedule_lead)
         self.extra_check = extra_check
         self.check_options = check_options
         # False where the training loop cannot put ranks on standby (Megatron-LM's own loop):
@@ -93,8 +99,10 @@ class Controller:
             raise DynatrainError(f"schedule refused on {world} ranks: " + "; ".join(errs))
 
     def _schedule_due(self, iteration: int) -> bool:
+        """The next entry is decided `schedule_lead` iterations before the one it must land
+        after, so that B is prepared in the background meanwhile."""
         return (self._next_entry < len(self.schedule)
-                and self.schedule[self._next_entry][0] <= iteration)
+                and self.schedule[self._next_entry][0] - self.schedule_lead <= iteration)
 
     def _decide_on_rank0(self, iteration: int, world: int) -> Decision:
         """Rank 0's decision; never raises: anything that goes wrong with a request
@@ -113,15 +121,16 @@ class Controller:
     def _scheduled(self, iteration: int, world: int) -> Decision:
         pos = self._next_entry
         it, lay = self.schedule[pos]
-        if it < iteration:
+        if it < iteration:  # its iteration passed while another switch was pending
             log.warning("scheduled switch of iteration %d to %s runs at iteration %d, after "
                         "the switch that was pending at its iteration", it, lay, iteration)
         try:
             return Decision(str(self.validate(lay, world)), world, "schedule",
-                            schedule_next=pos + 1)
+                            schedule_next=pos + 1, at=it)
         except Exception as e:  # noqa: BLE001 - e.g. the world changed since start-up
             log.error("scheduled switch at iteration %d to %r rejected: %s", it, lay, e)
-            return Decision(None, None, "schedule", rejected=str(e), schedule_next=pos + 1)
+            return Decision(None, None, "schedule", rejected=str(e), schedule_next=pos + 1,
+                            at=it)
 
     def _from_signal(self, world: int) -> Decision:
         path = Path(self.signal_path)

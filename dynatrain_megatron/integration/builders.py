@@ -81,6 +81,7 @@ def make_transformer_config(spec: ModelSpec, layout: Layout, init_weights: bool 
         persist_layer_norm=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
+        attention_softmax_in_fp32=spec.attention_softmax_in_fp32,
     )
     if spec.is_moe:
         kw.update(
@@ -198,18 +199,23 @@ def restore_tensor_parallel_attributes(chunks: list[torch.nn.Module], spec: Mode
                                                       VocabParallelEmbedding,
                                                       set_tensor_model_parallel_attributes)
 
+    def mark(t: torch.Tensor, dim: int, stride: int) -> None:
+        # biases are marked at construction already (only weights wait for the initialiser)
+        if not hasattr(t, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(t, True, dim, stride)
+
     for chunk in chunks:
         for name, m in chunk.named_modules():
             if isinstance(m, VocabParallelEmbedding):
-                set_tensor_model_parallel_attributes(m.weight, True, 0, 1)
+                mark(m.weight, 0, 1)
             elif isinstance(m, ColumnParallelLinear):
                 stride = 2 if spec.swiglu and name.endswith("linear_fc1") else 1
                 if m.weight is not None:
-                    set_tensor_model_parallel_attributes(m.weight, True, 0, stride)
+                    mark(m.weight, 0, stride)
                 if getattr(m, "bias", None) is not None:
-                    set_tensor_model_parallel_attributes(m.bias, True, 0, stride)
+                    mark(m.bias, 0, stride)
             elif isinstance(m, RowParallelLinear):
-                set_tensor_model_parallel_attributes(m.weight, True, 1, 1)
+                mark(m.weight, 1, 1)
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], config, train: TrainConfig, groups: ParallelGroups):

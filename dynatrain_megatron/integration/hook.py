@@ -84,6 +84,7 @@ class DynatrainHook:
         self.stopped = False
         self.failed: list[str] = []  # reasons of switches that were rolled back
         self._sync_target: Optional[tuple[Layout, Placement]] = None
+        self._waited_s = 0.0  # a scheduled switch: how long it waited for B at its iteration
         self.timeout = timeout
         self.history: list[SwitchRecord] = []
         self.rejected: list[str] = []
@@ -130,15 +131,30 @@ class DynatrainHook:
         if self.faults is not None:
             self.faults.fail(dist.get_rank(), "step", trainer.iteration)
         if self.devices.pending:
-            if self.devices.ready():
-                return self._switch(trainer)
-            return trainer
+            return self._switch_when_due(trainer)
         d = self.controller.poll(trainer.iteration, self.layout.world_size)
         trainer = self._admit(trainer, d)
         self._on_decision(d, trainer.iteration, trainer.objs)
         if self._sync_target is not None:
             return self._switch(trainer)
+        if self.devices.pending and d.at is not None and trainer.iteration >= d.at:
+            return self._switch_when_due(trainer)  # a schedule due now: no step to wait on
         return trainer
+
+    def _switch_when_due(self, trainer: Trainer) -> Optional[Trainer]:
+        """A switch prepared in the background: a requested one lands at the first step
+        boundary where B is ready on every rank; a scheduled one lands exactly after its
+        iteration, waiting there for whatever of the preparation is left."""
+        at = self.decision.at if self.decision is not None else None
+        if at is None:
+            return self._switch(trainer) if self.devices.ready() else trainer
+        if trainer.iteration < at:
+            return trainer
+        t0 = time.perf_counter()
+        while not self.devices.ready():  # collective: every rank loops the same times
+            time.sleep(0.005)
+        self._waited_s = time.perf_counter() - t0
+        return self._switch(trainer)
 
     def standby(self) -> Optional[Trainer]:
         """A process outside the current layout: take part in every collective of the
@@ -268,16 +284,21 @@ class DynatrainHook:
                            groups_in_pause=not self.background_groups,
                            prepared={k: round(v, 4) for k, v in r.background.items()})
         self.history.append(rec)
+        at = self.decision.at if self.decision is not None else None
+        waited, self._waited_s = self._waited_s, 0.0
+        when = "" if at is None else (
+            f" as scheduled (waited {waited:.3f} s for B)" if trainer.iteration == at else
+            f", {trainer.iteration - at} iteration(s) late (scheduled after iteration {at})")
         self.controller.done(self.decision, "applied", f"switched at iteration {trainer.iteration}")
         log.info("iteration %d: switched %s -> %s (placement %s): %.2f MB moved (lower bound "
                  "%.2f MB), pause %.3f s [bind %.3f, plan %.3f, transfer %.3f, rebuild %.3f], "
-                 "groups %.3f s %s%s", trainer.iteration, src, dst, r.placement,
+                 "groups %.3f s %s%s%s", trainer.iteration, src, dst, r.placement,
                  r.bytes_moved / 1e6, r.lower_bound_bytes / 1e6, pause, r.phases.get("bind", 0),
                  r.phases.get("plan", 0), r.phases.get("transfer", 0), r.phases.get("rebuild", 0),
                  groups_s, "inside the pause" if rec.groups_in_pause else "in the background",
                  "; B built %.3f s, bound %.3f s, planned %.3f s in the background" % (
                      r.background.get("build", 0), r.background.get("bind", 0),
-                     r.background.get("plan", 0)) if r.background else "")
+                     r.background.get("plan", 0)) if r.background else "", when)
         self._log_event(asdict(rec))
         return trainer
 

@@ -132,6 +132,9 @@ def spec_from_megatron_args(args: Any, vocab_size: Optional[int] = None,
         qk_layernorm=bool(_get(args, "qk_layernorm", False)),
         params_dtype=params_dtype_of(args),
         init_method_std=_get(args, "init_method_std", 0.02),
+        # as Megatron-LM's config (changes bf16/fp16 numerics; fp32 is unaffected)
+        attention_softmax_in_fp32=bool(_get(args, "attention_softmax_in_fp32", False)
+                                       or _get(args, "apply_query_key_layer_scaling", False)),
     )
     experts = _get(args, "num_experts")
     if experts:
@@ -362,11 +365,27 @@ _DATASET_PROVIDER: Optional[Callable] = None
 _SESSION: Optional["MegatronLMSession"] = None
 
 
-def register_dataset_provider(provider: Callable) -> None:
-    """Called by the patched `pretrain()`: the provider rebuilds the data iterators when a
-    switch changes the data-parallel size or the pipeline stages that read data."""
+def register_dataset_provider(provider: Callable, args: Any = None) -> None:
+    """Called by the patched `pretrain()` before `train()`: the provider rebuilds the data
+    iterators when a switch changes the data-parallel size or the pipeline stages that read
+    data. It is also where a job we could not switch is refused: at start-up, before its
+    first step, naming every flag (`args`: Megatron-LM's global args when not given)."""
     global _DATASET_PROVIDER
+    if args is None:
+        from megatron.training import get_args
+
+        args = get_args()
+    check_switchable(args)
     _DATASET_PROVIDER = provider
+
+
+def check_switchable(args: Any) -> None:
+    """Raise naming every Megatron-LM flag after which our builder would not rebuild the
+    job at another layout (`unsupported_args`)."""
+    problems = unsupported_args(args, te_available=_transformer_engine_available())
+    if problems:
+        raise DynatrainError("--dynatrain cannot switch this Megatron-LM job, because after "
+                             "a switch our builder would not reproduce: " + "; ".join(problems))
 
 
 def _transformer_engine_available() -> bool:
@@ -493,11 +512,7 @@ class MegatronLMSession:
         from .hook import DynatrainHook
         from .training import Trainer
 
-        problems = unsupported_args(args, te_available=_transformer_engine_available())
-        if problems:
-            raise DynatrainError("--dynatrain cannot switch this Megatron-LM job, because after "
-                                 "a switch our builder would not reproduce: "
-                                 + "; ".join(problems))
+        check_switchable(args)
         for note in performance_differences(args):
             log.warning("dynatrain: %s", note)
         self.args = args
@@ -597,6 +612,7 @@ def reset_session() -> None:
 
 __all__: Iterable[str] = (
     "LoopObjects", "MegatronLMSession", "args_for_layout", "chain_extra_args_providers",
+    "check_switchable",
     "dynatrain_step", "finish_training", "layout_from_megatron_args", "params_dtype_of",
     "performance_differences", "register_dataset_provider", "reset_session",
     "spec_from_megatron_args", "train_config_from_megatron_args", "unsupported_args",

@@ -114,7 +114,7 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
     except Exception as e:  # noqa: BLE001 - every rank learns it at the switch's first vote
         prep.error = f"rank {me}: prepare: {type(e).__name__}: {e}"
         log.error("rank %d: preparing the switch %s -> %s failed (nothing has moved): %s",
-                  me, src, dst, e)
+                  me, src, dst, e, exc_info=True)
     return prep
 
 
@@ -338,7 +338,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         phases["verify"] = phases.get("verify", 0.0) + t() - t3
     except Exception as e:  # noqa: BLE001 - every rank learns it at the vote below
         errors.append(f"rank {me}: prepare: {type(e).__name__}: {e}")
-        log.error("rank %d: switch %s -> %s failed before any byte moved: %s", me, src, dst, e)
+        log.error("rank %d: switch %s -> %s failed before any byte moved: %s", me, src, dst, e,
+                  exc_info=True)
     t4 = t()
     errors = _agree(errors)
     phases["vote"] = t() - t4

@@ -49,6 +49,9 @@ class ModelSpec:
     # built with Transformer Engine's layer spec (GPU): its fused norm+linear layers name and
     # order some parameters differently (vps.naming.TE_FUSED_NORMS); the state is the same
     transformer_engine: bool = False
+    # numerics only (no state shape): megatron-core's default; Megatron-LM's is False
+    # unless --attention-softmax-in-fp32 / --apply-query-key-layer-scaling
+    attention_softmax_in_fp32: bool = True
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

@@ -1,0 +1,108 @@
+"""Running Megatron-LM's own pretrain_gpt.py (a copy of the snapshot) with torchrun on gloo
+ranks, reading its losses from the log and its checkpoints as logical tensors."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+UNPATCHED_SITE = Path(__file__).with_name("megatron_lm_unpatched")  # its sitecustomize
+
+# a tiny GPT on mock data with the flags Megatron-LM needs on the CPU (README)
+CPU_FLAGS = [
+    "--distributed-backend", "gloo", "--transformer-impl", "local",
+    "--no-rope-fusion", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+    "--no-bias-dropout-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
+    "--no-masked-softmax-fusion",
+]
+TINY_GPT = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--use-distributed-optimizer",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+    "--split", "99,1,0", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "1000",
+    "--seed", "1234", "--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-reshardable",
+]
+
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+
+
+def layout_flags(tp: int, pp: int, **extra: int) -> list[str]:
+    out = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    for k, v in extra.items():
+        out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+def run_megatron_lm(tree: Path, nproc: int, flags: list[str], log: Path, *,
+                    patched: bool = True, timeout: float = 900) -> str:
+    """Run pretrain_gpt.py of `tree` on `nproc` gloo ranks; returns the log text. An
+    unpatched tree gets the CPU runtime from `megatron_lm_unpatched/sitecustomize.py`."""
+    path = [str(ROOT), str(tree)] if patched else [str(UNPATCHED_SITE), str(ROOT), str(tree)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+               PYTHONPATH=os.pathsep.join(path))
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc),
+           str(tree / "pretrain_gpt.py"), *flags]
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=timeout)
+    text = log.read_text()
+    if proc.returncode != 0:
+        raise AssertionError(f"Megatron-LM exited {proc.returncode}; log {log}:\n{text[-6000:]}")
+    return text
+
+
+def losses(text: str) -> dict[int, str]:
+    """iteration -> the loss as Megatron-LM printed it (printed once, by the last rank)."""
+    out: dict[int, str] = {}
+    for it, loss in LOSS.findall(text):
+        out[int(it)] = loss
+    return out
+
+
+def checkpoint_tensors(ckpt_dir: Path, iteration: int) -> dict[str, object]:
+    """Every entry of a torch_dist checkpoint as one logical (global) object: tensors whole,
+    whatever layout saved them (torch.distributed.checkpoint's reader, no process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src = ckpt_dir / f"iter_{iteration:07d}"
+    out = ckpt_dir.parent / f"{ckpt_dir.name}-{iteration}.pt"
+    dcp_to_torch_save(str(src), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def _same(x, y) -> bool:
+    """Bit-for-bit equality of tensors (as bytes), arrays, and containers of them."""
+    import numpy as np
+
+    if torch.is_tensor(x) or torch.is_tensor(y):
+        return (torch.is_tensor(x) and torch.is_tensor(y) and x.dtype == y.dtype
+                and x.shape == y.shape and torch.equal(x.contiguous().view(torch.uint8),
+                                                       y.contiguous().view(torch.uint8)))
+    if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+        return (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and x.dtype == y.dtype
+                and x.shape == y.shape and x.tobytes() == y.tobytes())
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(map(_same, x, y))
+    return type(x) is type(y) and x == y
+
+
+def differences(a: dict, b: dict, *, skip=lambda key: False) -> list[str]:
+    """Keys whose values are not bit-identical."""
+    diff = []
+    for k in sorted(set(a) | set(b)):
+        if skip(k):
+            continue
+        if k not in a or k not in b:
+            diff.append(f"{k}: only in {'first' if k in a else 'second'}")
+        elif not _same(a[k], b[k]):
+            diff.append(f"{k}: {type(a[k]).__name__} values differ")
+    return diff
