@@ -6,9 +6,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dynatrain_megatron.integration.builders import bucket_size_of
-from dynatrain_megatron.integration.session import release, start_job
-from dynatrain_megatron.integration.train_config import TrainConfig
+from dynatrain_megatron.mcore.builders import bucket_size_of
+from dynatrain_megatron.mcore.session import release, start_job
+from dynatrain_megatron.mcore.train_config import TrainConfig
 from dynatrain_megatron.vps.model_spec import ModelSpec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "models"
@@ -137,7 +137,7 @@ def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before
     from dynatrain_megatron.vps import Placement
 
     from dynatrain_megatron.adapters.live import LiveState
-    from dynatrain_megatron.integration import dist_ckpt
+    from dynatrain_megatron.mcore import dist_ckpt
     from dynatrain_megatron.testing import gather as G
 
     train = switch_train_config(overrides)
@@ -211,7 +211,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
     variant of the group's model for this case).
     """
     from dynatrain_megatron.adapters.live import LiveState
-    from dynatrain_megatron.integration.builders import MegatronBuilder
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
     from dynatrain_megatron.integration.switching import switch_trainer
     from dynatrain_megatron.transition import executor
     from dynatrain_megatron.testing import gather as G
@@ -376,7 +376,7 @@ def scale_cases(model: str, big: str, small: str, steps_after: int = 3,
     ranks outside the new layout hold nothing, and the losses after it equal those of a
     fresh job started at the new layout from the same state (written into it directly)."""
     from dynatrain_megatron.adapters.live import LiveState
-    from dynatrain_megatron.integration.builders import MegatronBuilder
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
     from dynatrain_megatron.integration.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.elastic.groups import install
@@ -546,7 +546,7 @@ def fault_cases(model: str, a: str, b: str, faults: list[dict], timeout: float,
     """Per injected fault: train at A, attempt A -> B with the fault, then train on. Records
     whether the switch aborted (and why), the full state after the attempt against before,
     and the losses after it; `plain` is the same job that never attempted a switch."""
-    from dynatrain_megatron.integration.builders import MegatronBuilder
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
     from dynatrain_megatron.integration.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.transition.faults import FaultPlan
@@ -589,7 +589,7 @@ def repeated_switch_case(model: str, layouts: list[str], n: int) -> dict:
 
     import psutil
 
-    from dynatrain_megatron.integration.builders import MegatronBuilder
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
     from dynatrain_megatron.integration.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.vps import Layout
@@ -630,7 +630,7 @@ def death_case(store_dir: str, ckpt_dir: str, layout: str = "tp2pp1dp2", dead: i
 
     `ref_ckpt_dir`: also save the state at the moment of the death there (a reference the
     recovery never reads) and gather it, to compare the in-memory recovery bit for bit."""
-    from dynatrain_megatron.integration import dist_ckpt
+    from dynatrain_megatron.mcore import dist_ckpt
     from dynatrain_megatron.integration.recovery import recover_after_death
 
     s = spec_variant("tiny-gpt")
@@ -685,8 +685,8 @@ def death_in_switch_case(store_dir: str, ref_ckpt_dir: str, layout: str = "tp1pp
     """A rank dies inside a switch (after the first transfer round): the survivors' switch
     fails with WorldBroken, their trainer is still at A, untouched, and they recover from
     their memory (every optimizer shard has a replica) at a layout that fits them."""
-    from dynatrain_megatron.integration import dist_ckpt
-    from dynatrain_megatron.integration.builders import MegatronBuilder
+    from dynatrain_megatron.mcore import dist_ckpt
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
     from dynatrain_megatron.integration.recovery import recover_after_death
     from dynatrain_megatron.integration.switching import WorldBroken, switch_trainer
     from dynatrain_megatron.testing import gather as G
@@ -730,7 +730,7 @@ def main_job_case(run_dir: str, argv: list[str]) -> dict:
 
 def resume_case(ckpt_dir: str, layout: str, steps: int = 2) -> dict:
     """The reference: a fresh job at `layout` loading the checkpoint and training on."""
-    from dynatrain_megatron.integration import dist_ckpt
+    from dynatrain_megatron.mcore import dist_ckpt
 
     s = spec_variant("tiny-gpt")
     tr = start_job(s, layout, switch_train_config())

@@ -124,7 +124,7 @@ def validate(args: argparse.Namespace) -> dict:
         except LayoutError as e:
             raise LayoutError(f"{flag}: {e}") from None
         if lay.cp > 1:
-            from ..integration.builders import transformer_engine_available
+            from ..mcore.builders import transformer_engine_available
 
             if not transformer_engine_available():
                 raise LayoutError(f"{flag} {lay}: context parallelism needs Transformer "

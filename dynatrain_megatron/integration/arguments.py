@@ -10,7 +10,7 @@ import argparse
 
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
-from .train_config import TrainConfig
+from ..mcore.train_config import TrainConfig
 
 
 def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

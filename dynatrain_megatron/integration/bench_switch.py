@@ -351,11 +351,11 @@ def bench_rank(cfg: dict) -> dict:
     from ..vps.layout import Layout
     from ..vps.model_spec import ModelSpec
     from ..vps.placement import Placement
-    from . import dist_ckpt
-    from .builders import MegatronBuilder
-    from .session import release, start_job
+    from ..mcore import dist_ckpt
+    from ..mcore.builders import MegatronBuilder
+    from ..mcore.session import release, start_job
     from .switching import switch_trainer
-    from .train_config import TrainConfig
+    from ..mcore.train_config import TrainConfig
 
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -487,7 +487,7 @@ def bench_rank(cfg: dict) -> dict:
     if "refit" not in skip:
         from megatron.core.resharding import swap_model_weights
 
-        from .builders import (build_model_chunks, make_transformer_config,
+        from ..mcore.builders import (build_model_chunks, make_transformer_config,
                                restore_tensor_parallel_attributes)
 
         def build_b_model(groups):

@@ -30,12 +30,12 @@ from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
-from .builders import MegatronBuilder, TrainingObjects, bucket_size_of, validator_options
+from ..mcore.builders import MegatronBuilder, TrainingObjects, bucket_size_of, validator_options
 from .memory_check import SwitchMemoryCheck, release_grad_buffers, restore_grad_buffers
 from .memory_check import from_args as memory_check_from_args
 from .switching import WorldBroken, prepared_switch_args, start_preparation, switch_trainer
-from .train_config import TrainConfig
-from .training import Trainer
+from ..mcore.train_config import TrainConfig
+from ..mcore.training import Trainer
 
 log = logging.getLogger("dynatrain")
 

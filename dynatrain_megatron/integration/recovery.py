@@ -30,11 +30,11 @@ from ..vps.placement import Placement
 from ..vps.errors import DynatrainError, LayoutError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
-from . import dist_ckpt
-from .builders import MegatronBuilder, bucket_size_of
-from .session import release, start_job
-from .train_config import TrainConfig
-from .training import Trainer
+from ..mcore import dist_ckpt
+from ..mcore.builders import MegatronBuilder, bucket_size_of
+from ..mcore.session import release, start_job
+from ..mcore.train_config import TrainConfig
+from ..mcore.training import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from ..transition.switch_types import Prepared, SwitchOptions, SwitchResult
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.placement import Placement
-from .builders import MegatronBuilder, TrainingObjects
-from .session import freeze_long_lived_objects, release
-from .training import Trainer
+from ..mcore.builders import MegatronBuilder, TrainingObjects
+from ..mcore.session import freeze_long_lived_objects, release
+from ..mcore.training import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
 
     torch.set_num_threads(1)
     try:
-        from ..integration.session import init_distributed
+        from ..mcore.session import init_distributed
 
         init_distributed(timeout_s=float(env.get("DYNATRAIN_PG_TIMEOUT", "300")))
         result = fn(*args)
@@ -60,8 +60,8 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
            "megatron.core.optimizer", "megatron.core.distributed",
            "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing",
-           "megatron.core.optimizer_param_scheduler", "dynatrain_megatron.integration.builders",
-           "dynatrain_megatron.integration.session")
+           "megatron.core.optimizer_param_scheduler", "dynatrain_megatron.mcore.builders",
+           "dynatrain_megatron.mcore.session")
 
 
 def _context():
