@@ -182,7 +182,7 @@ def w_identity_switch() -> dict:
 
     from dynatrain_megatron.elastic.device_manager import DeviceManager
     from dynatrain_megatron.mcore.builders import MegatronBuilder
-    from dynatrain_megatron.integration.switching import (prepared_switch_args,
+    from dynatrain_megatron.loop.switching import (prepared_switch_args,
                                                           start_preparation, switch_trainer)
 
     spec, train, trainer = _start("tiny-gpt", "tp1")
@@ -285,7 +285,7 @@ def w_multi_rank_switch_vs_checkpoint() -> dict:
     from dynatrain_megatron.mcore import dist_ckpt
     from dynatrain_megatron.mcore.builders import MegatronBuilder
     from dynatrain_megatron.mcore.session import start_job
-    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.mcore.training import Trainer
     from dynatrain_megatron.transition.faults import FaultPlan
     from dynatrain_megatron.vps.layout import Layout
@@ -343,7 +343,7 @@ def _worker(name: str, result: str) -> int:
 
 
 def _run_check(c: Check, ngpu: int, limit_s: float, tmp: Path) -> dict:
-    from dynatrain_megatron.integration.multiproc import free_port
+    from dynatrain_megatron.loop.launch import free_port
 
     result = tmp / f"{c.name}.json"
     if c.name == "megatron_lm":

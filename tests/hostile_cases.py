@@ -54,7 +54,7 @@ def hostile_live_case(root: str) -> dict:
     pending, (4) megatron-core builds of a sample of layouts (test_validate.py's oracle)."""
     from dynatrain_megatron.elastic.controller import Controller
     from dynatrain_megatron.mcore.builders import validator_options
-    from dynatrain_megatron.integration.hook import DynatrainHook
+    from dynatrain_megatron.loop.hook import DynatrainHook
 
     s = spec_variant("tiny-gpt")
     train = switch_train_config()

@@ -172,7 +172,7 @@ def _prepare_while_training(tr, builder, la, pa, lb, placement, rpn, budget, mov
     every rank is ready (at least one step). Returns the switch's keyword arguments and
     the number of steps trained meanwhile."""
     from dynatrain_megatron.elastic.device_manager import DeviceManager
-    from dynatrain_megatron.integration.switching import prepared_switch_args, start_preparation
+    from dynatrain_megatron.loop.switching import prepared_switch_args, start_preparation
 
     dm = start_preparation(DeviceManager(), builder, la, pa, lb, placement=placement,
                            ranks_per_node=rpn, memory_budget=budget, move_weights=move_weights,
@@ -212,7 +212,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
     """
     from dynatrain_megatron.adapters.live import LiveState
     from dynatrain_megatron.mcore.builders import MegatronBuilder
-    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.transition import executor
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.vps import Layout
@@ -307,7 +307,7 @@ def hook_cases(root: str) -> dict:
 
     from dynatrain_megatron.elastic.controller import Controller
     from dynatrain_megatron.elastic.signal_file import write_request
-    from dynatrain_megatron.integration.hook import DynatrainHook
+    from dynatrain_megatron.loop.hook import DynatrainHook
 
     s = spec_variant("tiny-gpt")
     train = switch_train_config()
@@ -377,7 +377,7 @@ def scale_cases(model: str, big: str, small: str, steps_after: int = 3,
     fresh job started at the new layout from the same state (written into it directly)."""
     from dynatrain_megatron.adapters.live import LiveState
     from dynatrain_megatron.mcore.builders import MegatronBuilder
-    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.elastic.groups import install
     from dynatrain_megatron.transition.switch import read_scalars, write_scalars
@@ -465,15 +465,15 @@ def scale_cases(model: str, big: str, small: str, steps_after: int = 3,
 
 def _hook_scale(s, train, builder, la, lb, signal_dir: str, steps: int = 9) -> dict:
     """The same scale-in and scale-out requested through the signal file, with the ranks
-    outside the layout in the hook's standby loop (as in integration/main.py); then the
+    outside the layout in the hook's standby loop (as in loop/main.py); then the
     same switches at the same iterations called directly, for the reference losses."""
     import os
     from pathlib import Path
 
     from dynatrain_megatron.elastic.controller import Controller
     from dynatrain_megatron.elastic.signal_file import write_request
-    from dynatrain_megatron.integration.hook import DynatrainHook
-    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.loop.hook import DynatrainHook
+    from dynatrain_megatron.loop.switching import switch_trainer
 
     rank = dist.get_rank()
     signal = os.path.join(signal_dir, "scale.json")
@@ -547,7 +547,7 @@ def fault_cases(model: str, a: str, b: str, faults: list[dict], timeout: float,
     whether the switch aborted (and why), the full state after the attempt against before,
     and the losses after it; `plain` is the same job that never attempted a switch."""
     from dynatrain_megatron.mcore.builders import MegatronBuilder
-    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.transition.faults import FaultPlan
     from dynatrain_megatron.vps import Layout
@@ -590,7 +590,7 @@ def repeated_switch_case(model: str, layouts: list[str], n: int) -> dict:
     import psutil
 
     from dynatrain_megatron.mcore.builders import MegatronBuilder
-    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.vps import Layout
 
@@ -631,7 +631,7 @@ def death_case(store_dir: str, ckpt_dir: str, layout: str = "tp2pp1dp2", dead: i
     `ref_ckpt_dir`: also save the state at the moment of the death there (a reference the
     recovery never reads) and gather it, to compare the in-memory recovery bit for bit."""
     from dynatrain_megatron.mcore import dist_ckpt
-    from dynatrain_megatron.integration.recovery import recover_after_death
+    from dynatrain_megatron.loop.death_recovery import recover_after_death
 
     s = spec_variant("tiny-gpt")
     train = switch_train_config()
@@ -687,8 +687,8 @@ def death_in_switch_case(store_dir: str, ref_ckpt_dir: str, layout: str = "tp1pp
     their memory (every optimizer shard has a replica) at a layout that fits them."""
     from dynatrain_megatron.mcore import dist_ckpt
     from dynatrain_megatron.mcore.builders import MegatronBuilder
-    from dynatrain_megatron.integration.recovery import recover_after_death
-    from dynatrain_megatron.integration.switching import WorldBroken, switch_trainer
+    from dynatrain_megatron.loop.death_recovery import recover_after_death
+    from dynatrain_megatron.loop.switching import WorldBroken, switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.transition.faults import FaultPlan
     from dynatrain_megatron.vps import Layout
@@ -723,7 +723,7 @@ def death_in_switch_case(store_dir: str, ref_ckpt_dir: str, layout: str = "tp1pp
 
 def main_job_case(run_dir: str, argv: list[str]) -> dict:
     """The training entry point (scripts/pretrain_gpt.py's main) on this rank."""
-    from dynatrain_megatron.integration.main import main
+    from dynatrain_megatron.loop.main import main
 
     return {"code": main(argv)}
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from dynatrain_megatron.integration.multiproc import run_on_ranks
+from dynatrain_megatron.testing.multiproc import run_on_ranks
 from dynatrain_megatron.vps.errors import LayoutError
 from dynatrain_megatron.vps.layout import Layout
 from dynatrain_megatron.vps.validate import layout_errors

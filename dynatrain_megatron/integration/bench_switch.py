@@ -314,7 +314,7 @@ def _prepare_while_training(tr, builder, src_l, src_p, dst_l, cfg: dict, prep: d
     and their mean time)."""
     from ..elastic.device_manager import DeviceManager
     from ..transition.switch import choose_dst_placement
-    from .switching import prepared_switch_args, start_preparation
+    from ..loop.switching import prepared_switch_args, start_preparation
 
     t0 = time.perf_counter()
     dst_p = choose_dst_placement(builder.spec, builder, src_l, src_p, dst_l,
@@ -354,7 +354,7 @@ def bench_rank(cfg: dict) -> dict:
     from ..mcore import dist_ckpt
     from ..mcore.builders import MegatronBuilder
     from ..mcore.session import release, start_job
-    from .switching import switch_trainer
+    from ..loop.switching import switch_trainer
     from ..mcore.train_config import TrainConfig
 
     world = dist.get_world_size()

@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Optional
 from ..vps.errors import DynatrainError
 from ..vps.layout import GROUP_AXES, Layout
 from ..vps.model_spec import ModelSpec
-from .arguments import add_dynatrain_args
+from ..loop.arguments import add_dynatrain_args
 from ..mcore.train_config import TrainConfig
 
 log = logging.getLogger("dynatrain")
@@ -490,7 +490,7 @@ class MegatronLMSession:
         import torch.distributed as dist
 
         from ..mcore.builders import TrainingObjects, with_layer_implementation
-        from .hook import DynatrainHook
+        from ..loop.hook import DynatrainHook
         from ..mcore.training import Trainer
 
         problems = unsupported_args(args, te_available=_transformer_engine_available())

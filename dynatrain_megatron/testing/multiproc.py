@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.multiprocessing as mp
 
-from ..integration.launch import free_port
+from ..loop.launch import free_port
 
 
 class RankFailure(RuntimeError):

@@ -131,13 +131,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _join_and_run(args: argparse.Namespace) -> int:
     """`--dynatrain-join`: ask the running job (through the rendezvous directory) to take
     this process in, proving the job's secret; once accepted, enter its grown world on
-    standby (integration/grow.py) and follow it like any standby rank."""
+    standby (loop/growth.py) and follow it like any standby rank."""
     import torch.distributed.nn.functional  # noqa: F401  (before any world: see rejoin)
 
     from ..compat import prepare_runtime
     from ..elastic.job_secret import load_secret
     from ..elastic.join import JoinError, current_nonce, join_store, post_request, wait_verdict
-    from .grow import join_world, meeting_prefix, ready
+    from .growth import join_world, meeting_prefix, ready
     from .hook import DynatrainHook
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s joiner] %(message)s",

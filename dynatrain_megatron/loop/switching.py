@@ -89,7 +89,7 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
 class WorldBroken(DynatrainError):
     """A collective of the switch itself failed: a rank died (or its link did). The
     trainer is still at A, untouched, but A's communicators may be broken: the caller
-    recovers (`integration.recovery.recover_after_death`) instead of training on."""
+    recovers (`loop.death_recovery.recover_after_death`) instead of training on."""
 
 
 class _RngSnapshot:
