@@ -10,7 +10,7 @@ import pytest
 
 from dynatrain_megatron import cli
 from dynatrain_megatron.cli import bench_switch as cli_bench_switch
-from dynatrain_megatron.integration import bench_switch
+from dynatrain_megatron.bench import run as bench_switch
 
 
 @pytest.fixture(autouse=True)

@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     except DynatrainError as e:
         print(f"dynatrain bench-switch: error: {e}", file=sys.stderr)
         return 2
-    from ..integration import bench_switch
+    from ..bench import run as bench_switch
 
     s = bench_switch.run_bench(cfg, timeout=args.timeout)
     print(json.dumps(s, indent=1) if args.json else bench_switch.format_summary(s))
