@@ -167,25 +167,6 @@ def _sum_over_ranks(x: int) -> int:
     return int(t.item())
 
 
-def _prepare_while_training(tr, builder, la, pa, lb, placement, rpn, budget, move_weights):
-    """Start B's preparation in the background, as the hook does, and train at A until
-    every rank is ready (at least one step). Returns the switch's keyword arguments and
-    the number of steps trained meanwhile."""
-    from dynatrain_megatron.elastic.device_manager import DeviceManager
-    from dynatrain_megatron.loop.switching import prepared_switch_args, start_preparation
-
-    dm = start_preparation(DeviceManager(), builder, la, pa, lb, placement=placement,
-                           ranks_per_node=rpn, memory_budget=budget, move_weights=move_weights,
-                           src_objs=tr.objs)
-    steps = 0
-    while True:
-        tr.step()
-        steps += 1
-        if dm.ready():
-            break
-    return prepared_switch_args(dm), steps
-
-
 def _gathered(x) -> list:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, x)
@@ -215,6 +196,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
     from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.transition import executor
     from dynatrain_megatron.testing import gather as G
+    from dynatrain_megatron.testing.prepare import prepare_while_training
     from dynatrain_megatron.vps import Layout
 
     small_default = executor.SMALL_PIECE_BYTES
@@ -239,9 +221,12 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
         kw, steps_while_preparing = {}, 0
         if opts.get("background"):
             # as the hook does it: B prepared in a thread while A trains on
-            kw, steps_while_preparing = _prepare_while_training(
-                tr, builder, la, pa, lb, opts.get("placement", "best"), opts.get("ranks_per_node", 4),
-                opts.get("memory_budget"), opts.get("move_weights", False))
+            pw = prepare_while_training(
+                tr, builder, la, pa, lb, placement=opts.get("placement", "best"),
+                ranks_per_node=opts.get("ranks_per_node", 4),
+                memory_budget=opts.get("memory_budget"),
+                move_weights=opts.get("move_weights", False))
+            kw, steps_while_preparing = pw.switch_args, len(pw.step_seconds)
         if opts.get("realloc_after_prepare"):
             # A's storage changes after it was bound in the background: one Adam moment
             # reallocated (and changed), so the background binding views stale memory
