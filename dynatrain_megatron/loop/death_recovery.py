@@ -97,8 +97,8 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
         raise ValueError("recover_after_death needs the trainer, or the layout and placement")
     bs = bucket_size_of(train, src)
     # a closed socket is how the survivors still blocked in a collective with this rank
-    # learn of the failure (measured: one blocked on us otherwise waits until we are done
-    # with the roster, and is left out)
+    # learn of the failure: one blocked on us would otherwise wait until we are done with
+    # the roster, and be left out of the new world
     del old
     held, scalars = let_go_of_layout(trainer, spec, pa, broken=True)
 

@@ -67,7 +67,7 @@ PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.
 def _context():
     """`forkserver` (default): ranks are forked from one server process that imported
     torch and megatron-core once (`PRELOAD`), instead of each spawned rank importing them
-    again (~8 s of CPU per rank: 20 s for 4 ranks, 37 s for 8 on 2 cores). The server
+    again (seconds of CPU per rank, which dominate a short test on few cores). The server
     runs nothing but imports, so forking it is safe (no threads, no CUDA context).
     `DYNATRAIN_START_METHOD=spawn` restores one fresh interpreter per rank."""
     method = os.environ.get("DYNATRAIN_START_METHOD", "forkserver")
