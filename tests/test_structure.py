@@ -128,8 +128,9 @@ def test_only_tests_and_the_benchmark_use_testing():
 
 
 def test_layers_import_downwards():
-    """vps <- adapters/routing <- transition <- elastic <- integration: a layer imports
-    only the layers below it (compat and the package root are outside the layers)."""
+    """vps <- adapters/routing <- transition <- elastic <- mcore <- loop <- bench/integration
+    <- cli: a layer imports only the layers below it (compat, testing and the package root
+    are outside the layers)."""
     rank = {"vps": 0, "adapters": 1, "routing": 1, "transition": 2, "elastic": 3,
             "mcore": 4, "loop": 5, "bench": 6, "integration": 6, "cli": 7}
     edges, _ = _package_imports()
