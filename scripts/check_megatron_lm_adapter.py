@@ -29,9 +29,9 @@ def case(root):
     from megatron.core import parallel_state as ps
     from dynatrain_megatron.compat import prepare_runtime
     from dynatrain_megatron.integration import megatron_lm as mlm
-    from dynatrain_megatron.integration.builders import build_training_objects, seed_rngs
-    from dynatrain_megatron.integration.training import Trainer
-    from dynatrain_megatron.integration.train_config import TrainConfig
+    from dynatrain_megatron.mcore.builders import build_training_objects, seed_rngs
+    from dynatrain_megatron.mcore.training import Trainer
+    from dynatrain_megatron.mcore.train_config import TrainConfig
     from dynatrain_megatron.vps.layout import Layout
     from dynatrain_megatron.vps.model_spec import ModelSpec
     from dynatrain_megatron.elastic.signal_file import write_request

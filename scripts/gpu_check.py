@@ -71,15 +71,15 @@ CHECKS: tuple[Check, ...] = (
 
 # ----------------------------------------------------------------------------- workers
 def _spec(name: str):
-    from dynatrain_megatron.integration.builders import with_layer_implementation
+    from dynatrain_megatron.mcore.builders import with_layer_implementation
     from dynatrain_megatron.vps.model_spec import ModelSpec
 
     return with_layer_implementation(ModelSpec.from_yaml(ROOT / f"configs/models/{name}.yaml"))
 
 
 def _start(model: str, layout: str):
-    from dynatrain_megatron.integration.session import start_job
-    from dynatrain_megatron.integration.train_config import TrainConfig
+    from dynatrain_megatron.mcore.session import start_job
+    from dynatrain_megatron.mcore.train_config import TrainConfig
 
     spec = _spec(model)
     train = TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=50, lr=1e-2)
@@ -151,7 +151,7 @@ def _bits_equal(a, b) -> bool:
 def w_bind_live_vs_analytic() -> dict:
     from dynatrain_megatron.adapters.live import LiveState
     from dynatrain_megatron.adapters.verify import check_live_matches_analytic
-    from dynatrain_megatron.integration.builders import bucket_size_of
+    from dynatrain_megatron.mcore.builders import bucket_size_of
     from dynatrain_megatron.vps.analytic import analytic_layout
     from dynatrain_megatron.vps.fragment import KINDS
 
@@ -171,7 +171,7 @@ def w_bind_live_vs_analytic() -> dict:
 
 
 def _release(trainer) -> None:
-    from dynatrain_megatron.integration.session import release
+    from dynatrain_megatron.mcore.session import release
 
     release(trainer.objs)
     trainer.release_references()
@@ -181,8 +181,8 @@ def w_identity_switch() -> dict:
     import torch.distributed as dist
 
     from dynatrain_megatron.elastic.device_manager import DeviceManager
-    from dynatrain_megatron.integration.builders import MegatronBuilder
-    from dynatrain_megatron.integration.switching import (prepared_switch_args,
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
+    from dynatrain_megatron.loop.switching import (prepared_switch_args,
                                                           start_preparation, switch_trainer)
 
     spec, train, trainer = _start("tiny-gpt", "tp1")
@@ -282,11 +282,11 @@ def w_nccl_timeout_rollback() -> dict:
 def w_multi_rank_switch_vs_checkpoint() -> dict:
     import torch.distributed as dist
 
-    from dynatrain_megatron.integration import dist_ckpt
-    from dynatrain_megatron.integration.builders import MegatronBuilder
-    from dynatrain_megatron.integration.session import start_job
-    from dynatrain_megatron.integration.switching import switch_trainer
-    from dynatrain_megatron.integration.training import Trainer
+    from dynatrain_megatron.mcore import dist_ckpt
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
+    from dynatrain_megatron.mcore.session import start_job
+    from dynatrain_megatron.loop.switching import switch_trainer
+    from dynatrain_megatron.mcore.training import Trainer
     from dynatrain_megatron.transition.faults import FaultPlan
     from dynatrain_megatron.vps.layout import Layout
 
@@ -329,7 +329,7 @@ def _worker(name: str, result: str) -> int:
     import torch.distributed as dist
 
     from dynatrain_megatron.compat import prepare_runtime
-    from dynatrain_megatron.integration.session import init_distributed
+    from dynatrain_megatron.mcore.session import init_distributed
 
     init_distributed()
     prepare_runtime()
@@ -343,7 +343,7 @@ def _worker(name: str, result: str) -> int:
 
 
 def _run_check(c: Check, ngpu: int, limit_s: float, tmp: Path) -> dict:
-    from dynatrain_megatron.integration.launch import free_port
+    from dynatrain_megatron.loop.launch import free_port
 
     result = tmp / f"{c.name}.json"
     if c.name == "megatron_lm":

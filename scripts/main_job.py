@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dynatrain_megatron import process_env
 from dynatrain_megatron.elastic.signal_file import write_request
-from dynatrain_megatron.integration.launch import free_port
+from dynatrain_megatron.loop.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 # iteration seen in the log -> (layout, ranks) to request (one impossible on purpose); the

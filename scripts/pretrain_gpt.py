@@ -11,7 +11,7 @@ from dynatrain_megatron import process_env
 
 process_env.apply()  # before torch is imported (it reads THP_MEM_ALLOC_ENABLE once)
 
-from dynatrain_megatron.integration.main import main  # noqa: E402
+from dynatrain_megatron.loop.main import main  # noqa: E402
 
 if __name__ == "__main__":  # guard needed: dist_checkpointing's helper re-imports __main__
     sys.exit(main())

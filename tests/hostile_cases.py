@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from dynatrain_megatron.integration.session import release, start_job
+from dynatrain_megatron.mcore.session import release, start_job
 
 from rank_cases import spec_variant, switch_train_config
 
@@ -53,8 +53,8 @@ def hostile_live_case(root: str) -> dict:
     file per poll, (3) a schedule whose second entry falls while the first switch is
     pending, (4) megatron-core builds of a sample of layouts (test_validate.py's oracle)."""
     from dynatrain_megatron.elastic.controller import Controller
-    from dynatrain_megatron.integration.builders import validator_options
-    from dynatrain_megatron.integration.hook import DynatrainHook
+    from dynatrain_megatron.mcore.builders import validator_options
+    from dynatrain_megatron.loop.hook import DynatrainHook
 
     s = spec_variant("tiny-gpt")
     train = switch_train_config()
@@ -106,9 +106,9 @@ def build_probe(cases: list[tuple[str, str, int]]) -> list[dict]:
     Built past this package's validator, on the first `world` ranks (the rest standby)."""
     from dynatrain_megatron.adapters.live import LiveState
     from dynatrain_megatron.elastic.groups import build_groups
-    from dynatrain_megatron.integration import builders
-    from dynatrain_megatron.integration.builders import MegatronBuilder, bucket_size_of
-    from dynatrain_megatron.integration.training import Trainer
+    from dynatrain_megatron.mcore import builders
+    from dynatrain_megatron.mcore.builders import MegatronBuilder, bucket_size_of
+    from dynatrain_megatron.mcore.training import Trainer
     from dynatrain_megatron.vps import analytic_layout
     from dynatrain_megatron.vps.layout import Layout
     from dynatrain_megatron.vps.placement import Placement

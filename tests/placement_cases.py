@@ -6,7 +6,7 @@ import os
 
 import torch.distributed as dist
 
-from dynatrain_megatron.integration.session import release, start_job
+from dynatrain_megatron.mcore.session import release, start_job
 from rank_cases import gather_layout_state, spec_variant, switch_train_config
 
 
@@ -28,7 +28,7 @@ def _planner_bytes(spec, builder, la, pa, lb, rpn: int) -> dict:
 def _replica_mismatches(s, tr, full) -> list:
     """Every replica (not only the main ones) against the gathered state, all ranks."""
     from dynatrain_megatron.adapters.live import LiveState
-    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.testing import gather as G
 
     objs = tr.objs
     ref = G.broadcast_full_state(full, group=objs.groups.layout_group,
@@ -42,7 +42,7 @@ def _replica_mismatches(s, tr, full) -> list:
 
 def _fresh_from_checkpoint(s, train, layout: str, ckpt: str, steps: int) -> list[float]:
     """A fresh job at `layout` on megatron's default order, loaded from `ckpt`: its losses."""
-    from dynatrain_megatron.integration import dist_ckpt
+    from dynatrain_megatron.mcore import dist_ckpt
 
     tb = start_job(s, layout, train)
     tb.iteration, tb.consumed_samples = dist_ckpt.load(tb.objs, ckpt)
@@ -59,12 +59,12 @@ def permuted_switch_cases(root: str, steps_after: int = 3, leak_switches: int = 
     permuted world: a dist_checkpointing save there (loaded at the default order, it must
     train on identically), a second switch, a scale-in and a scale-out; then a loop of
     permuted switches (process groups and RSS flat)."""
-    from dynatrain_megatron.integration import dist_ckpt
-    from dynatrain_megatron.integration.builders import MegatronBuilder
-    from dynatrain_megatron.integration.switching import switch_trainer
-    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.mcore import dist_ckpt
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
+    from dynatrain_megatron.loop.switching import switch_trainer
+    from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.vps import Layout
-    from rank_cases import _prepare_while_training
+    from dynatrain_megatron.testing.prepare import prepare_while_training
 
     world, rpn = dist.get_world_size(), 4
     train = switch_train_config()
@@ -76,7 +76,9 @@ def permuted_switch_cases(root: str, steps_after: int = 3, leak_switches: int = 
         plan = _planner_bytes(s, builder, la, pa, dst, rpn) if devices is None else None
         kw = {}
         if background:
-            kw, _ = _prepare_while_training(tr, builder, la, pa, dst, "best", rpn, None, False)
+            kw = prepare_while_training(tr, builder, la, pa, dst, placement="best",
+                                        ranks_per_node=rpn, memory_budget=None,
+                                        move_weights=False).switch_args
         ckpt = None
         if tag in CKPT_AT_A:
             ckpt = os.path.join(root, f"{tag}-a")
@@ -152,9 +154,9 @@ def _leak_loop(n: int) -> dict:
 
     import psutil
 
-    from dynatrain_megatron.integration.builders import MegatronBuilder
-    from dynatrain_megatron.integration.switching import switch_trainer
-    from dynatrain_megatron.transition import gather as G
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
+    from dynatrain_megatron.loop.switching import switch_trainer
+    from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.vps import Layout
 
     s = spec_variant("tiny-gpt")

@@ -6,9 +6,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dynatrain_megatron.integration.builders import bucket_size_of
-from dynatrain_megatron.integration.session import release, start_job
-from dynatrain_megatron.integration.train_config import TrainConfig
+from dynatrain_megatron.mcore.builders import bucket_size_of
+from dynatrain_megatron.mcore.session import release, start_job
+from dynatrain_megatron.mcore.train_config import TrainConfig
 from dynatrain_megatron.vps.model_spec import ModelSpec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "models"
@@ -137,7 +137,7 @@ def checkpoint_path_case(model: str, a: str, b: str, ckpt_dir: str, steps_before
     from dynatrain_megatron.vps import Placement
 
     from dynatrain_megatron.adapters.live import LiveState
-    from dynatrain_megatron.integration import dist_ckpt
+    from dynatrain_megatron.mcore import dist_ckpt
     from dynatrain_megatron.testing import gather as G
 
     train = switch_train_config(overrides)
@@ -168,25 +168,6 @@ def _sum_over_ranks(x: int) -> int:
     return int(t.item())
 
 
-def _prepare_while_training(tr, builder, la, pa, lb, placement, rpn, budget, move_weights):
-    """Start B's preparation in the background, as the hook does, and train at A until
-    every rank is ready (at least one step). Returns the switch's keyword arguments and
-    the number of steps trained meanwhile."""
-    from dynatrain_megatron.elastic.device_manager import DeviceManager
-    from dynatrain_megatron.integration.switching import prepared_switch_args, start_preparation
-
-    dm = start_preparation(DeviceManager(), builder, la, pa, lb, placement=placement,
-                           ranks_per_node=rpn, memory_budget=budget, move_weights=move_weights,
-                           src_objs=tr.objs)
-    steps = 0
-    while True:
-        tr.step()
-        steps += 1
-        if dm.ready():
-            break
-    return prepared_switch_args(dm), steps
-
-
 def _gathered(x) -> list:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, x)
@@ -212,10 +193,11 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
     variant of the group's model for this case).
     """
     from dynatrain_megatron.adapters.live import LiveState
-    from dynatrain_megatron.integration.builders import MegatronBuilder
-    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
+    from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.transition import executor
     from dynatrain_megatron.testing import gather as G
+    from dynatrain_megatron.testing.prepare import prepare_while_training
     from dynatrain_megatron.vps import Layout
 
     small_default = executor.SMALL_PIECE_BYTES
@@ -240,9 +222,12 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
         kw, steps_while_preparing = {}, 0
         if opts.get("background"):
             # as the hook does it: B prepared in a thread while A trains on
-            kw, steps_while_preparing = _prepare_while_training(
-                tr, builder, la, pa, lb, opts.get("placement", "best"), opts.get("ranks_per_node", 4),
-                opts.get("memory_budget"), opts.get("move_weights", False))
+            pw = prepare_while_training(
+                tr, builder, la, pa, lb, placement=opts.get("placement", "best"),
+                ranks_per_node=opts.get("ranks_per_node", 4),
+                memory_budget=opts.get("memory_budget"),
+                move_weights=opts.get("move_weights", False))
+            kw, steps_while_preparing = pw.switch_args, len(pw.step_seconds)
         if opts.get("realloc_after_prepare"):
             # A's storage changes after it was bound in the background: one Adam moment
             # reallocated (and changed), so the background binding views stale memory
@@ -308,7 +293,7 @@ def hook_cases(root: str) -> dict:
 
     from dynatrain_megatron.elastic.controller import Controller
     from dynatrain_megatron.elastic.signal_file import write_request
-    from dynatrain_megatron.integration.hook import DynatrainHook
+    from dynatrain_megatron.loop.hook import DynatrainHook
 
     s = spec_variant("tiny-gpt")
     train = switch_train_config()
@@ -377,8 +362,8 @@ def scale_cases(model: str, big: str, small: str, steps_after: int = 3,
     ranks outside the new layout hold nothing, and the losses after it equal those of a
     fresh job started at the new layout from the same state (written into it directly)."""
     from dynatrain_megatron.adapters.live import LiveState
-    from dynatrain_megatron.integration.builders import MegatronBuilder
-    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
+    from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.elastic.groups import install
     from dynatrain_megatron.transition.switch import read_scalars, write_scalars
@@ -466,15 +451,15 @@ def scale_cases(model: str, big: str, small: str, steps_after: int = 3,
 
 def _hook_scale(s, train, builder, la, lb, signal_dir: str, steps: int = 9) -> dict:
     """The same scale-in and scale-out requested through the signal file, with the ranks
-    outside the layout in the hook's standby loop (as in integration/main.py); then the
+    outside the layout in the hook's standby loop (as in loop/main.py); then the
     same switches at the same iterations called directly, for the reference losses."""
     import os
     from pathlib import Path
 
     from dynatrain_megatron.elastic.controller import Controller
     from dynatrain_megatron.elastic.signal_file import write_request
-    from dynatrain_megatron.integration.hook import DynatrainHook
-    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.loop.hook import DynatrainHook
+    from dynatrain_megatron.loop.switching import switch_trainer
 
     rank = dist.get_rank()
     signal = os.path.join(signal_dir, "scale.json")
@@ -549,8 +534,8 @@ def fault_cases(model: str, a: str, b: str, faults: list[dict], timeout: float,
     """Per injected fault: train at A, attempt A -> B with the fault, then train on. Records
     whether the switch aborted (and why), the full state after the attempt against before,
     and the losses after it; `plain` is the same job that never attempted a switch."""
-    from dynatrain_megatron.integration.builders import MegatronBuilder
-    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
+    from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.transition.faults import FaultPlan
     from dynatrain_megatron.vps import Layout
@@ -592,8 +577,8 @@ def repeated_switch_case(model: str, layouts: list[str], n: int) -> dict:
 
     import psutil
 
-    from dynatrain_megatron.integration.builders import MegatronBuilder
-    from dynatrain_megatron.integration.switching import switch_trainer
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
+    from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.vps import Layout
 
@@ -633,8 +618,8 @@ def death_case(store_dir: str, ckpt_dir: str, layout: str = "tp2pp1dp2", dead: i
 
     `ref_ckpt_dir`: also save the state at the moment of the death there (a reference the
     recovery never reads) and gather it, to compare the in-memory recovery bit for bit."""
-    from dynatrain_megatron.integration import dist_ckpt
-    from dynatrain_megatron.integration.recovery import recover_after_death
+    from dynatrain_megatron.mcore import dist_ckpt
+    from dynatrain_megatron.loop.death_recovery import recover_after_death
 
     s = spec_variant("tiny-gpt")
     train = switch_train_config()
@@ -688,10 +673,10 @@ def death_in_switch_case(store_dir: str, ref_ckpt_dir: str, layout: str = "tp1pp
     """A rank dies inside a switch (after the first transfer round): the survivors' switch
     fails with WorldBroken, their trainer is still at A, untouched, and they recover from
     their memory (every optimizer shard has a replica) at a layout that fits them."""
-    from dynatrain_megatron.integration import dist_ckpt
-    from dynatrain_megatron.integration.builders import MegatronBuilder
-    from dynatrain_megatron.integration.recovery import recover_after_death
-    from dynatrain_megatron.integration.switching import WorldBroken, switch_trainer
+    from dynatrain_megatron.mcore import dist_ckpt
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
+    from dynatrain_megatron.loop.death_recovery import recover_after_death
+    from dynatrain_megatron.loop.switching import WorldBroken, switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.transition.faults import FaultPlan
     from dynatrain_megatron.vps import Layout
@@ -726,14 +711,14 @@ def death_in_switch_case(store_dir: str, ref_ckpt_dir: str, layout: str = "tp1pp
 
 def main_job_case(run_dir: str, argv: list[str]) -> dict:
     """The training entry point (scripts/pretrain_gpt.py's main) on this rank."""
-    from dynatrain_megatron.integration.main import main
+    from dynatrain_megatron.loop.main import main
 
     return {"code": main(argv)}
 
 
 def resume_case(ckpt_dir: str, layout: str, steps: int = 2) -> dict:
     """The reference: a fresh job at `layout` loading the checkpoint and training on."""
-    from dynatrain_megatron.integration import dist_ckpt
+    from dynatrain_megatron.mcore import dist_ckpt
 
     s = spec_variant("tiny-gpt")
     tr = start_job(s, layout, switch_train_config())

@@ -422,9 +422,9 @@ def test_hook_prepares_b_as_the_memory_plan_decides(monkeypatch, memory_gib, exp
     """The hook's reaction to an accepted request with `--dynatrain-device-memory`: B in the
     background, B at the step boundary (degraded, logged), or no switch (request failed)."""
     from dynatrain_megatron.elastic.controller import Decision
-    from dynatrain_megatron.integration import hook as H
-    from dynatrain_megatron.integration import memory_check as MC
-    from dynatrain_megatron.integration.train_config import TrainConfig
+    from dynatrain_megatron.loop import hook as H
+    from dynatrain_megatron.loop import memory_check as MC
+    from dynatrain_megatron.mcore.train_config import TrainConfig
     from dynatrain_megatron.vps.placement import Placement
 
     spec = ModelSpec.from_yaml(ROOT / "configs/models/llama3-70b.yaml").replace(params_dtype="bf16")
@@ -461,8 +461,8 @@ def test_released_a_grads_come_back_when_the_switch_rolls_back(monkeypatch):
     the pause and restored (zeroed, megatron's restore_grad_buffers) on a rollback."""
     import types
 
-    from dynatrain_megatron.integration import hook as H
-    from dynatrain_megatron.integration.train_config import TrainConfig
+    from dynatrain_megatron.loop import hook as H
+    from dynatrain_megatron.mcore.train_config import TrainConfig
     from dynatrain_megatron.vps.placement import Placement
 
     calls = []

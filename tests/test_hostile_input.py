@@ -258,8 +258,8 @@ def test_placement_failure_rejects_the_switch_and_keeps_a(job, monkeypatch):
     """A layout the validator let through but the placement choice cannot handle (it raises
     on every rank alike, outside the switch's transaction) is a rejected request: the
     hook keeps layout A and files the request, never raising into training."""
-    from dynatrain_megatron.integration import hook as H
-    from dynatrain_megatron.integration.train_config import TrainConfig
+    from dynatrain_megatron.loop import hook as H
+    from dynatrain_megatron.mcore.train_config import TrainConfig
     from dynatrain_megatron.vps.layout import Layout
     from dynatrain_megatron.vps.placement import Placement
 
@@ -286,8 +286,8 @@ def test_placement_failure_rejects_the_switch_and_keeps_a(job, monkeypatch):
 def test_failed_background_preparation_is_a_failed_request_and_keeps_a(job, monkeypatch):
     """B's groups or preparation raising in the background thread surfaces at the switch
     as a failed request on every rank alike (agreed with one collective), A untouched."""
-    from dynatrain_megatron.integration import hook as H
-    from dynatrain_megatron.integration.train_config import TrainConfig
+    from dynatrain_megatron.loop import hook as H
+    from dynatrain_megatron.mcore.train_config import TrainConfig
     from dynatrain_megatron.vps.layout import Layout
     from dynatrain_megatron.vps.placement import Placement
 

@@ -290,9 +290,9 @@ def join_run(rdv: str, n_requests: int) -> dict:
     import argparse
 
     from dynatrain_megatron.elastic.job_secret import share_with_ranks
-    from dynatrain_megatron.integration.arguments import add_dynatrain_args
-    from dynatrain_megatron.integration.hook import DynatrainHook
-    from dynatrain_megatron.integration.session import release, start_job
+    from dynatrain_megatron.loop.arguments import add_dynatrain_args
+    from dynatrain_megatron.loop.hook import DynatrainHook
+    from dynatrain_megatron.mcore.session import release, start_job
     from dynatrain_megatron.testing import gather as G
     from rank_cases import gather_layout_state, spec_variant, switch_train_config
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from dynatrain_megatron.elastic import join as J
 from dynatrain_megatron.elastic.job_secret import JobSecret
-from dynatrain_megatron.integration import grow
-from dynatrain_megatron.integration.launch import free_port
+from dynatrain_megatron.loop import growth
+from dynatrain_megatron.loop.launch import free_port
 from dynatrain_megatron.vps.layout import Layout
 from dynatrain_megatron.vps.placement import Placement
 
@@ -43,30 +43,30 @@ def test_a_process_without_the_secret_cannot_claim_an_acceptance(agent_store):
     g, nonce = v.generation, rev.nonce
     # the attacker watches the store: it can read the verdict and the nonce, and writes
     # "ready" for the accepted rank: untagged, with a tag of its own, and replaying the id
-    key = f"{grow.PREFIX}{g}/ready/{v.rank}"
+    key = f"{growth.PREFIX}{g}/ready/{v.rank}"
     wrong = JobSecret.generate()
     for word in (b"1", b"{}", json.dumps({"id": req.request_id, "mac": "0" * 64}).encode(),
                  json.dumps({"id": req.request_id, "mac": wrong.tag(b"x")}).encode()):
         attacker.set(key, word)
-        assert not grow.all_ready(job_store, g, [v], secret, nonce, wait_seconds=0.2)
-    grow.ready(attacker, g, v.rank, wrong, nonce, req.request_id)  # a wrong secret
-    assert not grow.all_ready(job_store, g, [v], secret, nonce, wait_seconds=0.2)
+        assert not growth.all_ready(job_store, g, [v], secret, nonce, wait_seconds=0.2)
+    growth.ready(attacker, g, v.rank, wrong, nonce, req.request_id)  # a wrong secret
+    assert not growth.all_ready(job_store, g, [v], secret, nonce, wait_seconds=0.2)
     # the legitimate joiner says ready: admitted
-    grow.ready(job_store, g, v.rank, secret, J.current_nonce(job_store), req.request_id)
-    assert grow.all_ready(job_store, g, [v], secret, nonce, wait_seconds=5)
+    growth.ready(job_store, g, v.rank, secret, J.current_nonce(job_store), req.request_id)
+    assert growth.all_ready(job_store, g, [v], secret, nonce, wait_seconds=5)
     # the new world meets under a prefix the attacker cannot derive: nothing it can find
     # at the old, guessable keys, and its own guess is another prefix
-    prefix = grow.meeting_prefix(secret, nonce, g)
-    assert prefix != grow.meeting_prefix(wrong, nonce, g) and len(prefix.split("/")[-1]) == 32
-    grow.announce(job_store, prefix, 5, Layout.parse("tp2pp2dp1", 4),
+    prefix = growth.meeting_prefix(secret, nonce, g)
+    assert prefix != growth.meeting_prefix(wrong, nonce, g) and len(prefix.split("/")[-1]) == 32
+    growth.announce(job_store, prefix, 5, Layout.parse("tp2pp2dp1", 4),
                   Placement((0, 1, 2, 3)), secret)
-    for k in (f"{grow.PREFIX}{g}/world", f"{grow.PREFIX}{g}/layout", f"{grow.PREFIX}{g}/pg"):
+    for k in (f"{growth.PREFIX}{g}/world", f"{growth.PREFIX}{g}/layout", f"{growth.PREFIX}{g}/pg"):
         assert not attacker.check([k])
     # a forged announcement (had it found the prefix) is not believed by the joiner
     info = json.loads(job_store.get(f"{prefix}/info"))
     attacker.set(f"{prefix}/info", json.dumps({**info, "world": 9}))
     with pytest.raises(J.JoinError, match="not tagged with the job's secret"):
-        grow.join_world(None, None, job_store, prefix, v.rank, secret, wait_seconds=1)
+        growth.join_world(None, None, job_store, prefix, v.rank, secret, wait_seconds=1)
 
 
 def test_join_store_refuses_what_others_can_write(tmp_path):

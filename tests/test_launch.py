@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from dynatrain_megatron.integration.launch import WorkerExit, job_status, launch
+from dynatrain_megatron.loop.launch import WorkerExit, job_status, launch
 
 # worker 1 fails at once; worker 0 (a "survivor") checks its environment and ends later
 SCRIPT = """

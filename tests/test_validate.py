@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from dynatrain_megatron.integration.builders import make_transformer_config
+from dynatrain_megatron.mcore.builders import make_transformer_config
 from dynatrain_megatron.vps.analytic import AnalyticLayout
 from dynatrain_megatron.vps.errors import LayoutError
 from dynatrain_megatron.vps.layout import Layout

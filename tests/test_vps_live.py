@@ -74,7 +74,7 @@ def test_analytic_equals_live_8(res8, case):
 
 
 def test_context_parallel_live_needs_transformer_engine():
-    from dynatrain_megatron.integration.builders import transformer_engine_available
+    from dynatrain_megatron.mcore.builders import transformer_engine_available
 
     if not transformer_engine_available():
         pytest.skip("CP>1 live check needs Transformer Engine's attention (megatron-core's "

@@ -8,7 +8,7 @@ Spawns one group of `--nproc` gloo ranks on this machine and, on the same job at
 `resharding.swap_model_weights`, (d) the pairwise point-to-point bandwidth between the same
 ranks; prints each time, the ratios, bytes moved against the lower bound, and our transfer
 time against the floor (max per-rank bytes the plan sends or receives / measured bandwidth)
-and against the cost model fed with the measured link. See `bench_switch` for the method.
+and against the cost model fed with the measured link. See `bench.run` for the method.
 Bad input exits with 2 and one line naming the constraint, before any rank is spawned.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ import json
 import math
 import sys
 
+from ..bench.config import SKIPPABLE, BenchConfig
+from ..mcore.train_config import TrainConfig
 from ..vps.errors import DynatrainError, LayoutError
-
-_SKIPPABLE = ("checkpoint", "refit", "raw")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -53,7 +53,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="ranks per node for the planner (default: --nproc, one machine)")
     p.add_argument("--link-bytes", default="64M", help="buffer size of the bandwidth test (64M)")
     p.add_argument("--skip", default="", help="comma list of measurements to skip: "
-                   + ", ".join(_SKIPPABLE))
+                   + ", ".join(SKIPPABLE))
     p.add_argument("--ckpt-dir", default=None, help="where the checkpoint path writes "
                    "(default /dev/shm where writable, else the system temp dir)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -71,7 +71,7 @@ def _train_overrides(a_dp: int, b_dp: int) -> dict:
                 lr_warmup_iters=1, train_iters=100)
 
 
-def validate(args: argparse.Namespace) -> dict:
+def validate(args: argparse.Namespace) -> BenchConfig:
     """Everything checkable without spawning a rank; returns the run's config."""
     from ..configs import load_model, model_config_path
     from ..units import parse_bytes
@@ -93,9 +93,9 @@ def validate(args: argparse.Namespace) -> dict:
     if rpn < 1:
         raise DynatrainError(f"--ranks-per-node must be >= 1, got {rpn}")
     skip = [x.strip() for x in args.skip.split(",") if x.strip()]
-    bad = [x for x in skip if x not in _SKIPPABLE]
+    bad = [x for x in skip if x not in SKIPPABLE]
     if bad:
-        raise DynatrainError(f"--skip {bad}: can skip only {list(_SKIPPABLE)}")
+        raise DynatrainError(f"--skip {bad}: can skip only {list(SKIPPABLE)}")
     budget = None
     if args.memory_budget is not None:
         try:
@@ -124,7 +124,7 @@ def validate(args: argparse.Namespace) -> dict:
         except LayoutError as e:
             raise LayoutError(f"{flag}: {e}") from None
         if lay.cp > 1:
-            from ..integration.builders import transformer_engine_available
+            from ..mcore.builders import transformer_engine_available
 
             if not transformer_engine_available():
                 raise LayoutError(f"{flag} {lay}: context parallelism needs Transformer "
@@ -132,12 +132,14 @@ def validate(args: argparse.Namespace) -> dict:
                                   f"cp > 1); plan it with `dynatrain plan` instead")
         layouts.append(lay)
     a, b = layouts
-    return dict(model_path=str(model_config_path(args.model).resolve()), model_name=spec.name, nproc=args.nproc,
-                src=str(a), dst=str(b), iters_before=args.iters_before, repeat=args.repeat,
-                memory_budget=budget, placement=args.placement, move_weights=args.move_weights,
-                ranks_per_node=rpn, link_bytes=link, skip=skip, ckpt_dir=args.ckpt_dir,
-                progress=not args.quiet, prepare=args.prepare, ckpt_repeat=args.ckpt_repeat,
-                train=_train_overrides(a.dp, b.dp))
+    return BenchConfig(model_path=str(model_config_path(args.model).resolve()),
+                       model_name=spec.name, nproc=args.nproc, src=str(a), dst=str(b),
+                       train=TrainConfig(**_train_overrides(a.dp, b.dp)), ranks_per_node=rpn,
+                       iters_before=args.iters_before, repeat=args.repeat,
+                       memory_budget=budget, placement=args.placement,
+                       move_weights=args.move_weights, link_bytes=link, skip=tuple(skip),
+                       ckpt_dir=args.ckpt_dir, ckpt_repeat=args.ckpt_repeat,
+                       prepare=args.prepare, progress=not args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,8 +149,9 @@ def run(args: argparse.Namespace) -> int:
     except DynatrainError as e:
         print(f"dynatrain bench-switch: error: {e}", file=sys.stderr)
         return 2
-    from ..integration import bench_switch
+    from ..bench import run as bench_run
+    from ..bench.report import format_summary
 
-    s = bench_switch.run_bench(cfg, timeout=args.timeout)
-    print(json.dumps(s, indent=1) if args.json else bench_switch.format_summary(s))
+    s = bench_run.run_bench(cfg, timeout=args.timeout)
+    print(json.dumps(s, indent=1) if args.json else format_summary(s))
     return 0

@@ -1,5 +1,5 @@
 """`dynatrain launch --nproc N SCRIPT ARGS...`: start a job's workers on this machine so
-that the survivors keep running when one dies (see `integration/launch.py`)."""
+that the survivors keep running when one dies (see `loop/launch.py`)."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..integration.launch import launch
+    from ..loop.launch import launch
 
     logging.basicConfig(level=logging.INFO, format="[launch] %(message)s", stream=sys.stderr)
     log = logging.getLogger("dynatrain.launch")

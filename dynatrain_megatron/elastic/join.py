@@ -5,7 +5,7 @@ The protocol runs through one store (`join_store`: a FileStore in
 `--dynatrain-rendezvous-dir`, whose directory and file others may not write, or else
 torchrun's agent TCPStore, which anyone who reaches its port can write). Nothing read from
 it is trusted unless it carries a valid tag, from the request to the admission
-(`integration/grow.py`: the joiner's `ready` is tagged, and the grown world meets under a
+(`loop/growth.py`: the joiner's `ready` is tagged, and the grown world meets under a
 prefix derived from the secret).
 
 1. The job (rank 0) publishes a fresh random **nonce** at start (`dynatrain/join/nonce`).
@@ -25,7 +25,7 @@ prefix derived from the secret).
    only when the tag checks out, so nobody else with store access can fake one.
 
 An accepted joiner is recorded (`accepted_requests`); the job's hook then grows the world
-with it at the same step boundary (`integration/grow.py`: the default process group is
+with it at the same step boundary (`loop/growth.py`: the default process group is
 re-formed with the joiner as rank r on standby, generation g). Training is never touched
 by a review itself: it reads and writes only the store.
 """

@@ -43,8 +43,8 @@ from typing import Any, Callable, Iterable, Optional
 from ..vps.errors import DynatrainError
 from ..vps.layout import GROUP_AXES, Layout
 from ..vps.model_spec import ModelSpec
-from .arguments import add_dynatrain_args
-from .train_config import TrainConfig
+from ..loop.arguments import add_dynatrain_args
+from ..mcore.train_config import TrainConfig
 
 log = logging.getLogger("dynatrain")
 
@@ -389,7 +389,7 @@ def check_switchable(args: Any) -> None:
 
 
 def _transformer_engine_available() -> bool:
-    from .builders import transformer_engine_available
+    from ..mcore.builders import transformer_engine_available
 
     return transformer_engine_available()
 
@@ -450,7 +450,7 @@ def _check_live_state(spec: ModelSpec, train: TrainConfig, objs) -> None:
     from ..adapters.verify import check_live_matches_analytic
     from ..vps.analytic import analytic_layout
     from ..vps.fragment import OPT_KINDS
-    from .builders import bucket_size_of
+    from ..mcore.builders import bucket_size_of
 
     vr = objs.groups.virtual_rank
     live = LiveState(objs.model, objs.optimizer, vr, spec.vocab_size)
@@ -508,9 +508,9 @@ class MegatronLMSession:
                  config: Any) -> None:
         import torch.distributed as dist
 
-        from .builders import TrainingObjects, with_layer_implementation
-        from .hook import DynatrainHook
-        from .training import Trainer
+        from ..mcore.builders import TrainingObjects, with_layer_implementation
+        from ..loop.hook import DynatrainHook
+        from ..mcore.training import Trainer
 
         check_switchable(args)
         for note in performance_differences(args):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.multiprocessing as mp
 
-from ..integration.launch import free_port
+from ..loop.launch import free_port
 
 
 class RankFailure(RuntimeError):
@@ -40,7 +40,7 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
 
     torch.set_num_threads(1)
     try:
-        from ..integration.session import init_distributed
+        from ..mcore.session import init_distributed
 
         init_distributed(timeout_s=float(env.get("DYNATRAIN_PG_TIMEOUT", "300")))
         result = fn(*args)
@@ -60,14 +60,14 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
            "megatron.core.optimizer", "megatron.core.distributed",
            "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing",
-           "megatron.core.optimizer_param_scheduler", "dynatrain_megatron.integration.builders",
-           "dynatrain_megatron.integration.session")
+           "megatron.core.optimizer_param_scheduler", "dynatrain_megatron.mcore.builders",
+           "dynatrain_megatron.mcore.session")
 
 
 def _context():
     """`forkserver` (default): ranks are forked from one server process that imported
     torch and megatron-core once (`PRELOAD`), instead of each spawned rank importing them
-    again (~8 s of CPU per rank: 20 s for 4 ranks, 37 s for 8 on 2 cores). The server
+    again (seconds of CPU per rank, which dominate a short test on few cores). The server
     runs nothing but imports, so forking it is safe (no threads, no CUDA context).
     `DYNATRAIN_START_METHOD=spawn` restores one fresh interpreter per rank."""
     method = os.environ.get("DYNATRAIN_START_METHOD", "forkserver")

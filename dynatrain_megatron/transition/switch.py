@@ -11,7 +11,7 @@ Order of a switch (every rank of the union of A's and B's devices calls `switch_
   8. rebuild weights from fp32 masters where we chose not to move them, carry scalars
      (optimizer step, LR scheduler, grad scaler, iteration, consumed samples);
   9. release A's objects and groups.
-`transition` never imports `integration`: the caller passes a *builder* and a group factory
+`transition` never imports `mcore` or `loop`: the caller passes a *builder* and a group factory
 (the types of these seams, the options and the prepared state: `switch_types`).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The types a switch is described by: its seams (`Builder`, `LayoutGroups`), its
 options, what its preparation leaves (`Prepared`) and what it returns.
 
-`transition` never imports `integration` or `elastic`: the caller passes a `Builder`
+`transition` never imports `elastic`, `mcore` or `loop`: the caller passes a `Builder`
 (megatron-core objects for a layout) and B's groups (anything with a `placement` and a
 `transfer` process group, e.g. `elastic.groups.ParallelGroups`).
 """

@@ -30,12 +30,12 @@ from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
-from .builders import MegatronBuilder, TrainingObjects, bucket_size_of, validator_options
+from ..mcore.builders import MegatronBuilder, TrainingObjects, bucket_size_of, validator_options
 from .memory_check import SwitchMemoryCheck, release_grad_buffers, restore_grad_buffers
 from .memory_check import from_args as memory_check_from_args
 from .switching import WorldBroken, prepared_switch_args, start_preparation, switch_trainer
-from .train_config import TrainConfig
-from .training import Trainer
+from ..mcore.train_config import TrainConfig
+from ..mcore.training import Trainer
 
 log = logging.getLogger("dynatrain")
 
@@ -88,14 +88,14 @@ class DynatrainHook:
         self.timeout = timeout
         self.history: list[SwitchRecord] = []
         self.rejected: list[str] = []
-        # rank death (integration/recovery.py): where survivors meet, what they resume from
+        # rank death (loop/death_recovery.py): where survivors meet, what they resume from
         self.rendezvous_dir = rendezvous_dir
         self.recovery_checkpoint = recovery_checkpoint
         self.max_recoveries = max_recoveries
         self.recoveries: list[dict] = []
-        self.admitted: list[dict] = []  # joiners that grew the world (integration/grow.py)
+        self.admitted: list[dict] = []  # joiners that grew the world (loop/growth.py)
         self.faults = FaultPlan.from_env()  # DYNATRAIN_FAULTS, e.g. a rank killed at a step
-        self.memory = memory  # A and B together on the devices (integration/memory_check.py)
+        self.memory = memory  # A and B together on the devices (loop/memory_check.py)
         self._release_a_grads = False  # the memory plan's degraded mode for the next switch
 
     @classmethod
@@ -311,7 +311,7 @@ class DynatrainHook:
 
     def _admit(self, trainer: Optional[Trainer], d: Decision) -> Optional[Trainer]:
         """Grow the world with the joiners accepted at this poll (every process calls it
-        with the same decision; integration/grow.py). Returns the trainer rebuilt on it."""
+        with the same decision; loop/growth.py). Returns the trainer rebuilt on it."""
         accepted = [v for v in d.joins if v.accepted]
         if not accepted:
             return trainer
@@ -320,7 +320,7 @@ class DynatrainHook:
                         "--dynatrain-rendezvous-dir", len(accepted))
             return trainer
         from ..elastic.join import JoinError, join_store
-        from . import grow
+        from . import growth
 
         generation = accepted[0].generation
         world = dist.get_world_size() + len(accepted)
@@ -340,8 +340,8 @@ class DynatrainHook:
         # secret meeting prefix over the job's own communicator.
         box = [None, None]
         if dist.get_rank() == 0 and reviewer is not None:
-            ok = grow.all_ready(store, generation, accepted, reviewer.secret, reviewer.nonce)
-            box = [ok, grow.meeting_prefix(reviewer.secret, reviewer.nonce, generation)]
+            ok = growth.all_ready(store, generation, accepted, reviewer.secret, reviewer.nonce)
+            box = [ok, growth.meeting_prefix(reviewer.secret, reviewer.nonce, generation)]
         dist.broadcast_object_list(box, src=0)
         ok, prefix = box
         if not ok:
@@ -351,12 +351,12 @@ class DynatrainHook:
                 reviewer.accepted.clear()
             return trainer
         if dist.get_rank() == 0:
-            grow.announce(store, prefix, world, self.layout, self.layout_placement,
-                          reviewer.secret)
+            growth.announce(store, prefix, world, self.layout, self.layout_placement,
+                            reviewer.secret)
         self._drop_preparation(broken=False)  # it belongs to the old world
         t0 = time.perf_counter()
-        trainer = grow.grow_world(trainer, self.spec, self.builder.train, store, prefix,
-                                  world, self.layout, self.layout_placement, self.timeout)
+        trainer = growth.grow_world(trainer, self.spec, self.builder.train, store, prefix,
+                                    world, self.layout, self.layout_placement, self.timeout)
         if reviewer is not None:  # rank 0: number the next joiners after these
             reviewer.world_size, reviewer.generation = world, generation + 1
             reviewer.accepted.clear()
@@ -419,7 +419,7 @@ class DynatrainHook:
         Returns ("train", trainer) on a rank of the new layout, ("standby", None) on a
         survivor the new world keeps without state, ("leave", None) on one it does not
         need (the process ends)."""
-        from .recovery import recover_after_death
+        from .death_recovery import recover_after_death
 
         log.error("communication failed (%s): a rank is gone; recovering", error[:200])
         self._drop_preparation(broken=True)  # built for the old world: cannot finish

@@ -10,7 +10,7 @@ import argparse
 
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
-from .train_config import TrainConfig
+from ..mcore.train_config import TrainConfig
 
 
 def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -32,7 +32,7 @@ def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--dynatrain-device-memory", type=int, default=None,
                    help="bytes per device; a target whose state would not fit is refused, "
                         "and a switch whose A and B do not fit together is prepared in a "
-                        "degraded way (integration/memory_check.py)")
+                        "degraded way (loop/memory_check.py)")
     g.add_argument("--dynatrain-activation-reserve", type=int, default=0,
                    help="bytes of A's activations per device where they cannot be measured "
                         "(CPU); on a GPU the allocator's peak is measured")

@@ -80,9 +80,9 @@ def freeze_long_lived_objects() -> None:
     collector's reach, once per process.
 
     `release` must run a full collection to free a layout at once (see there); without
-    this, that collection scans every object of the process: measured 0.63 s per switch
-    on a gpt-50m rank, 9 ms with it. Only objects created before any layout are frozen, so
-    every layout's objects stay collectable."""
+    this, that collection scans every object of the process on every switch, almost all
+    of them long-lived. Only objects created before any layout are frozen, so every
+    layout's objects stay collectable."""
     import gc
 
     if _FROZEN["done"]:
@@ -105,7 +105,7 @@ def release(objs: TrainingObjects, broken: bool = False) -> None:
     megatron's objects reference each other in cycles (the TransformerConfig holds bound
     methods of the DDP wrappers, which hold the config), so dropping references is not
     enough: without a collection the old layout's weights, grads and optimizer state stay
-    allocated until Python's GC happens to run (measured: +0.8 GB per switch at 267M params).
+    allocated until Python's GC happens to run, and repeated switches pile them up.
     """
     import gc
 
@@ -130,8 +130,8 @@ def release(objs: TrainingObjects, broken: bool = False) -> None:
 def drop_in_background(holder: list) -> threading.Thread:
     """Let the references in `holder` go in a daemon thread. For a released layout's
     process-group handles (`release`): their destructors join gloo's worker threads and
-    close its connections, measured at 60-105 ms for a 4-rank layout, which ran on the
-    training thread right after a switch, wherever the last reference happened to die. The
+    close its connections, which takes long enough to matter in the pause, and would run
+    on the training thread right after a switch, wherever the last reference died. The
     groups are deregistered and megatron's globals point at the new layout by then, so
     nothing uses them meanwhile (if something still holds one, its destructor simply runs
     later, where that reference goes)."""

@@ -13,8 +13,8 @@ from ..vps.errors import DynatrainError
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from .arguments import add_dynatrain_args, add_training_args, layout_from_args, train_config_from_args
-from .builders import with_layer_implementation
-from .training import StepResult, Trainer
+from ..mcore.builders import with_layer_implementation
+from ..mcore.training import StepResult, Trainer
 
 log = logging.getLogger("dynatrain")
 
@@ -48,8 +48,8 @@ def measure_checkpoint_path(trainer: Trainer) -> float:
     import tempfile
     import time
 
-    from . import dist_ckpt
-    from .builders import MegatronBuilder
+    from ..mcore import dist_ckpt
+    from ..mcore.builders import MegatronBuilder
 
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     box = [tempfile.mkdtemp(prefix="dynatrain-ckpt-", dir=base) if dist.get_rank() == 0 else None]
@@ -91,7 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add_dynatrain_args(parser)
     args = parser.parse_args(argv)
 
-    from .session import init_distributed, start_job
+    from ..mcore.session import init_distributed, start_job
 
     if args.dynatrain and args.dynatrain_join:
         return _join_and_run(args)
@@ -131,13 +131,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _join_and_run(args: argparse.Namespace) -> int:
     """`--dynatrain-join`: ask the running job (through the rendezvous directory) to take
     this process in, proving the job's secret; once accepted, enter its grown world on
-    standby (integration/grow.py) and follow it like any standby rank."""
+    standby (loop/growth.py) and follow it like any standby rank."""
     import torch.distributed.nn.functional  # noqa: F401  (before any world: see rejoin)
 
     from ..compat import prepare_runtime
     from ..elastic.job_secret import load_secret
     from ..elastic.join import JoinError, current_nonce, join_store, post_request, wait_verdict
-    from .grow import join_world, meeting_prefix, ready
+    from .growth import join_world, meeting_prefix, ready
     from .hook import DynatrainHook
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s joiner] %(message)s",
@@ -162,7 +162,7 @@ def _join_and_run(args: argparse.Namespace) -> int:
         return 2
     # everything slow first: once accepted, the job waits for this process in the new world
     prepare_runtime()
-    from .session import freeze_long_lived_objects
+    from ..mcore.session import freeze_long_lived_objects
 
     freeze_long_lived_objects()
     slot, req = post_request(store, secret)

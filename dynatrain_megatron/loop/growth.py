@@ -27,10 +27,10 @@ from ..elastic.rejoin import drop_default_group, start_default_group
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
-from .recovery import let_go_of_layout, switch_from_held
-from .session import freeze_long_lived_objects
-from .train_config import TrainConfig
-from .training import Trainer
+from .death_recovery import let_go_of_layout, switch_from_held
+from ..mcore.session import freeze_long_lived_objects
+from ..mcore.train_config import TrainConfig
+from ..mcore.training import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ from ..vps.placement import Placement
 from ..vps.errors import DynatrainError, LayoutError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
-from . import dist_ckpt
-from .builders import MegatronBuilder, bucket_size_of
-from .session import release, start_job
-from .train_config import TrainConfig
-from .training import Trainer
+from ..mcore import dist_ckpt
+from ..mcore.builders import MegatronBuilder, bucket_size_of
+from ..mcore.session import release, start_job
+from ..mcore.train_config import TrainConfig
+from ..mcore.training import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,8 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
         raise ValueError("recover_after_death needs the trainer, or the layout and placement")
     bs = bucket_size_of(train, src)
     # a closed socket is how the survivors still blocked in a collective with this rank
-    # learn of the failure (measured: one blocked on us otherwise waits until we are done
-    # with the roster, and is left out)
+    # learn of the failure: one blocked on us would otherwise wait until we are done with
+    # the roster, and be left out of the new world
     del old
     held, scalars = let_go_of_layout(trainer, spec, pa, broken=True)
 

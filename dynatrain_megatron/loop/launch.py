@@ -3,7 +3,7 @@ survivors keep running when one of them dies.
 
 torchrun's agent stops every worker as soon as one fails (and, with restarts, starts them
 all again from the last checkpoint), so the in-memory recovery after a rank death
-(`integration/recovery.py`) can never run under it. This launcher sets the same
+(`loop/death_recovery.py`) can never run under it. This launcher sets the same
 environment torchrun gives a worker (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) and only *watches*: a worker that dies is reported, the others
 go on, re-form the world through `--dynatrain-rendezvous-dir` and recover. On a cluster

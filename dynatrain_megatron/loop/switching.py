@@ -13,9 +13,9 @@ from ..transition.switch_types import Prepared, SwitchOptions, SwitchResult
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.placement import Placement
-from .builders import MegatronBuilder, TrainingObjects
-from .session import freeze_long_lived_objects, release
-from .training import Trainer
+from ..mcore.builders import MegatronBuilder, TrainingObjects
+from ..mcore.session import freeze_long_lived_objects, release
+from ..mcore.training import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
 class WorldBroken(DynatrainError):
     """A collective of the switch itself failed: a rank died (or its link did). The
     trainer is still at A, untouched, but A's communicators may be broken: the caller
-    recovers (`integration.recovery.recover_after_death`) instead of training on."""
+    recovers (`loop.death_recovery.recover_after_death`) instead of training on."""
 
 
 class _RngSnapshot:

@@ -2,7 +2,7 @@
 
 One function per object, all taking the layout's explicit `ParallelGroups`, so a switch can
 build layout B's objects while layout A's are still alive. `build_training_objects` is the
-*builder* the switch takes (DESIGN.md): everything below `integration` calls it through a
+*builder* the switch takes (DESIGN.md): everything below `mcore` calls it through a
 callable and never imports this module.
 """
 from __future__ import annotations
