@@ -1,4 +1,5 @@
-"""The `dynatrain` command: layout, lost, plan, request, join, launch, bench-switch."""
+"""The `dynatrain` command: layout, lost, plan, request, join, launch, bench-switch,
+suggest."""
 from __future__ import annotations
 
 import argparse
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_plan_parser = None
     if add_plan_parser is not None:
         add_plan_parser(sub)
-    for extra in ("request", "join", "launch", "bench_switch"):
+    for extra in ("request", "join", "launch", "bench_switch", "suggest"):
         try:
             mod = __import__(f"dynatrain_megatron.integration.cli_{extra}", fromlist=["add_parser"])
         except ImportError:
