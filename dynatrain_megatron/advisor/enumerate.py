@@ -70,6 +70,15 @@ def divisors(n: int) -> tuple[int, ...]:
     return tuple(sorted(set(small + [n // d for d in small])))
 
 
+def stage_spread(counts: tuple[int, ...]) -> int:
+    """How uneven a pipeline is: the largest difference between the first or last stage's
+    layer count and a middle stage's (two stages: between the two)."""
+    if len(counts) < 2:
+        return 0
+    mid = counts[1] if len(counts) > 2 else counts[0]
+    return max(abs(counts[0] - mid), abs(counts[-1] - mid))
+
+
 @functools.lru_cache(maxsize=1024)
 def _stage_splits(num_layers: int, pp: int, space: SearchSpace) -> tuple[tuple[int, int], ...]:
     out, seen = [], set()
@@ -77,6 +86,8 @@ def _stage_splits(num_layers: int, pp: int, space: SearchSpace) -> tuple[tuple[i
         # pairs that give the same layers per stage as an earlier one build the same job
         # (canonical_key); the even split comes first
         counts = tuple(Layout(pp=pp, ppf=ppf, ppl=ppl).stage_num_layers(num_layers))
+        if space.max_stage_spread is not None and stage_spread(counts) > space.max_stage_spread:
+            continue
         if counts not in seen:
             seen.add(counts)
             out.append((ppf, ppl))
@@ -91,25 +102,13 @@ def _iter_stage_splits(num_layers: int, pp: int, space: SearchSpace
     yield 0, 0
     if pp < 2 or space.max_stage_spread == 0:
         return
-    spread = space.max_stage_spread
     for ppf in range(0, num_layers + 1):
         for ppl in range(0, num_layers + 1 - ppf):
             if ppf == ppl == 0:
                 continue
             n_mid = pp - (ppf > 0) - (ppl > 0)
             rest = num_layers - ppf - ppl
-            if n_mid == 0:
-                if rest != 0:
-                    continue
-                mid = None
-            elif rest < 0 or rest % n_mid:
-                continue
-            else:
-                mid = rest // n_mid
-            if spread is not None and mid is not None and any(
-                    x and abs(x - mid) > spread for x in (ppf, ppl)):
-                continue
-            if spread is not None and mid is None and abs(ppf - ppl) > spread:
+            if (n_mid == 0 and rest != 0) or (n_mid and (rest < 0 or rest % n_mid)):
                 continue
             yield ppf, ppl
 
@@ -123,8 +122,6 @@ def candidate_layouts(spec: ModelSpec, world: int, space: SearchSpace = SearchSp
         for cp in ([c for c in divisors(world // tp) if space.allows("cp", c)]
                    if space.context_parallel else (1,)):
             for pp in divisors(world // (tp * cp)):
-                if pp > spec.num_layers:
-                    continue
                 dp = world // (tp * cp * pp)
                 splits = _stage_splits(spec.num_layers, pp, space)
                 vpps = [1] if pp == 1 else [v for v in divisors(spec.num_layers)
@@ -148,14 +145,15 @@ def candidate_layouts(spec: ModelSpec, world: int, space: SearchSpace = SearchSp
                                         continue
 
 
-def canonical_key(layout: Layout, num_layers: int) -> tuple:
+def canonical_key(layout: Layout, spec: ModelSpec) -> tuple:
     """What makes two layout strings the same megatron-core job: ppf/ppl that give the
     same layer count per stage as another string (e.g. `pp4ppf20` of 80 layers is
-    `pp4`) build the same model. `enumerate_layouts` keeps the first string of each key,
-    which is the even split when there is one."""
+    `pp4`) build the same model, and a dense model has no expert weights, so its etp
+    changes nothing. `enumerate_layouts` keeps the first string of each key: the even
+    split, and etp = tp."""
     L = layout
-    return (L.tp, L.pp, L.dp, L.vpp, L.cp, L.ep, L.etp, L.doi,
-            tuple(L.stage_num_layers(num_layers)))
+    return (L.tp, L.pp, L.dp, L.vpp, L.cp, L.ep, L.etp if spec.is_moe else L.tp, L.doi,
+            tuple(L.stage_num_layers(spec.num_layers)))
 
 
 def _gcd(a: int, b: int) -> int:
@@ -174,7 +172,7 @@ def enumerate_layouts(spec: ModelSpec, world: int, space: SearchSpace = SearchSp
     seen: set[tuple] = set()
     out = []
     for lay in candidate_layouts(spec, world, space):
-        key = canonical_key(lay, spec.num_layers)
+        key = canonical_key(lay, spec)
         if key in seen:
             continue
         seen.add(key)
@@ -183,4 +181,4 @@ def enumerate_layouts(spec: ModelSpec, world: int, space: SearchSpace = SearchSp
     return out
 
 
-__all__ = ["SearchSpace", "candidate_layouts", "canonical_key", "enumerate_layouts", "divisors"]
+__all__ = ["SearchSpace", "candidate_layouts", "canonical_key", "stage_spread", "enumerate_layouts", "divisors"]
