@@ -13,6 +13,7 @@ from dynatrain_megatron.advisor.enumerate import canonical_key, stage_spread
 from dynatrain_megatron.advisor.memory import (memory_estimate, state_bytes_by_stage,
                                                state_bytes_per_rank, state_lower_bound)
 from dynatrain_megatron.advisor.step_time import step_estimate
+from dynatrain_megatron.advisor.suggest import schedulable_microbatches
 from dynatrain_megatron.cli import main as cli_main
 from dynatrain_megatron.routing.plan_cli import resolve_model
 from dynatrain_megatron.vps.errors import LayoutError
@@ -117,7 +118,7 @@ def test_no_layout_fits_names_the_smallest():
     need = float(re.search(r"needs ([\d.]+) GB", msg).group(1))
     best = math.inf
     for lay in enumerate_layouts(spec, 4, SearchSpace(context_parallel=False)):
-        m = work.num_microbatches(lay.dp)
+        m = schedulable_microbatches(work, lay)
         if m:
             best = min(best, memory_estimate(spec, lay, work, cal, m).peak_bytes)
     assert need == round(best / 1e9, 1)

@@ -2,7 +2,7 @@
 
 Steps (each a pure function of its inputs, identical on every rank of a job):
   1. enumerate every layout of N devices the one validator accepts (enumerate.py);
-  2. drop those whose data-parallel size does not divide the global batch;
+  2. drop those megatron-core cannot run the batch on (`schedulable_microbatches`);
   3. estimate every layout's step time (step_time.py) and sort, fastest first;
   4. walk that order and keep the layouts whose peak memory per device (memory.py: exact
      state + modelled activations, plus the calibration's reserve) fits the device; a
@@ -104,6 +104,17 @@ class Suggestion:
                          for r in self.rows[:n])
 
 
+def schedulable_microbatches(work: Workload, layout: Layout) -> Optional[int]:
+    """Micro-batches per step of `layout`, None when megatron-core cannot run the workload
+    on it: the global batch must split over the data-parallel replicas, and the
+    interleaved schedule (vpp > 1) needs at least pp micro-batches (its default group of
+    contiguous micro-batches per virtual stage is pp)."""
+    m = work.num_microbatches(layout.dp)
+    if m is None or (layout.vpp > 1 and m < layout.pp):
+        return None
+    return m
+
+
 def fit_step_scale(spec: ModelSpec, measured: Sequence[Measurement], work: Workload,
                    cal: Calibration) -> float:
     """The factor (geometric mean of measured / modelled) that makes the model match step
@@ -163,13 +174,14 @@ def suggest(spec: ModelSpec, world: int, work: Workload, cal: Calibration = Cali
                            f"divisibility constraint of its heads, groups, layers or experts)")
     ranked = []
     for lay in valid:
-        m = work.num_microbatches(lay.dp)
+        m = schedulable_microbatches(work, lay)
         if m is not None:
             ranked.append((step_estimate(spec, lay, work, cal, m), lay, m))
     if not ranked:
         raise NoLayoutFits(f"no layout of {world} devices fits: no valid layout's data-parallel "
                            f"size divides the global batch {work.global_batch_size} / "
-                           f"micro-batch {work.micro_batch_size}")
+                           f"micro-batch {work.micro_batch_size} (with at least pp "
+                           f"micro-batches for an interleaved schedule)")
     ranked.sort(key=lambda x: (x[0].step_seconds, str(x[1])))
     rows: list[SuggestedLayout] = []
     for est, lay, m in ranked:

@@ -30,10 +30,11 @@ class Decision:
 
     target: Optional[str]  # layout string, None: nothing to do
     world: Optional[int]
-    source: str  # "signal", "schedule"
+    source: str  # "signal", "schedule", "auto" (the job chose: --dynatrain-auto-layout)
     rejected: Optional[str] = None  # the reason, when a request was refused
     stop: bool = False  # the job is over: standby ranks leave
     joins: tuple[JoinVerdict, ...] = ()  # join requests reviewed at this poll (elastic/join.py)
+    note: str = ""  # why this target, when the job chose it (the advisor's ranking)
 
 
 def load_schedule(path: str) -> list[tuple[int, str]]:
@@ -69,6 +70,12 @@ class Controller:
         self.joins: Optional[JoinReviewer] = None
         self._claimed: Optional[Path] = None  # rank 0: the accepted request's file
         self.join_verdicts: list[JoinVerdict] = []
+        # the layout advisor (integration/auto_layout.py), set by the integration:
+        # (device count, reason) -> (layout string, note). It answers requests that name
+        # only a world size, and with `auto_layout` the job's own device-count changes.
+        self.advise: Optional[Callable[[int, str], tuple[str, str]]] = None
+        self.auto_layout = False
+        self._auto_processes: Optional[int] = None  # the process count auto-layout acted on
 
     def validate(self, text: str, world: int) -> Layout:
         layout = Layout.parse(text, world)
@@ -85,6 +92,9 @@ class Controller:
                 except DynatrainError as e:
                     log.error("scheduled switch at iteration %d to %r rejected: %s", it, lay, e)
                     return Decision(None, None, "schedule", rejected=str(e))
+        auto = self._auto_decision(world)
+        if auto is not None:
+            return auto
         if not self.signal_path:
             return Decision(None, None, "signal")
         claimed = sf.claim(self.signal_path)  # a request written from now on is the next one
@@ -108,7 +118,8 @@ class Controller:
                 raise DynatrainError(f"request for {target_world} ranks, the job has {processes} "
                                      f"processes ({world} training, {processes - world} on "
                                      f"standby); more need a relaunch with more processes")
-            layout = self.validate(req.layout, target_world)
+            text, note = self._layout_of(req.layout, target_world)
+            layout = self.validate(text, target_world)
         except DynatrainError as e:
             sf.archive(self.signal_path, "rejected", str(e), request_file=claimed)
             log.error("switch request %r from %s rejected: %s; training continues",
@@ -116,7 +127,38 @@ class Controller:
             return Decision(None, None, "signal", rejected=str(e))
         log.info("switch request to %s from %s accepted", layout, req.origin or "?")
         self._claimed = claimed  # filed with its outcome by `done`
-        return Decision(str(layout), target_world, "signal")
+        return Decision(str(layout), target_world, "signal", note=note)
+
+    # ------------------------------------------------------------------ the job's own choice
+    def _layout_of(self, text: Optional[str], world: int) -> tuple[str, str]:
+        """The layout a request asks for: its own, or (none named) the advisor's best for
+        `world`, with the note saying why."""
+        if text is not None:
+            return text, ""
+        if self.advise is None:
+            raise DynatrainError(f"request names no layout, and this job has no layout "
+                                 f"advisor to choose one for {world} ranks")
+        return self.advise(world, f"request for {world} ranks without a layout")
+
+    def _auto_decision(self, world: int) -> Optional[Decision]:
+        """With `auto_layout`: when the number of processes differs from the last one acted
+        on and from the layout's (standby ranks at start, an admitted joiner), the
+        advisor's best layout on all of them (rank 0; None: nothing to do). A count the
+        advisor cannot serve is logged once and left alone."""
+        n = dist.get_world_size()
+        if not self.auto_layout or self.advise is None or n == self._auto_processes:
+            return None
+        self._auto_processes = n
+        if n == world:
+            return None
+        reason = f"auto-layout: {n} processes, the layout uses {world}"
+        try:
+            text, note = self.advise(n, reason)
+            layout = self.validate(text, n)
+        except DynatrainError as e:
+            log.error("%s; no layout chosen: %s", reason, e)
+            return None
+        return Decision(str(layout), n, "auto", note=note)
 
     def poll(self, iteration: int, world: Optional[int] = None) -> Decision:
         """Collective over every process (training and standby ranks) at the same step

@@ -1,6 +1,8 @@
 """Switch requests through a signal file.
 
-A request is a small JSON object `{"layout": "tp4pp1dp1", "world": 4, "origin": ...}`
+A request is a small JSON object `{"layout": "tp4pp1dp1", "world": 4, "origin": ...}`;
+`{"layout": null, "world": 2}` asks for the job's choice of layout on 2 ranks (the
+layout advisor's best, integration/auto_layout.py)
 written atomically (write to a temporary file in the same directory, fsync, rename), so the
 job never reads half a request. After it is handled the file is moved aside with its outcome
 (`<file>.applied.<n>` / `<file>.rejected.<n>`, with the reason inside), which tells the
@@ -31,19 +33,24 @@ class RequestError(DynatrainError):
 
 @dataclass(frozen=True, slots=True)
 class SwitchRequest:
-    layout: str
+    layout: Optional[str]  # None: the job chooses (the advisor's best for `world`)
     world: Optional[int] = None
     origin: str = ""
     requested_at: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layout, str) or not self.layout.strip():
+        if self.layout is None and self.world is None:
+            raise RequestError("request needs a 'layout', or a 'world' for the job to choose "
+                               "the layout of")
+        if self.layout is not None and (not isinstance(self.layout, str)
+                                        or not self.layout.strip()):
             raise RequestError(f"request needs a non-empty 'layout' string, got {self.layout!r}")
         if self.world is not None and (not isinstance(self.world, int) or self.world < 1):
             raise RequestError(f"request 'world' must be a positive int, got {self.world!r}")
 
 
-def write_request(path: str | Path, layout: str, world: Optional[int] = None) -> SwitchRequest:
+def write_request(path: str | Path, layout: Optional[str],
+                  world: Optional[int] = None) -> SwitchRequest:
     """Atomically write a request (what `dynatrain request` does)."""
     path = Path(path)
     req = SwitchRequest(layout=layout, world=world,
@@ -77,8 +84,10 @@ def read_request(path: str | Path) -> Optional[SwitchRequest]:
     unknown = set(data) - {"layout", "world", "origin", "requested_at"}
     if unknown:
         raise RequestError(f"signal file {path} has unknown fields {sorted(unknown)}")
-    if "layout" not in data:
-        raise RequestError(f"signal file {path} has no 'layout'")
+    if "layout" not in data and "world" not in data:
+        raise RequestError(f"signal file {path} has no 'layout' (nor a 'world' to choose one "
+                           f"for)")
+    data.setdefault("layout", None)
     return SwitchRequest(**data)
 
 
