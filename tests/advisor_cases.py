@@ -36,11 +36,13 @@ def live_state_bytes(objs) -> int:
     return sum(storages.values())
 
 
-def adam_moments_nonzero(optimizer) -> bool:
-    """Whether the optimizer has taken a step on this rank: its first moments are set."""
+def adam_stepped_once(optimizer) -> bool:
+    """Whether the optimizer has taken exactly one step on this rank: every parameter
+    shard it owns has Adam state with step 1 (a shard may own only zero gradients, e.g.
+    embedding rows of tokens not in the batch, so the moments can be zero)."""
     opts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-    return any(bool(st["exp_avg"].abs().sum() > 0) for o in opts
-               for st in o.optimizer.state.values())
+    states = [st for o in opts for st in o.optimizer.state.values()]
+    return bool(states) and all(float(st["step"]) == 1.0 for st in states)
 
 
 def train_and_measure(cases: list[tuple[str, str, dict]]) -> list[dict]:
@@ -62,7 +64,7 @@ def train_and_measure(cases: list[tuple[str, str, dict]]) -> list[dict]:
         predicted = state_bytes_per_rank(s, objs.layout, bucket_size_of(train, objs.layout))[vr]
         out.append(dict(model=model, layout=str(objs.layout), loss=float(loss),
                         finite=math.isfinite(float(loss)),
-                        stepped=adam_moments_nonzero(objs.optimizer),
+                        stepped=adam_stepped_once(objs.optimizer),
                         live=live_state_bytes(objs), predicted=predicted.total,
                         rank=dist.get_rank()))
         release(objs)
