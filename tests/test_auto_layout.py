@@ -4,8 +4,6 @@ collectives faked)."""
 import json
 from pathlib import Path
 
-import pytest
-
 from dynatrain_megatron.cli import main as cli
 from dynatrain_megatron.elastic import controller as C
 from dynatrain_megatron.elastic.signal_file import read_request, write_request

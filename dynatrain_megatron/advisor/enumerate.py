@@ -8,9 +8,11 @@ space this module proposes candidates and keeps exactly those for which
 experts, layers, sequence) are the validator's alone, so the advisor and the job cannot
 disagree about what megatron-core can build.
 
-The only restriction of the search space is `SearchSpace`: how uneven the first/last
+The only restrictions of the search space are `SearchSpace`'s: how uneven the first/last
 pipeline stages may be (`max_stage_spread`, layers more or fewer than a middle stage;
-None = any), and whether CP and partial distributed optimizers (doi) are considered.
+None = any), whether CP and partial distributed optimizers (doi) are considered, and the
+largest tp, cp, etp, vpp (default: tp, cp, etp <= 8, one NVLink domain). Layout strings
+that build the same job (`canonical_key`) are proposed once.
 Candidates are generated from divisors, so the count stays in the thousands even for
 4096 devices (README, benchmark).
 """
@@ -181,4 +183,5 @@ def enumerate_layouts(spec: ModelSpec, world: int, space: SearchSpace = SearchSp
     return out
 
 
-__all__ = ["SearchSpace", "candidate_layouts", "canonical_key", "stage_spread", "enumerate_layouts", "divisors"]
+__all__ = ["SearchSpace", "candidate_layouts", "canonical_key", "stage_spread",
+           "enumerate_layouts", "divisors"]

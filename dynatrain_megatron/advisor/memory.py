@@ -169,7 +169,7 @@ def _stage_shard_pairs(L: Layout) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=64)
-def _param_counts(spec: ModelSpec) -> tuple[int, int, int, int]:
+def param_counts(spec: ModelSpec) -> tuple[int, int, int, int]:
     """(dense elements per layer, expert elements per layer (all experts), elements of
     the embedding, elements of the output layer + final norm) of `spec`, unpadded."""
     dense_layer = expert_layer = emb = out = 0
@@ -192,7 +192,7 @@ def state_lower_bound(spec: ModelSpec, layout: Layout, grad_bytes: int = 4) -> n
     fit before the exact computation. Tests check it never exceeds
     `state_bytes_by_stage`."""
     L = layout
-    dl, el, emb, out = _param_counts(spec)
+    dl, el, emb, out = param_counts(spec)
     pb = DTYPE_BYTES[spec.params_dtype]
     per_owned = OPT_DTYPE_BYTES * (2 + (spec.params_dtype != "fp32"))
     expert_split = L.ep * L.etp
@@ -273,4 +273,4 @@ def memory_estimate(spec: ModelSpec, layout: Layout, work: Workload, cal: Calibr
 
 __all__ = ["StateBytes", "MemoryEstimate", "state_bytes_per_rank", "state_bytes_by_stage",
            "state_lower_bound", "layer_activation_bytes", "activation_bytes_by_stage",
-           "in_flight", "memory_estimate"]
+           "in_flight", "memory_estimate", "param_counts"]

@@ -32,7 +32,7 @@ from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.naming import DTYPE_BYTES
 from .calibration import Calibration, Workload
-from .memory import _param_counts
+from .memory import param_counts
 
 GB = 1e9
 
@@ -60,7 +60,7 @@ class StepEstimate:
 @functools.lru_cache(maxsize=64)
 def _flops_per_token(spec: ModelSpec) -> tuple[float, float, float]:
     """Training FLOPs per token of (one layer, the embedding, the output layer)."""
-    dl, el, _, _ = _param_counts(spec)
+    dl, el, _, _ = param_counts(spec)
     active = dl + (el // spec.num_moe_experts * spec.moe_router_topk if spec.is_moe else 0)
     attn = 12.0 * spec.seq_length * spec.num_attention_heads * spec.kv_channels
     return 6.0 * active + attn, 0.0, 6.0 * spec.hidden_size * spec.vocab_size
@@ -119,7 +119,7 @@ def step_estimate(spec: ModelSpec, layout: Layout, work: Workload, cal: Calibrat
     per_mb = worst + pp_mb
     bubble = (L.pp - 1) / L.vpp * per_mb
     # data parallel: reduce-scatter grads + all-gather params of the largest buffers
-    dl, el, emb, out = _param_counts(spec)
+    dl, el, emb, out = param_counts(spec)
     if not dense_buffer_elements:
         n_max = max(stages)
         dense_buffer_elements = (n_max * dl + max(emb, out)) / L.tp

@@ -98,11 +98,6 @@ class Suggestion:
     def best(self) -> Layout:
         return self.rows[0].layout
 
-    def summary(self, n: int = 3) -> str:
-        """A log line's worth: the top rows with step time and memory."""
-        return "; ".join(f"{r.layout} {r.step_seconds:.3g} s/step {r.memory_bytes_per_device / GB:.3g} GB"
-                         for r in self.rows[:n])
-
 
 def schedulable_microbatches(work: Workload, layout: Layout) -> Optional[int]:
     """Micro-batches per step of `layout`, None when megatron-core cannot run the workload

@@ -104,7 +104,8 @@ def calibration_from_args(args: argparse.Namespace
 def _space(args: argparse.Namespace) -> SearchSpace:
     def cap(v: int) -> Optional[int]:
         return None if v <= 0 else v
-    return SearchSpace(max_stage_spread=None if args.max_stage_spread < 0 else args.max_stage_spread,
+    spread = None if args.max_stage_spread < 0 else args.max_stage_spread
+    return SearchSpace(max_stage_spread=spread,
                        optimizer_instances=args.optimizer_instances, max_tp=cap(args.max_tp),
                        max_cp=cap(args.max_cp), max_etp=cap(args.max_etp),
                        max_vpp=cap(args.max_vpp))
