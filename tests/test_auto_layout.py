@@ -78,3 +78,19 @@ def test_best_at_most_skips_counts_without_a_layout():
     c = adv.best_at_most(5, "auto-layout: 5 survivors after a rank death")
     assert c.layout.world_size == 4 and c.layout == adv.ranking(4).best
     assert c.note.startswith("auto-layout: 5 survivors after a rank death: advisor's best")
+
+
+def test_rank_death_recovery_asks_the_advisor_with_auto_layout():
+    """With --dynatrain-auto-layout, the survivors' layout is the advisor's best of the
+    most survivors it serves (recover_after_death's `choose`); without it, recovery keeps
+    its own rule (None)."""
+    from dynatrain_megatron.integration.hook import DynatrainHook
+
+    adv = _advisor()
+    hook = DynatrainHook(SPEC, TRAIN, C.Controller(SPEC, None), advisor=adv, auto_layout=True)
+    assert hook.controller.advise == adv.advise and hook.controller.auto_layout
+    layout, note = hook._survivor_layout()(5)
+    assert layout == adv.ranking(4).best
+    assert note.startswith("auto-layout: 5 survivors after a rank death: advisor's best of 4")
+    plain = DynatrainHook(SPEC, TRAIN, C.Controller(SPEC, None), advisor=adv)
+    assert plain._survivor_layout() is None and not plain.controller.auto_layout

@@ -146,7 +146,8 @@ class Controller:
         advisor's best layout on all of them (rank 0; None: nothing to do). A count the
         advisor cannot serve is logged once and left alone."""
         n = dist.get_world_size()
-        if not self.auto_layout or self.advise is None or n == self._auto_processes:
+        if not self.auto_layout or self.advise is None or n == self._auto_processes \
+                or not self.allow_device_count_change:
             return None
         self._auto_processes = n
         if n == world:

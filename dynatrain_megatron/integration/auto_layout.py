@@ -9,7 +9,6 @@ same one; rank 0 decides and the controller's broadcast carries it. The note it 
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,9 +20,6 @@ from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from .train_config import TrainConfig
-
-log = logging.getLogger("dynatrain")
-
 
 @dataclass(frozen=True, slots=True)
 class AutoChoice:
@@ -85,7 +81,6 @@ class LayoutAdvisor:
     def advise(self, world: int, reason: str) -> tuple[str, str]:
         """The controller's hook: (layout string, note) for `world` devices."""
         c = self.best(world, reason)
-        log.info("%s", c.note)
         return str(c.layout), c.note
 
 
