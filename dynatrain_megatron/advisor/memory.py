@@ -19,8 +19,9 @@ MoE by counting the same tensors:
   attention  2sbh (QKV input) + 2sb(a + 2g)d (Q, K, V) + 2sbh (projection input)
              + sbh (dropout mask) [+ 5abs^2 softmax / mask / scores unless flash attention]
   MLP        2sbh (fc1 input) + 2sb*fc1_rows (fc1 output) + 2sb*ffn (activation output)
-             + sbh (dropout mask); an MoE layer stores the fc1/activation part for
-             topk tokens per token, split over expert-TP, plus the router's 2sbh input
+             + sbh (dropout mask); an MoE layer stores, for each of a rank's tokens
+             routed topk times, the expert input (all-gathered over expert-TP: x etp)
+             and the fc1 / activation outputs, plus the router's 2sbh input
   norms      4sbh
 With the paper's GPT (4h MLP, a = g) this is sbh(34 + 5as/h). Tensor parallelism divides
 everything inside the TP region by t; sequence parallelism divides the rest by t too
@@ -225,7 +226,10 @@ def layer_activation_bytes(spec: ModelSpec, layout: Layout, work: Workload,
         f = spec.moe_ffn_hidden_size
         topk = spec.moe_router_topk
         rows = spec.moe_fc1_rows
-        expert = topk * (2 * s * b * h + 2 * s * b * rows + 2 * s * b * f) / layout.etp / t
+        # a rank's tokens (s*b/t with sequence parallelism) go topk times to experts; ETP
+        # all-gathers them over its etp ranks and splits the expert's width by etp, so
+        # each rank stores etp x the inputs and the full-width share of the outputs
+        expert = topk * s * b / t * (2 * h * layout.etp + 2 * rows + 2 * f)
         outside += 2 * s * b * h + s * b * h  # router / dispatcher input, dropout mask
         mlp_inside = 0.0
     else:
