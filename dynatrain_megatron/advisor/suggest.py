@@ -102,10 +102,12 @@ class Suggestion:
 def schedulable_microbatches(work: Workload, layout: Layout) -> Optional[int]:
     """Micro-batches per step of `layout`, None when megatron-core cannot run the workload
     on it: the global batch must split over the data-parallel replicas, and the
-    interleaved schedule (vpp > 1) needs at least pp micro-batches (its default group of
-    contiguous micro-batches per virtual stage is pp)."""
+    interleaved schedule (vpp > 1) runs groups of pp contiguous micro-batches per virtual
+    stage (its default), so it needs at least pp of them and a remainder of 0 or >= pp,
+    i.e. a multiple of pp (megatron-core's forward_backward_pipelining_with_interleaving
+    refuses the rest)."""
     m = work.num_microbatches(layout.dp)
-    if m is None or (layout.vpp > 1 and m < layout.pp):
+    if m is None or (layout.vpp > 1 and (m < layout.pp or m % layout.pp)):
         return None
     return m
 
@@ -175,7 +177,7 @@ def suggest(spec: ModelSpec, world: int, work: Workload, cal: Calibration = Cali
     if not ranked:
         raise NoLayoutFits(f"no layout of {world} devices fits: no valid layout's data-parallel "
                            f"size divides the global batch {work.global_batch_size} / "
-                           f"micro-batch {work.micro_batch_size} (with at least pp "
+                           f"micro-batch {work.micro_batch_size} (into a multiple of pp "
                            f"micro-batches for an interleaved schedule)")
     ranked.sort(key=lambda x: (x[0].step_seconds, str(x[1])))
     rows: list[SuggestedLayout] = []
