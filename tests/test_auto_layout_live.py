@@ -23,11 +23,12 @@ def test_job_moves_to_the_advisors_layouts(tmp_path):
     run = tmp_path / "run"
     signal = run / "switch.json"
     run.mkdir()
-    # written before the start: read once the auto-layout switch is done (60 iterations
-    # leave room for both switches' background preparations on a loaded machine)
+    # written before the start: read once the auto-layout switch is done (300 iterations
+    # leave room for both switches' background preparations, which are timed, not counted
+    # in steps: at 60 the job once ended before the second switch was ready)
     assert cli(["request", "--signal-file", str(signal), "--world", "2"]) == 0
     argv = ["--model-config", str(ROOT / "configs/models/tiny-gpt.yaml"),
-            "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "60",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "300",
             "--lr", "1e-3", "--log-interval", "100", "--dynatrain",
             "--dynatrain-signal-file", str(signal), "--dynatrain-log-dir", str(run),
             "--dynatrain-standby-ranks", "2", "--dynatrain-auto-layout"]
@@ -45,7 +46,7 @@ def test_job_moves_to_the_advisors_layouts(tmp_path):
     assert rows[1]["reason"].startswith("request for 2 ranks without a layout: advisor's "
                                         f"best of 2 devices is {best2}")
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["iteration"] == 60 and summary["layout"] == str(best2)
+    assert summary["iteration"] == 300 and summary["layout"] == str(best2)
     assert summary["rejected"] == [] and summary["rolled_back"] == []
     filed = json.loads((run / "switch.json.applied.0").read_text())
     assert json.loads(filed["request"])["layout"] is None
