@@ -94,3 +94,23 @@ def test_rank_death_recovery_asks_the_advisor_with_auto_layout():
     assert note.startswith("auto-layout: 5 survivors after a rank death: advisor's best of 4")
     plain = DynatrainHook(SPEC, TRAIN, C.Controller(SPEC, None), advisor=adv)
     assert plain._survivor_layout() is None and not plain.controller.auto_layout
+
+
+def test_requests_for_an_interleaved_layout_the_batch_cannot_run_are_refused():
+    """megatron-core's interleaved schedule raises at the first step when the micro-batches
+    are not a multiple of pp (found by a live auto-layout job): the job's own check refuses
+    such a request up front, as the advisor never suggests it."""
+    import pytest
+
+    from dynatrain_megatron.integration.hook import _check_batch
+    from dynatrain_megatron.vps.errors import DynatrainError
+    from dynatrain_megatron.vps.layout import Layout
+
+    train = TrainConfig(micro_batch_size=2, global_batch_size=12)
+    with pytest.raises(DynatrainError, match="multiple of pp 2 micro-batches, the batch gives 3"):
+        _check_batch(train, Layout.parse("tp1pp2vpp2dp2"))
+    _check_batch(train, Layout.parse("tp1pp2dp2"))  # 1F1B runs 3 micro-batches
+    _check_batch(TrainConfig(micro_batch_size=2, global_batch_size=8),
+                 Layout.parse("tp1pp2vpp2dp2"))
+    assert all(str(r.layout) != "tp1pp2vpp2dp2" for r in LayoutAdvisor(
+        SPEC, train, transformer_engine=False, top=50).ranking(4).rows)

@@ -415,3 +415,8 @@ def _check_batch(train: TrainConfig, layout: Layout) -> None:
     if train.global_batch_size % (train.micro_batch_size * layout.dp):
         raise DynatrainError(f"global batch {train.global_batch_size} is not divisible by "
                              f"micro batch {train.micro_batch_size} * dp {layout.dp} of {layout}")
+    m = train.global_batch_size // (train.micro_batch_size * layout.dp)
+    if layout.vpp > 1 and m % layout.pp:
+        # megatron-core's interleaved schedule raises at the first step otherwise
+        raise DynatrainError(f"{layout}: the interleaved schedule (vpp{layout.vpp}) needs a "
+                             f"multiple of pp {layout.pp} micro-batches, the batch gives {m}")
