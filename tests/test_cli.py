@@ -13,7 +13,7 @@ from dynatrain_megatron.vps.errors import ModelSpecError
 def test_every_subcommand_is_registered():
     p = cli.build_parser()
     sub = next(a for a in p._actions if a.dest == "command")
-    assert set(sub.choices) == {"layout", "lost", "plan", "request", "join", "launch", "megatron-lm",
+    assert set(sub.choices) == {"layout", "lost", "plan", "request", "join", "launch", "megatron-lm", "suggest",
                                 "bench-switch"}
 
 

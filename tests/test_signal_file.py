@@ -24,7 +24,8 @@ def test_no_file_no_request(tmp_path):
 @pytest.mark.parametrize("text,match", [
     ("{not json", "not valid JSON"),
     ('["tp2"]', "JSON object"),
-    ('{"world": 4}', "no 'layout'"),
+    ('{"origin": "me"}', "no 'layout'"),
+    ('{"layout": null}', "or a 'world'"),
     ('{"layout": "tp2", "evil": 1}', "unknown fields"),
     ('{"layout": ""}', "non-empty"),
     ('{"layout": "tp2", "world": -1}', "positive int"),

@@ -23,6 +23,7 @@ SUBCOMMANDS = (
     "dynatrain_megatron.cli.launch",
     "dynatrain_megatron.cli.bench_switch",
     "dynatrain_megatron.cli.megatron_lm",
+    "dynatrain_megatron.cli.suggest",
 )
 
 

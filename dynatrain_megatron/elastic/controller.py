@@ -31,12 +31,13 @@ class Decision:
 
     target: Optional[str]  # layout string, None: nothing to do
     world: Optional[int]
-    source: str  # "signal", "schedule"
+    source: str  # "signal", "schedule", "auto" (the job chose: --dynatrain-auto-layout)
     rejected: Optional[str] = None  # the reason, when a request was refused
     stop: bool = False  # the job is over: standby ranks leave
     joins: tuple[JoinVerdict, ...] = ()  # join requests reviewed at this poll (elastic/join.py)
     schedule_next: Optional[int] = None  # rank 0's first schedule entry not yet run
     at: Optional[int] = None  # a scheduled switch: the iteration after which it must land
+    note: str = ""  # why this target, when the job chose it (the advisor's ranking)
 
 
 class Controller:
@@ -75,6 +76,12 @@ class Controller:
         self._next_entry = 0  # every rank: the first schedule entry not yet run
         self._unmovable: set[tuple[int, int, int]] = set()  # rank 0: refused, left in place
         self.join_verdicts: list[JoinVerdict] = []
+        # the layout advisor (loop/auto_layout.py), set by the integration:
+        # (device count, reason) -> (layout string, note). It answers requests that name
+        # only a world size, and with `auto_layout` the job's own device-count changes.
+        self.advise: Optional[Callable[[int, str], tuple[str, str]]] = None
+        self.auto_layout = False
+        self._auto_processes: Optional[int] = None  # the process count auto-layout acted on
 
     def validate(self, text: str, world: int) -> Layout:
         """The layout `text` on `world` ranks, checked by the one validator (and the
@@ -109,6 +116,9 @@ class Controller:
         (reading, parsing, validating, claiming, filing) rejects it with its reason."""
         if self._schedule_due(iteration):
             return self._scheduled(iteration, world)
+        auto = self._auto_decision(world)
+        if auto is not None:
+            return auto
         if not self.signal_path:
             return Decision(None, None, "signal")
         try:
@@ -144,7 +154,7 @@ class Controller:
             req = sf.read_request(claimed)
             if req is None:  # gone between the rename and the read
                 return Decision(None, None, "signal")
-            layout, target_world = self._check_request(req, world)
+            layout, target_world, note = self._check_request(req, world)
         except Exception as e:  # noqa: BLE001 - see _decide_on_rank0
             reason = sf.excerpt(str(e), 2000) if not isinstance(e, DynatrainError) else str(e)
             sf.archive(path, "rejected", reason, request_file=claimed)
@@ -152,9 +162,41 @@ class Controller:
             return Decision(None, None, "signal", rejected=reason)
         log.info("switch request to %s from %s accepted", layout, req.origin or "?")
         self._claimed = claimed  # filed with its outcome by `done`
-        return Decision(str(layout), target_world, "signal")
+        return Decision(str(layout), target_world, "signal", note=note)
 
-    def _check_request(self, req: sf.SwitchRequest, world: int) -> tuple[Layout, int]:
+    # ------------------------------------------------------------------ the job's own choice
+    def _layout_of(self, text: Optional[str], world: int) -> tuple[str, str]:
+        """The layout a request asks for: its own, or (none named) the advisor's best for
+        `world`, with the note saying why."""
+        if text is not None:
+            return text, ""
+        if self.advise is None:
+            raise DynatrainError(f"request names no layout, and this job has no layout "
+                                 f"advisor to choose one for {world} ranks")
+        return self.advise(world, f"request for {world} ranks without a layout")
+
+    def _auto_decision(self, world: int) -> Optional[Decision]:
+        """With `auto_layout`: when the number of processes differs from the last one acted
+        on and from the layout's (standby ranks at start, an admitted joiner), the
+        advisor's best layout on all of them (rank 0; None: nothing to do). A count the
+        advisor cannot serve is logged once and left alone."""
+        n = dist.get_world_size()
+        if not self.auto_layout or self.advise is None or n == self._auto_processes \
+                or not self.allow_device_count_change:
+            return None
+        self._auto_processes = n
+        if n == world:
+            return None
+        reason = f"auto-layout: {n} processes, the layout uses {world}"
+        try:
+            text, note = self.advise(n, reason)
+            layout = self.validate(text, n)
+        except Exception as e:  # noqa: BLE001 - the job's own choice must never end it
+            log.error("%s; no layout chosen: %s", reason, e)
+            return None
+        return Decision(str(layout), n, "auto", note=note)
+
+    def _check_request(self, req: sf.SwitchRequest, world: int) -> tuple[Layout, int, str]:
         target_world = req.world or world
         processes = dist.get_world_size()
         if target_world != world and not self.allow_device_count_change:
@@ -164,7 +206,8 @@ class Controller:
             raise DynatrainError(f"request for {target_world} ranks, the job has {processes} "
                                  f"processes ({world} training, {processes - world} on "
                                  f"standby); more need a relaunch with more processes")
-        return self.validate(req.layout, target_world), target_world
+        text, note = self._layout_of(req.layout, target_world)
+        return self.validate(text, target_world), target_world, note
 
     def _refuse_in_place(self, path: Path, e: Exception) -> Decision:
         """A request that cannot be moved out of the signal path (another user's file in

@@ -5,6 +5,8 @@ Writers must put it in place with a rename (write a temporary file in the same d
 fsync, rename), as `dynatrain request` does: the job claims whatever sits at the path at
 its poll, so a file written in place may be read half-written (it is then rejected, never
 half-obeyed).
+A request may name only a world size, `{"layout": null, "world": 2}`: the job then
+chooses the layout of 2 ranks itself (the layout advisor's best, `loop/auto_layout.py`).
 
 The job handles the path as input from anyone who can write to its directory:
 
@@ -68,17 +70,21 @@ def excerpt(data: bytes | str, limit: int = EXCERPT_BYTES) -> str:
 class SwitchRequest:
     """One request, checked field by field (exact types: a bool is not a world size)."""
 
-    layout: str
+    layout: Optional[str]  # None: the job chooses (the advisor's best for `world`)
     world: Optional[int] = None
     origin: str = ""
     requested_at: float = 0.0
 
     def __post_init__(self) -> None:
         lay = self.layout
-        if type(lay) is not str or not lay.strip():
+        if lay is None and self.world is None:
+            raise RequestError("request needs a 'layout', or a 'world' for the job to choose "
+                               "the layout of")
+        if lay is not None and (type(lay) is not str or not lay.strip()):
             raise RequestError(f"request needs a non-empty 'layout' string, got "
                                f"{excerpt(repr(lay))}")
-        if len(lay) > MAX_LAYOUT_CHARS or not lay.isascii() or not lay.isprintable():
+        if lay is not None and (len(lay) > MAX_LAYOUT_CHARS or not lay.isascii()
+                                or not lay.isprintable()):
             raise RequestError(f"request 'layout' must be at most {MAX_LAYOUT_CHARS} printable "
                                f"ASCII characters, got {excerpt(lay)}")
         w = self.world
@@ -121,9 +127,9 @@ class SwitchRequest:
         if unknown:
             raise RequestError(f"{where} has unknown fields "
                                f"{excerpt(', '.join(map(repr, unknown)))} (known: {_KEYS})")
-        if "layout" not in obj:
-            raise RequestError(f"{where} has no 'layout'")
-        return cls(**obj)
+        if "layout" not in obj and "world" not in obj:
+            raise RequestError(f"{where} has no 'layout' (nor a 'world' to choose one for)")
+        return cls(**{"layout": None, **obj})
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
@@ -146,7 +152,8 @@ def _bounded_int(text: str) -> int:
 
 
 # ------------------------------------------------------------------ writing
-def write_request(path: str | Path, layout: str, world: Optional[int] = None) -> SwitchRequest:
+def write_request(path: str | Path, layout: Optional[str],
+                  world: Optional[int] = None) -> SwitchRequest:
     """Atomically write a request (what `dynatrain request` does): a temporary file in the
     same directory, mode 0600, renamed into place."""
     path = Path(path)

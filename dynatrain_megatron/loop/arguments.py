@@ -39,6 +39,10 @@ def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--dynatrain-memory-reserve", type=int, default=0,
                    help="bytes per device kept free during a switch (NCCL buffers, "
                         "fragmentation)")
+    g.add_argument("--dynatrain-auto-layout", action="store_true",
+                   help="when the device count changes (standby ranks, an admitted joiner, "
+                        "the survivors of a rank death), move to the layout advisor's best "
+                        "layout for it (`dynatrain suggest`); the log and switches.jsonl say why")
     g.add_argument("--dynatrain-compare-checkpoint", action="store_true",
                    help="at the end, time the dist_checkpointing save+load path for the summary")
     g.add_argument("--dynatrain-standby-ranks", type=int, default=0,

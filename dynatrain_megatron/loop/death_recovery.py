@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -70,13 +70,16 @@ class Recovery:
     mode: str  # "memory": from the survivors' replicas; "checkpoint": from the last checkpoint
     layout: Layout
     switch: Optional[SwitchReport] = None  # the in-memory transfer
+    note: str = ""  # why this layout, when the advisor chose it (auto-layout)
 
 
 def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: TrainConfig,
                         rendezvous_dir: Optional[str], checkpoint_dir: Optional[str],
                         generation: int = 1, timeout: Optional[float] = None,
                         layout: Optional[Layout] = None,
-                        placement: Optional[Placement] = None) -> Recovery:
+                        placement: Optional[Placement] = None,
+                        choose: Optional[Callable[[int], tuple[Layout, str]]] = None
+                        ) -> Recovery:
     """Every survivor calls this after a collective failed because a rank died; a
     survivor on standby (`trainer` None, no state) passes the job's `layout` and
     `placement` instead.
@@ -86,7 +89,9 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     from A, with the dead ranks' state taken from its replicas, to the largest layout
     that fits them: nothing is lost and training goes on from the current iteration.
     Survivors B does not need stay in the new world (standby). Otherwise only B's ranks
-    re-form the world and load the last checkpoint; the lost tensors are named."""
+    re-form the world and load the last checkpoint; the lost tensors are named.
+    `choose` (auto-layout): survivors -> (layout, note) replaces "the largest layout that
+    fits" (`fit_layout`)."""
     old = trainer.objs if trainer is not None else None
     old_rank, old_world = dist.get_rank(), dist.get_world_size()
     if old is not None:
@@ -108,23 +113,31 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     def in_memory(survivors) -> bool:
         return lost_state(spec, src, dead_of(survivors), pa, bs, kinds=OPT_KINDS).recoverable
 
+    def target(n: int) -> tuple[Layout, str]:
+        if choose is not None:
+            return choose(n)
+        return fit_layout(spec, train, src, n), ""
+
     def keep(survivors: tuple[int, ...]) -> int:
         if in_memory(survivors):
             return len(survivors)
-        return fit_layout(spec, train, src, len(survivors)).world_size
+        return target(len(survivors))[0].world_size
 
     nw = reform_world(rendezvous_store(rendezvous_dir), old_rank, old_world, generation, keep)
     what = lost_state(spec, src, dead_of(nw.survivors), pa, bs).describe()
-    dst = fit_layout(spec, train, src, len(nw.survivors))
+    dst, note = target(len(nw.survivors))
+    if note:
+        log.warning("%s", note)
     mode = "memory" if in_memory(nw.survivors) else "checkpoint"
     log.error("ranks %s died: %s; recovering %s at %s", list(nw.dead), what,
               "from the survivors' memory" if mode == "memory" else "from the last checkpoint",
               dst)
     if nw.rank is None:
         log.warning("rank %d is not needed by the new layout: leaving", old_rank)
-        return Recovery(None, nw, what, mode, dst)
+        return Recovery(None, nw, what, mode, dst, note=note)
     if mode == "memory":
-        return _recover_in_memory(spec, train, src, pa, dst, nw, held, scalars, what, timeout)
+        rec = _recover_in_memory(spec, train, src, pa, dst, nw, held, scalars, what, timeout)
+        return replace(rec, note=note)
     held = None
     if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
         raise DynatrainError(f"state lost ({what}) and no checkpoint to resume from "
@@ -135,7 +148,7 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     new = start_job(spec, dst, train)
     new.iteration, new.consumed_samples = dist_ckpt.load(new.objs, checkpoint_dir)
     assert dist.get_world_size() == dst.world_size
-    return Recovery(new, nw, what, mode, dst)
+    return Recovery(new, nw, what, mode, dst, note=note)
 
 
 def let_go_of_layout(trainer: Optional[Trainer], spec: ModelSpec, placement: Placement,

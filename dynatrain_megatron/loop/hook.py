@@ -33,6 +33,7 @@ from ..vps.placement import Placement
 from ..mcore.builders import MegatronBuilder, TrainingObjects, bucket_size_of, validator_options
 from .memory_check import SwitchMemoryCheck, release_grad_buffers, restore_grad_buffers
 from .memory_check import from_args as memory_check_from_args
+from .auto_layout import LayoutAdvisor
 from .switching import WorldBroken, prepared_switch_args, start_preparation, switch_trainer
 from ..mcore.train_config import TrainConfig
 from ..mcore.training import Trainer
@@ -56,6 +57,8 @@ class SwitchRecord:
     groups_in_pause: bool = False  # True only with background_groups=False (comparison)
     # B's build, binding, check and plan, done in the background while A trained
     prepared: dict = field(default_factory=dict)
+    source: str = "signal"  # who asked: "signal", "schedule", "auto"
+    reason: str = ""  # when the job chose the layout: why, and the advisor's top rows
 
 
 class DynatrainHook:
@@ -65,7 +68,8 @@ class DynatrainHook:
                  background_groups: bool = True, timeout: Optional[float] = None,
                  rendezvous_dir: Optional[str] = None,
                  recovery_checkpoint: Optional[str] = None, max_recoveries: int = 8,
-                 memory: Optional[SwitchMemoryCheck] = None) -> None:
+                 memory: Optional[SwitchMemoryCheck] = None,
+                 advisor: Optional[LayoutAdvisor] = None, auto_layout: bool = False) -> None:
         # the job's switch options, checked once at start (SwitchError names every bad one)
         SwitchOptions(placement=placement, ranks_per_node=ranks_per_node,
                       memory_budget=memory_budget, timeout=timeout)
@@ -97,6 +101,13 @@ class DynatrainHook:
         self.faults = FaultPlan.from_env()  # DYNATRAIN_FAULTS, e.g. a rank killed at a step
         self.memory = memory  # A and B together on the devices (loop/memory_check.py)
         self._release_a_grads = False  # the memory plan's degraded mode for the next switch
+        # the layout advisor: answers requests without a layout; with auto_layout the job
+        # also moves to its choice when the device count changes (loop/auto_layout.py)
+        self.advisor = advisor
+        self.auto_layout = auto_layout
+        if advisor is not None:
+            controller.advise = advisor.advise
+            controller.auto_layout = auto_layout
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig) -> "DynatrainHook":
@@ -107,7 +118,9 @@ class DynatrainHook:
                              train, lay, args.dynatrain_device_memory))
         # join requests (elastic/join.py): reviewed on rank 0 at each poll when configured
         ctl.joins = open_reviewer(args.dynatrain_rendezvous_dir, args.dynatrain_secret_file)
+        advisor = LayoutAdvisor(spec, train, device_memory_bytes=args.dynatrain_device_memory)
         return cls(spec, train, ctl, ranks_per_node=args.dynatrain_ranks_per_node,
+                   advisor=advisor, auto_layout=getattr(args, "dynatrain_auto_layout", False),
                    memory_budget=args.dynatrain_memory_budget,
                    placement="default" if args.dynatrain_default_placement else "best",
                    log_dir=args.dynatrain_log_dir, timeout=args.dynatrain_timeout,
@@ -189,6 +202,8 @@ class DynatrainHook:
             log.info("already at layout %s: nothing to do", src)
             self.controller.done(d, "applied", "already at this layout")
             return
+        if d.note:
+            log.info("iteration %s: %s", iteration, d.note)
         try:  # the same pure computation on every rank: all refuse alike, A untouched
             dst = Layout.parse(d.target, d.world)
             placement = choose_dst_placement(self.spec, self.builder, src, self.layout_placement,
@@ -282,7 +297,9 @@ class DynatrainHook:
         rec = SwitchRecord(trainer.iteration, str(src), str(dst), r.placement, r.bytes_moved,
                            r.lower_bound_bytes, pause, groups_s, phases,
                            groups_in_pause=not self.background_groups,
-                           prepared={k: round(v, 4) for k, v in r.background.items()})
+                           prepared={k: round(v, 4) for k, v in r.background.items()},
+                           source=self.decision.source if self.decision else "signal",
+                           reason=self.decision.note if self.decision else "")
         self.history.append(rec)
         at = self.decision.at if self.decision is not None else None
         waited, self._waited_s = self._waited_s, 0.0
@@ -430,14 +447,15 @@ class DynatrainHook:
         rec = recover_after_death(trainer, self.spec, self.builder.train, self.rendezvous_dir,
                                   self.recovery_checkpoint, generation=len(self.recoveries) + 1,
                                   timeout=self.timeout, layout=self.layout,
-                                  placement=self.layout_placement)
+                                  placement=self.layout_placement, choose=self._survivor_layout())
         src = self.layout
         self.layout = rec.layout
         self.layout_placement = Placement(tuple(range(rec.layout.world_size)))
         entry = dict(kind="recovery", iteration=(rec.trainer.iteration if rec.trainer else None),
                      src=str(src), dst=str(rec.layout), mode=rec.mode, dead=list(rec.world.dead),
                      survivors=list(rec.world.survivors), lost=rec.lost,
-                     pause_s=rec.switch.pause_seconds if rec.switch else None)
+                     pause_s=rec.switch.pause_seconds if rec.switch else None,
+                     reason=rec.note)
         self.recoveries.append(entry)
         if rec.world.rank is None:
             return "leave", None
@@ -445,6 +463,19 @@ class DynatrainHook:
         if rec.trainer is None:
             return "standby", None
         return "train", rec.trainer
+
+    def _survivor_layout(self):
+        """With auto-layout, how recovery chooses the survivors' layout: the advisor's best
+        of the most survivors it can serve, with the note saying why (None: recovery's
+        own rule, the old layout's model parallelism with the largest DP that fits)."""
+        if not self.auto_layout or self.advisor is None:
+            return None
+        advisor = self.advisor
+
+        def choose(n: int) -> tuple[Layout, str]:
+            c = advisor.best_at_most(n, f"auto-layout: {n} survivors after a rank death")
+            return c.layout, c.note
+        return choose
 
     def stop_standby(self) -> None:
         """Collective with the standby ranks waiting in `standby()`: the job is over.

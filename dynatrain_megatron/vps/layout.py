@@ -242,6 +242,11 @@ class Layout:
             e.append(f"num_layers {num_layers} - ppf {self.ppf} - ppl {self.ppl} = {rest} does "
                      f"not split evenly over the {n_mid} middle stage(s) (every stage needs "
                      f"at least one layer)")
+        elif min(self.stage_num_layers(num_layers)) < 1:
+            # megatron-core's TransformerConfig refuses it ("0 middle layers remaining but
+            # N middle PP stages available")
+            e.append(f"stage layer counts {self.stage_num_layers(num_layers)}: every pipeline "
+                     f"stage needs at least one layer")
         elif any(n % self.vpp for n in self.stage_num_layers(num_layers)):
             e.append(f"stage layer counts {self.stage_num_layers(num_layers)} are not all "
                      f"divisible by vpp {self.vpp}")

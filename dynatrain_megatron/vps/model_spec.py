@@ -132,3 +132,15 @@ class ModelSpec:
     @property
     def qkv_rows(self) -> int:
         return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
+
+    @property
+    def fc1_rows(self) -> int:
+        """Output rows of a dense MLP's fc1 (SwiGLU: [gate; up])."""
+        return self.ffn_hidden_size * (2 if self.swiglu else 1)
+
+    @property
+    def moe_fc1_rows(self) -> int:
+        """Output rows of an expert's fc1 (SwiGLU: [gate; up])."""
+        if self.moe_ffn_hidden_size is None:
+            raise ModelSpecError(f"model {self.name!r} has no moe_ffn_hidden_size")
+        return self.moe_ffn_hidden_size * (2 if self.swiglu else 1)
