@@ -43,7 +43,7 @@ class LayoutAdvisor:
                  calibration: Calibration = Calibration(),
                  transformer_engine: Optional[bool] = None, top: int = 3) -> None:
         if transformer_engine is None:
-            from .builders import transformer_engine_available
+            from ..mcore.builders import transformer_engine_available
             transformer_engine = transformer_engine_available()
         self.spec = spec
         self.work = Workload(train.micro_batch_size, train.global_batch_size, spec.seq_length)
