@@ -96,7 +96,9 @@ def test_schedule_entry_during_a_pending_switch_runs_after_it(res):
     r = res["schedule"]
     (i1, a1, b1), (i2, a2, b2) = r["switches"]
     assert (a1, b1, a2, b2) == ("tp2pp2dp1", "tp1pp2dp2", "tp1pp2dp2", "tp2pp1dp2")
-    assert 2 < i1 < i2 and r["layout"] == "tp2pp1dp2"
+    # a scheduled switch lands exactly after its iteration (never before it); the second
+    # entry came due while the first was pending and runs after it
+    assert 2 <= i1 < i2 and i2 >= 3 and r["layout"] == "tp2pp1dp2"
 
 
 def test_validator_verdict_equals_what_megatron_core_builds(res):
