@@ -28,7 +28,7 @@ def case(root):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from dynatrain_megatron.compat import prepare_runtime
-    from dynatrain_megatron.integration import megatron_lm as mlm
+    from dynatrain_megatron.megatron_lm import adapter as mlm
     from dynatrain_megatron.mcore.builders import build_training_objects, seed_rngs
     from dynatrain_megatron.mcore.training import Trainer
     from dynatrain_megatron.mcore.train_config import TrainConfig

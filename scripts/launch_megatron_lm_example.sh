@@ -7,7 +7,7 @@
 #
 # Needs GPUs (Megatron-LM's pretrain() is CUDA-only) and this package installed in the same
 # Python (`pip install -e .`). The model flags are the ones the adapter can rebuild after a
-# switch (integration/megatron_lm.py:unsupported_args): distributed optimizer, no dropout,
+# switch (megatron_lm/adapter.py:unsupported_args): distributed optimizer, no dropout,
 # --transformer-impl matching what our builder will use. Flag names are those of the
 # Megatron-LM commit the patch was checked against; other releases may spell some differently.
 set -euo pipefail

@@ -53,7 +53,7 @@ def main() -> int:
     tree = work / "Megatron-LM"
     if not tree.exists():
         shutil.copytree(src, tree)
-    from dynatrain_megatron.integration.megatron_lm_patch import patch_checkout
+    from dynatrain_megatron.megatron_lm.patch_tool import patch_checkout
 
     state, written = patch_checkout(tree)
     print(f"Megatron-LM {state.release.name} from {src}: "

@@ -19,7 +19,7 @@ def require_snapshot() -> Path:
 
 def copy_tree(dst: Path, *, patched: bool) -> Path:
     """A copy of the snapshot at `dst`, patched with `dynatrain megatron-lm patch` or not."""
-    from dynatrain_megatron.integration.megatron_lm_patch import patch_checkout
+    from dynatrain_megatron.megatron_lm.patch_tool import patch_checkout
 
     shutil.copytree(require_snapshot(), dst)
     if patched:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dynatrain_megatron.integration import megatron_lm as mlm
+from dynatrain_megatron.megatron_lm import adapter as mlm
 from dynatrain_megatron.vps.errors import DynatrainError
 from dynatrain_megatron.vps.layout import Layout
 
@@ -44,8 +44,8 @@ def megatron_args(**over) -> argparse.Namespace:
 def test_module_imports_without_megatron_lm(monkeypatch):
     # `import megatron.training` fails as on a machine with megatron-core only
     monkeypatch.setitem(sys.modules, "megatron.training", None)
-    monkeypatch.delitem(sys.modules, "dynatrain_megatron.integration.megatron_lm")
-    mod = importlib.import_module("dynatrain_megatron.integration.megatron_lm")
+    monkeypatch.delitem(sys.modules, "dynatrain_megatron.megatron_lm.adapter")
+    mod = importlib.import_module("dynatrain_megatron.megatron_lm.adapter")
     assert callable(mod.dynatrain_step) and callable(mod.chain_extra_args_providers)
     assert sys.modules["megatron.training"] is None  # nothing tried to replace it
 

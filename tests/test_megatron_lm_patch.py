@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dynatrain_megatron.cli import main
-from dynatrain_megatron.integration import megatron_lm_patch as mp
+from dynatrain_megatron.megatron_lm import patch_tool as mp
 from megatron_lm_tree import SNAPSHOT, require_snapshot
 
 FILES = ("megatron/training/training.py", "pretrain_gpt.py")

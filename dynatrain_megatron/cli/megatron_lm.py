@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..integration.megatron_lm_patch import RELEASES, patch_checkout
+from ..megatron_lm.patch_tool import RELEASES, patch_checkout
 
 
 def add_parser(sub) -> None:
