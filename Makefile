@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 NPROC ?= 4
 STAMP := $(VENV)/.installed
 
-.PHONY: install run run-megatron-lm test test-fast bench clean
+.PHONY: install run run-mcore test test-fast bench clean
 
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,13 +18,16 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
+# the main job, real Megatron-LM (MEGATRON_LM=DIR for your own checkout; default
+# ../shared/megatron-lm/core_v0.16.1): a patched copy trains with the plain torchrun command,
+# switches through its schedule and signal file (a scale-in and a scale-out among them),
+# beside its own --save + restart + --load, timed
 run: $(STAMP)
-	$(BIN)/python scripts/main_job.py --nproc $(NPROC)
+	$(BIN)/python scripts/megatron_lm_job.py --nproc 4
 
-# real Megatron-LM (MEGATRON_LM=DIR for your own checkout; default ../shared/megatron-lm/core_v0.16.1):
-# patched copy, switched in memory, beside its own --save + restart + --load, timed
-run-megatron-lm: $(STAMP)
-	$(BIN)/python scripts/megatron_lm_job.py --nproc $(NPROC)
+# our own stand-in job on megatron-core (scripts/pretrain_gpt.py), for tests and benchmarks
+run-mcore: $(STAMP)
+	$(BIN)/python scripts/main_job.py --nproc $(NPROC)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --timeout=1500

@@ -1,17 +1,21 @@
-"""Real Megatron-LM, switched in memory, beside Megatron-LM's own save + restart + load.
+"""The main job (`make run`): real Megatron-LM, switched in memory through the signal file,
+beside Megatron-LM's own save + restart + load, timed.
 
 Copies Megatron-LM (default `../shared/megatron-lm/core_v0.16.1`, or `MEGATRON_LM=DIR`, the
 user's own checkout), patches the copy with `dynatrain megatron-lm patch`, and runs its own
 `pretrain_gpt.py` with the plain torchrun command on gloo ranks (CPU flags):
 
-1. switched: A trains, a `--dynatrain-schedule` switch lands after iteration K at B, the job
-   trains on to N;
-2. restart: A trains to K and `--save`s (fully reshardable), exits; a new job `--load`s at B
-   and trains to N: what Megatron-LM users do today.
+1. switched: a tp2pp2 job on 4 ranks; `--dynatrain-schedule` switches it to tp1pp2dp2
+   exactly after iteration K; then this script plays the operator and writes requests to
+   its signal file as the log shows the iterations go by: an impossible tp3pp1 (refused, training goes on), a scale-in to tp1pp2dp1 on 2 ranks
+   (the other 2 wait on standby inside Megatron-LM's loop), and a scale-out back to
+   tp2pp2 on all 4; the job ends with its switch summary;
+2. restart: A trains to K and `--save`s (fully reshardable), exits; a new job `--load`s at
+   tp1pp2dp2 and trains on: what Megatron-LM users do today.
 
-Printed: the losses of both, our pause (from the switch's log line) and, measured the same way
-on both, the wall time from the end of iteration K at A to the end of iteration K+1 at B
-(one step at B plus the switch, or plus save + exit + restart + load), and their ratio.
+Printed: the switch summary, the losses of both up to the scale-in, and, measured the same
+way on both, the wall time from the end of iteration K at A to the end of iteration K+1 at
+B (one step at B plus the switch, or plus save + exit + restart + load), and their ratio.
 
     python scripts/megatron_lm_job.py [--nproc 4] [--work DIR]
 """
@@ -30,9 +34,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the torchrun helpers the tests use
 
-from megatron_lm_runs import CPU_FLAGS, TINY_GPT, layout_flags, losses, run_megatron_lm  # noqa: E402
+from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, layout_flags, losses,  # noqa: E402
+                              run_megatron_lm, run_operated)
 
 STAMP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+(\d+)/")
+SUMMARY = re.compile(r"dynatrain switches:.*?(?=\n\S*(?:INFO|WARNING|\[|>|\s*$))", re.S)
 
 
 def iteration_times(text: str) -> dict[int, float]:
@@ -44,12 +50,16 @@ def iteration_times(text: str) -> dict[int, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--iters", type=int, default=8)
-    p.add_argument("--switch-after", type=int, default=4)
+    p.add_argument("--iters", type=int, default=18)
+    p.add_argument("--switch-after", type=int, default=3)
     p.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     args = p.parse_args()
+    if args.nproc != 4:
+        raise SystemExit("--nproc: the operator's requests are written for 4 ranks")
     src = Path(os.environ.get("MEGATRON_LM") or ROOT.parent / "shared/megatron-lm/core_v0.16.1")
     work = Path(args.work or tempfile.mkdtemp(prefix="dynatrain-mlm-"))
+    work.mkdir(mode=0o700, parents=True, exist_ok=True)  # the signal directory: the job's
+    os.chmod(work, 0o700)
     tree = work / "Megatron-LM"
     if not tree.exists():
         shutil.copytree(src, tree)
@@ -60,41 +70,55 @@ def main() -> int:
           f"{'patched ' + ', '.join(written) if written else 'already patched'} in {tree}")
     k, n = args.switch_after, args.iters
     a, b = layout_flags(2, 2), layout_flags(1, 2)
-    sched = work / "schedule.yaml"
-    sched.write_text(f"- {{iteration: {k}, layout: tp1pp2dp2}}\n")
     common = CPU_FLAGS + TINY_GPT + ["--train-iters", str(n)]
+    signal = work / "switch.json"
     for d in ("saved", "resumed"):
         shutil.rmtree(work / d, ignore_errors=True)
+    signal.unlink(missing_ok=True)
+    # after iteration -> (layout, ranks): one impossible, a scale-in and a scale-out
+    # the first switch from the schedule (lands exactly after K, for the timing); then,
+    # after iteration -> (layout, ranks): one impossible, a scale-in and a scale-out
+    sched = work / "schedule.yaml"
+    sched.write_text(f"- {{iteration: {k}, layout: tp1pp2dp2}}\n")
+    requests = {k + 2: ("tp3pp1", None), k + 4: ("tp1pp2dp1", 2), k + 8: ("tp2pp2dp1", 4)}
 
-    print(f"1. switched in memory: tp2pp2 -> tp1pp2dp2 after iteration {k} ({args.nproc} ranks)")
-    sw = run_megatron_lm(tree, args.nproc, common + a + [
-        "--dynatrain", "--dynatrain-schedule", str(sched)], work / "switched.log")
-    print(f"2. Megatron-LM's restart: save at {k}, new job loads at tp1pp2dp2")
+    print(f"1. Megatron-LM switched in memory through its signal file ({args.nproc} ranks)")
     t0 = time.time()
+    sw = run_operated(tree, args.nproc, common + a + [
+        "--dynatrain", "--dynatrain-schedule", str(sched),
+        "--dynatrain-signal-file", str(signal)], work / "switched.log", signal,
+        requests)
+    t1 = time.time()
+    print(f"2. Megatron-LM's restart: save at {k}, a new job loads at tp1pp2dp2")
     saved = run_megatron_lm(tree, args.nproc, common + a + [
         "--save", str(work / "saved"), "--save-interval", str(k), "--exit-interval", str(k)],
         work / "saved.log")
-    t1 = time.time()
-    resumed = run_megatron_lm(tree, args.nproc, common + b + ["--load", str(work / "saved")],
-                              work / "resumed.log")
     t2 = time.time()
+    resumed = run_megatron_lm(tree, args.nproc, common + b + [
+        "--load", str(work / "saved"), "--exit-interval", str(k + 2)], work / "resumed.log")
+    t3 = time.time()
 
-    pause = [float(x) for x in re.findall(r"switched tp2pp2dp1 -> tp1pp2dp2 .*?pause ([0-9.]+) s",
-                                          sw)]
+    # every rank logs its summary; rank 0's (never on standby) has every switch
+    summary = max(SUMMARY.findall(sw), key=len, default="(no switch summary in the log)")
+    print("\n" + summary.strip())
+    pause = [float(x) for x in re.findall(
+        r"switched tp2pp2dp1 -> tp1pp2dp2 .*?pause ([0-9.]+) s", sw)]
     ts_sw, ts_saved, ts_res = (iteration_times(t) for t in (sw, saved, resumed))
     ours = ts_sw[k + 1] - ts_sw[k]
     theirs = ts_res[k + 1] - ts_saved[k]
     l_sw, l_ref = losses(sw), {**losses(saved), **losses(resumed)}
     print("\niteration  switched      restart")
     for i in sorted(l_sw):
-        print(f"{i:>9}  {l_sw[i]:<12}  {l_ref.get(i, '-'):<12}{'  <- switch' if i == k else ''}")
-    print(f"\nour pause (slowest rank, from the log): {max(pause):.3f} s")
+        print(f"{i:>9}  {l_sw[i]:<12}  {l_ref.get(i, '-'):<12}"
+              f"{'  <- switch to tp1pp2dp2' if i == k else ''}")
+    print(f"\nthe tp2pp2 -> tp1pp2dp2 switch after iteration {k}: pause {max(pause):.3f} s "
+          "(slowest rank, from the log)")
     print(f"end of iteration {k} at A -> end of iteration {k + 1} at B:")
     print(f"  in memory:                       {ours:7.2f} s")
     print(f"  --save + restart + --load:       {theirs:7.2f} s "
-          f"(save job {t1 - t0:.1f} s, load job {t2 - t1:.1f} s in all)")
+          f"(save job {t2 - t1:.1f} s, load job {t3 - t2:.1f} s in all)")
     print(f"  ratio:                           {theirs / ours:7.1f}x")
-    print(f"logs in {work}")
+    print(f"switched job {t1 - t0:.1f} s in all; logs in {work}")
     return 0
 
 

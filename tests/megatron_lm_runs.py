@@ -58,6 +58,48 @@ def run_megatron_lm(tree: Path, nproc: int, flags: list[str], log: Path, *,
     return text
 
 
+# Megatron-LM's iteration line (printed by the world's last rank), or ours from rank 0 while
+# the last rank is on standby
+DONE = re.compile(r"\] iteration\s+(\d+)/|dynatrain: iteration (\d+) done at")
+
+
+def run_operated(tree: Path, nproc: int, flags: list[str], log: Path, signal: Path,
+                 requests: dict) -> str:
+    """Run pretrain_gpt.py of `tree` under torchrun and, as each iteration shows in its log,
+    write the request due after it to the signal file (as `dynatrain request` does)."""
+    from dynatrain_megatron.elastic.signal_file import write_request
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(tree)]))
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc),
+           str(tree / "pretrain_gpt.py"), *flags]
+    print("+ torchrun --standalone --nproc-per-node", nproc, "pretrain_gpt.py",
+          " ".join(f for f in flags if f.startswith("--dynatrain") or f.startswith("--t")
+                   or f.startswith("--p")), flush=True)
+    pending = dict(requests)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        for line in proc.stdout:
+            f.write(line)
+            m = DONE.search(line)
+            if "switched" in line and "dynatrain" in line and "INFO" in line:
+                print("  " + line.split("INFO:dynatrain:")[-1].strip()[:150], flush=True)
+            if not m:
+                continue
+            it = int(m.group(1) or m.group(2))
+            for due in [k for k in pending if k <= it]:
+                layout, world = pending.pop(due)
+                write_request(signal, layout, world)
+                print(f"[operator] after iteration {it}: requested {layout}"
+                      + (f" on {world} ranks" if world else ""), flush=True)
+        rc = proc.wait()
+    text = log.read_text()
+    if rc != 0:
+        raise AssertionError(f"Megatron-LM exited {rc}; log {log}:\n{text[-4000:]}")
+    return text
+
+
 def losses(text: str) -> dict[int, str]:
     """iteration -> the loss as Megatron-LM printed it (printed once, by the last rank)."""
     out: dict[int, str] = {}

@@ -25,7 +25,15 @@ What this can do, and what it cannot (the honest part):
   calculator is reconfigured, and the data iterators are rebuilt with Megatron-LM's own
   `build_train_valid_test_data_iterators` at `args.consumed_train_samples`, so the sample
   stream continues exactly where it was, at any data-parallel size.
-* Not done: scale-in/out (every rank must stay in the job), Megatron-LM's gloo twin groups
+* Scale-in/out: a rank that a switch leaves out waits on standby inside `dynatrain_step`
+  (the hook's `standby()`: the controller's broadcasts, B's groups) and comes back into
+  `train()` with the new objects and the current iteration, or leaves the loop when the job
+  ends. Meanwhile the world collectives Megatron-LM makes between steps on the layout's
+  ranks (timers, the rerun state machine, the data rebuild) run over the layout's group
+  (`megatron_lm/timers.py`). Not done: a job that ends with ranks on standby and then saves or
+  evaluates in `pretrain()` (those use the world), and exits other than `--train-iters`
+  (`--exit-interval`, signals, duration) while ranks are on standby.
+* Not done: Megatron-LM's gloo twin groups
   of the first layout are dropped and its first process groups are left alive (not
   destroyed) because `parallel_state` may still hand them out elsewhere.
 
@@ -35,6 +43,7 @@ Importing this module needs megatron-core and this package only; Megatron-LM
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -45,6 +54,7 @@ from ..vps.layout import GROUP_AXES, Layout
 from ..vps.model_spec import ModelSpec
 from ..loop.arguments import add_dynatrain_args
 from ..mcore.train_config import TrainConfig
+from .timers import confine_timers, world_collectives_on
 
 log = logging.getLogger("dynatrain")
 
@@ -359,6 +369,8 @@ class LoopObjects:
     config: Any
     test_data_iterator: Any = None
     changed: bool = False
+    iteration: int = 0  # where the loop goes on (a rank back from standby catches up)
+    stop: bool = False  # this rank was on standby when the job ended: leave the loop
 
 
 _DATASET_PROVIDER: Optional[Callable] = None
@@ -533,14 +545,14 @@ class MegatronLMSession:
         self.trainer = Trainer(self.spec, self.train, objs,
                                consumed_samples=_get(args, "consumed_train_samples", 0))
         self.hook = DynatrainHook.from_args(args, self.spec, self.train)
-        # Megatron-LM's loop has no standby path: refuse device-count changes before any move
-        self.hook.controller.allow_device_count_change = False
         self.test_data_iterator: Any = None
         self.latest: Optional[LoopObjects] = None
         log.info("dynatrain: wrapping Megatron-LM's %s job (%s); switches are polled every %d "
                  "iteration(s)", layout, self.spec.name, args.dynatrain_poll_interval)
 
     def step(self, iteration: int, loop: LoopObjects) -> LoopObjects:
+        import torch.distributed as dist
+
         t = self.trainer
         if loop.model is not t.objs.model:
             raise DynatrainError("train() holds other objects than the last switch returned; "
@@ -550,20 +562,38 @@ class MegatronLMSession:
         old_config = t.objs.config
         before = t.objs
         t = self.hook.after_step(t)
-        if t is None:
-            raise DynatrainError("this rank left the job in a switch; Megatron-LM's loop cannot "
-                                 "continue without it (scale-in is not supported here)")
+        if t is None:  # a scale-in left this rank out: on standby until one brings it back
+            log.info("dynatrain: iteration %d: this rank is on standby", iteration)
+            t = self.hook.standby()
+            if t is None:  # the job ended while this rank was out
+                self.trainer = None
+                return dataclasses.replace(loop, iteration=_get(self.args, "train_iters",
+                                                                iteration), stop=True)
+            log.info("dynatrain: back from standby at iteration %d", t.iteration)
         self.trainer = t
+        world = dist.get_world_size()
+        if (self.hook.layout.world_size < world
+                and t.iteration >= _get(self.args, "train_iters", t.iteration)):
+            self.hook.stop_standby()  # the last step: the ranks on standby leave train()
+        if self.hook.layout.world_size < world and dist.get_rank() == 0:
+            # Megatron-LM prints its iteration line on the world's last rank, maybe on standby
+            log.info("dynatrain: iteration %d done at %s on %d of %d ranks (the others on "
+                     "standby)", t.iteration, self.hook.layout, self.hook.layout.world_size,
+                     world)
         if t.objs is before:
             return loop
         o = t.objs
+        confine_timers(o.groups.layout_group if o.layout.world_size < world else None)
+        self.args.consumed_train_samples = t.consumed_samples
         for k, v in args_for_layout(o.layout, self.spec).items():
             setattr(self.args, k, v)
         _prepare_config(self.args, o.model, o.optimizer, o.config, old_config)
-        train_it, valid_it, test_it = _rebuild_data_iterators(self.args, len(o.model))
+        with world_collectives_on(o.groups.layout_group if o.layout.world_size < world
+                                  else None):
+            train_it, valid_it, test_it = _rebuild_data_iterators(self.args, len(o.model))
         self.test_data_iterator = test_it
         self.latest = LoopObjects(o.model, o.optimizer, o.scheduler, train_it, valid_it,
-                                  o.config, test_it, changed=True)
+                                  o.config, test_it, changed=True, iteration=t.iteration)
         return self.latest
 
 
@@ -590,7 +620,7 @@ def finish_training(model: list, optimizer: Any, opt_param_scheduler: Any,
     """Called by the patched `pretrain()` after `train()` returns: the objects the loop
     ended with (the caller's are released if a switch happened) and the switch summary."""
     s = _SESSION
-    if s is None:
+    if s is None or s.trainer is None:  # no session, or on standby at the end
         return (model, optimizer, opt_param_scheduler, train_data_iterator,
                 valid_data_iterator, test_data_iterator, config)
     s.hook.finish(s.trainer)
