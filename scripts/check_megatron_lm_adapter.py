@@ -29,6 +29,7 @@ def case(root):
     from megatron.core import parallel_state as ps
     from dynatrain_megatron.compat import prepare_runtime
     from dynatrain_megatron.megatron_lm import adapter as mlm
+    from dynatrain_megatron.megatron_lm import arguments as mla
     from dynatrain_megatron.mcore.builders import build_training_objects, seed_rngs
     from dynatrain_megatron.mcore.training import Trainer
     from dynatrain_megatron.mcore.train_config import TrainConfig
@@ -74,7 +75,7 @@ def case(root):
         virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
         expert_model_parallel_size=1, expert_tensor_parallel_size=2, consumed_train_samples=0,
         overlap_grad_reduce=False, overlap_param_gather=False, data_parallel_size=1)
-    mlm.chain_extra_args_providers(None)(p := argparse.ArgumentParser())
+    mla.chain_extra_args_providers(None)(p := argparse.ArgumentParser())
     for k, v in vars(p.parse_args(["--dynatrain", "--dynatrain-signal-file", signal,
                                    "--dynatrain-ranks-per-node", "4"])).items():
         setattr(args, k, v)
