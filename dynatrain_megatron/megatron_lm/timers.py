@@ -69,6 +69,8 @@ def _confined_class(base: type) -> type:
 def confine_timers(group: Any) -> None:
     """Run Megatron-LM's global timers' collectives over `group` (the layout's ranks), or
     over the world again with None. Every rank of the layout calls it after a switch."""
+    if group is None and not _CONFINED:
+        return  # never confined: the timers already run over the world
     from megatron.training.global_vars import get_timers
 
     timers = get_timers()
