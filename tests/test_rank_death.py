@@ -104,11 +104,12 @@ def test_rank_killed_in_a_transfer_round_leaves_a_and_is_recovered_in_memory(in_
         assert o["losses"] == ref["losses"]
 
 
-def _main_job_with_a_death(run, faults: dict) -> tuple[list, dict]:
+def _main_job_with_a_death(run, faults: dict, extra_argv: tuple[str, ...] = (),
+                           dst: str = "tp1pp2dp1") -> tuple[list, dict]:
     """The training entry point on 4 ranks (tp1pp2doi2dp2: two optimizer instances, so a
     lost rank's state is replicated), a rendezvous directory, and `faults` (rank 3 killed);
     returns the per-rank results and the job's summary, after checking that the survivors
-    recovered in memory at tp1pp2dp1 and finished every iteration."""
+    recovered in memory at `dst` and finished every iteration."""
     import json
     from pathlib import Path
 
@@ -118,16 +119,16 @@ def _main_job_with_a_death(run, faults: dict) -> tuple[list, dict]:
             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "8",
             "--lr", "1e-2", "--log-interval", "100", "--dynatrain",
             "--dynatrain-signal-file", str(run / "switch.json"), "--dynatrain-log-dir", str(run),
-            "--dynatrain-rendezvous-dir", str(run / "rdv")]
+            "--dynatrain-rendezvous-dir", str(run / "rdv"), *extra_argv]
     out = run_on_ranks(main_job_case, 4, str(run), argv,
                        env={"DYNATRAIN_PG_TIMEOUT": "60", "DYNATRAIN_FAULTS": json.dumps(faults)})
     assert out[3] is None  # killed
     assert all(o["code"] == 0 for o in out[:3])
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["iteration"] == 8 and summary["layout"] == "tp1pp2dp1"
+    assert summary["iteration"] == 8 and summary["layout"] == dst
     [rec] = summary["recoveries"]
     assert rec["mode"] == "memory" and 3 in rec["dead"]
-    assert rec["src"] == "tp1pp2doi2dp2" and rec["dst"] == "tp1pp2dp1"
+    assert rec["src"] == "tp1pp2doi2dp2" and rec["dst"] == dst
     return out, summary
 
 
@@ -138,6 +139,27 @@ def test_main_job_survives_a_killed_rank_and_finishes_in_memory(tmp_path):
     _, summary = _main_job_with_a_death(tmp_path / "run", {
         "fail_rank": 3, "fail_phase": "step", "iteration": 4, "kill": True, "exit_code": 0})
     assert summary["recoveries"][0]["iteration"] == 4
+
+
+def test_with_auto_layout_the_survivors_move_to_the_advisors_layout(tmp_path):
+    """--dynatrain-auto-layout: after rank 3 dies, the three survivors recover in memory at
+    the layout advisor's best layout of at most 3 devices (here all three, where the
+    default rule keeps tp1pp2 on 2), and the summary says why."""
+    from dynatrain_megatron.configs import load_model
+    from dynatrain_megatron.loop.auto_layout import LayoutAdvisor
+    from dynatrain_megatron.mcore.train_config import TrainConfig
+    from dynatrain_megatron.vps.layout import Layout
+
+    advisor = LayoutAdvisor(load_model("tiny-gpt"),
+                            TrainConfig(micro_batch_size=2, global_batch_size=8, train_iters=8))
+    want = str(advisor.best_at_most(3, "test").layout)
+    assert want != "tp1pp2dp1" and Layout.parse(want).world_size == 3
+    _, summary = _main_job_with_a_death(tmp_path / "run", {
+        "fail_rank": 3, "fail_phase": "step", "iteration": 4, "kill": True, "exit_code": 0},
+        extra_argv=("--dynatrain-auto-layout",), dst=want)
+    [rec] = summary["recoveries"]
+    assert "auto-layout: 3 survivors after a rank death" in rec["reason"]
+    assert want in rec["reason"]
 
 
 def test_a_rank_killed_while_b_is_prepared_in_the_background_is_recovered(tmp_path):
