@@ -7,7 +7,7 @@ import os
 import torch.distributed as dist
 
 from dynatrain_megatron.mcore.session import release, start_job
-from rank_cases import gather_layout_state, spec_variant, switch_train_config
+from rank_cases import gather_layout_state, replica_mismatches, spec_variant, switch_train_config
 
 
 def _planner_bytes(spec, builder, la, pa, lb, rpn: int) -> dict:
@@ -23,21 +23,6 @@ def _planner_bytes(spec, builder, la, pa, lb, rpn: int) -> dict:
     return dict(default=ch.default_stats.moved_bytes, rank_ordered=ro.stats.moved_bytes,
                 best=ch.chosen_stats.moved_bytes, best_devices=ch.chosen.devices,
                 best_is_rank_ordered=is_rank_ordered(lb, ch.chosen))
-
-
-def _replica_mismatches(s, tr, full) -> list:
-    """Every replica (not only the main ones) against the gathered state, all ranks."""
-    from dynatrain_megatron.adapters.live import LiveState
-    from dynatrain_megatron.testing import gather as G
-
-    objs = tr.objs
-    ref = G.broadcast_full_state(full, group=objs.groups.layout_group,
-                                 src=min(objs.groups.placement.devices))
-    bad = G.mismatches_against(LiveState(objs.model, objs.optimizer, objs.groups.virtual_rank,
-                                         s.vocab_size), ref)
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, bad[:3])
-    return [b for part in out for b in part]
 
 
 def _fresh_from_checkpoint(s, train, layout: str, ckpt: str, steps: int) -> list[float]:
@@ -98,7 +83,7 @@ def permuted_switch_cases(root: str, steps_after: int = 3, leak_switches: int = 
                         moved=r.bytes_moved, lower=r.lower_bound_bytes, planner=plan,
                         background=sorted(r.background), phases=sorted(r.phases))
         if len(res.placement.devices) == world:  # (collective over the world)
-            out[tag]["replica_mismatches"] = _replica_mismatches(s, tr, after)
+            out[tag]["replica_mismatches"] = replica_mismatches(s, tr, after)
         return tr, ckpt, res.placement
 
     CKPT_AT_A = {"dense_pp", "dense_dp", "moe"}

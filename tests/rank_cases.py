@@ -249,13 +249,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
                               s.vocab_size)
             bound_in_background = kw["prepared"].live.fragments() == fresh.fragments()
         # every replica (not only the main ones) must hold the state
-        objs = tr.objs
-        ref = G.broadcast_full_state(after, group=objs.groups.layout_group,
-                                     src=min(objs.groups.placement.devices))
-        bad = G.mismatches_against(LiveState(objs.model, objs.optimizer, objs.groups.virtual_rank,
-                                             s.vocab_size), ref)
-        bad_all = [None] * dist.get_world_size()
-        dist.all_gather_object(bad_all, bad[:3])
+        bad_all = replica_mismatches(s, tr, after)
         r = res.report
         rec = dict(a=a, b=str(lb), diff=None if before is None else G.states_equal(before, after),
                    moved=r.bytes_moved, lower=r.lower_bound_bytes, rounds=r.rounds,
@@ -263,7 +257,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
                    placement=r.placement, phases=r.phases, iteration=tr.iteration,
                    zero_copy=_sum_over_ranks(r.zero_copy_bytes),
                    net_all=_sum_over_ranks(r.sent_bytes + r.recv_bytes),
-                   replica_mismatches=[b for part in bad_all for b in part],
+                   replica_mismatches=bad_all,
                    steps_while_preparing=steps_while_preparing,
                    bound_in_background=bound_in_background, background=r.background,
                    source_bound_early=_gathered(r.source_bound_early),
@@ -515,6 +509,22 @@ def _hook_scale(s, train, builder, la, lb, signal_dir: str, steps: int = 9) -> d
     dist.broadcast_object_list(box, src=0)
     res["ref_losses"] = box[0]
     return res
+
+
+def replica_mismatches(s, tr, full) -> list:
+    """Every replica (not only the main ones) of `tr`'s live state against the gathered
+    `full` state: the first mismatches of every rank, on all ranks."""
+    from dynatrain_megatron.adapters.live import LiveState
+    from dynatrain_megatron.testing import gather as G
+
+    objs = tr.objs
+    ref = G.broadcast_full_state(full, group=objs.groups.layout_group,
+                                 src=min(objs.groups.placement.devices))
+    bad = G.mismatches_against(LiveState(objs.model, objs.optimizer, objs.groups.virtual_rank,
+                                         s.vocab_size), ref)
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, bad[:3])
+    return [b for part in out for b in part]
 
 
 def gather_layout_state(s: ModelSpec, tr):
