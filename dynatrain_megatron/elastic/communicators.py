@@ -40,7 +40,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..transition.transport import is_nccl, warm_up
+from ..transition.transport import collective_device, is_nccl, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,14 @@ def control_group() -> Optional[dist.ProcessGroup]:
     if _CONTROL["default"]() is not dist.distributed_c10d._get_default_group():
         return None
     return _CONTROL["group"]
+
+
+def everyone_ok(ok: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Collective over `group` (None: the world): whether `ok` holds on every rank (one
+    4-byte MIN all-reduce)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def warm_up_groups(groups) -> None:

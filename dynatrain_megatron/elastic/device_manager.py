@@ -25,13 +25,12 @@ import time
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..compat import runtime_in_this_thread
-from ..transition.transport import collective_device
 from ..vps.layout import Layout
 from ..vps.placement import Placement
-from .communicators import control_group, device_context, rank_device, warm_up_groups
+from .communicators import (control_group, device_context, everyone_ok, rank_device,
+                             warm_up_groups)
 from .groups import ParallelGroups, build_groups
 
 log = logging.getLogger(__name__)
@@ -93,11 +92,7 @@ class DeviceManager:
         Runs at every step while a preparation is pending: on the CPU control group, so
         it costs no device synchronisation (communicators.control_group)."""
         done = self._thread is None or not self._thread.is_alive()
-        group = control_group()
-        flag = torch.tensor([1 if done else 0], dtype=torch.int32,
-                            device=collective_device(group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        return bool(flag.item())
+        return everyone_ok(done, control_group())
 
     def take(self) -> ParallelGroups:
         """The groups built; the preparation, if one was asked for, is `take_prepared()`."""

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..elastic.controller import Controller, Decision
 from ..elastic.schedule import load_schedule
+from ..elastic.communicators import everyone_ok
 from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import build_groups
 from ..elastic.join import open_reviewer
@@ -507,14 +508,3 @@ class DynatrainHook:
         text = "\n".join(lines)
         log.info(text)
         return text
-
-
-def everyone_ok(ok: bool) -> bool:
-    """Collective over the world: whether `ok` holds on every rank."""
-    import torch
-
-    from ..transition.transport import collective_device
-
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
