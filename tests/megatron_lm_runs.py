@@ -19,18 +19,24 @@ CPU_FLAGS = [
     "--no-bias-dropout-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
     "--no-masked-softmax-fusion",
 ]
-TINY_GPT = [
+TINY_MODEL = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "32", "--max-position-embeddings", "32",
     "--micro-batch-size", "2", "--global-batch-size", "8",
     "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--use-distributed-optimizer",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
-    "--split", "99,1,0", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "1000",
+    "--log-interval", "1", "--eval-iters", "1",
     "--seed", "1234", "--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-reshardable",
 ]
+MOCK_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+             "--split", "99,1,0"]
+TINY_GPT = TINY_MODEL + MOCK_DATA + ["--eval-interval", "1000"]
 
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+# Megatron-LM's validation line: during training ("at iteration N") and after it ("at
+# iteration N on validation set")
+VALID = re.compile(r"validation loss at iteration (\d+)( on validation set)? \| "
+                   r"lm loss value: ([0-9.E+-]+)")
 
 
 def layout_flags(tp: int, pp: int, **extra: int) -> list[str]:
@@ -106,6 +112,11 @@ def losses(text: str) -> dict[int, str]:
     for it, loss in LOSS.findall(text):
         out[int(it)] = loss
     return out
+
+
+def validation_losses(text: str) -> dict[tuple[int, bool], str]:
+    """(iteration, after training) -> the validation loss Megatron-LM printed."""
+    return {(int(it), bool(final)): loss for it, final, loss in VALID.findall(text)}
 
 
 def checkpoint_tensors(ckpt_dir: Path, iteration: int) -> dict[str, object]:

@@ -1,0 +1,107 @@
+"""Real Megatron-LM switching an MoE job on a real indexed dataset, against Megatron-LM's own
+restart. Three torchrun jobs of the snapshot's pretrain_gpt.py on 4 gloo ranks, as in
+test_megatron_lm_train.py, check at once:
+
+* MoE expert parallelism 2 -> 4 (`--num-experts 4 --expert-model-parallel-size 2`, then ep4);
+* a data-parallel change on a real indexed dataset (dp2 -> dp4), made from a text corpus by
+  the snapshot's own `tools/preprocess_data.py` (`megatron_lm_data.py`): after it the data
+  order must continue as Megatron-LM's resume from a checkpoint continues it;
+* a pipeline at A, none at B (pp2 -> pp1);
+* `--eval-interval` evaluation before and after the switch, and after training.
+
+The runs: switched (patched, `--dynatrain-schedule` switches after K, trains to N, saves);
+saved (the UNPATCHED tree trains A to K and saves); resumed (patched, no `--dynatrain`,
+loads at B, trains to N, saves). The final checkpoints must be equal bit for bit as logical
+tensors, and every loss Megatron-LM prints must agree with the run that trained that
+iteration at the same layout history.
+"""
+import re
+
+import pytest
+
+from megatron_lm_data import build_indexed_dataset
+from megatron_lm_runs import (CPU_FLAGS, TINY_MODEL, checkpoint_tensors, differences, layout_flags,
+                              log_windows, losses, printable_means, run_megatron_lm,
+                              validation_losses)
+from megatron_lm_tree import copy_tree, require_snapshot
+
+pytestmark = pytest.mark.multirank
+
+K, N = 3, 6
+A, B = "tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4"
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    snapshot = require_snapshot()
+    w = tmp_path_factory.mktemp("megatron-lm-moe")
+    data = build_indexed_dataset(snapshot, w / "data")
+    patched = copy_tree(w / "patched", patched=True)
+    unpatched = copy_tree(w / "unpatched", patched=False)
+    sched = w / "schedule.yaml"
+    sched.write_text(f"- {{iteration: {K}, layout: {B}}}\n")
+    a = layout_flags(1, 2, expert_model_parallel_size=2)
+    b = layout_flags(1, 1, expert_model_parallel_size=4)
+    common = (CPU_FLAGS + TINY_MODEL + MOE + data
+              + ["--split", "90,10,0", "--eval-interval", "2", "--train-iters", str(N)])
+    switched = run_megatron_lm(
+        patched, 4, common + a + ["--save", str(w / "switched"), "--save-interval", "1000",
+                                  "--dynatrain", "--dynatrain-schedule", str(sched)],
+        w / "switched.log")
+    saved = run_megatron_lm(
+        unpatched, 4, common + a + ["--save", str(w / "saved"), "--save-interval", str(K),
+                                    "--exit-interval", str(K)],
+        w / "saved.log", patched=False)
+    resumed = run_megatron_lm(
+        patched, 4, common + b + ["--load", str(w / "saved"), "--save", str(w / "resumed"),
+                                  "--save-interval", "1000"],
+        w / "resumed.log")
+    return dict(w=w, switched=switched, saved=saved, resumed=resumed)
+
+
+def test_trains_on_the_indexed_dataset(runs):
+    for name in ("switched", "saved", "resumed"):  # Megatron-LM's own print of its args
+        args = dict(re.findall(r"^\s+(\w+) \.+ (.*)$", runs[name], re.M))
+        assert args["mock_data"] == "False" and "corpus_text_document" in args["data_path"]
+
+
+def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
+    lines = re.findall(r"iteration (\d+): switched (\S+) -> (\S+) .*", runs["switched"])
+    assert len(lines) == 4 and all(ln[:3] == (str(K), A, B) for ln in lines)
+    assert all("as scheduled" in m.group(0)
+               for m in re.finditer(r"iteration \d+: switched .*", runs["switched"]))
+    assert "rolled back" not in runs["switched"]
+
+
+def test_final_checkpoints_are_bit_identical(runs):
+    w = runs["w"]
+    ours = checkpoint_tensors(w / "switched", N)
+    theirs = checkpoint_tensors(w / "resumed", N)
+    diff = differences(ours, theirs, skip=lambda k: k.startswith("rng_state"))
+    assert not diff, diff[:10]
+    experts = [k for k in ours if ".experts." in k and not k.startswith("optimizer")]
+    assert experts  # the experts' weights are among them (whole, all 4 experts)
+    kinds = {k.split(".")[2] for k in ours if k.startswith("optimizer.state.")}
+    assert kinds == {"exp_avg", "exp_avg_sq", "param"}
+
+
+def test_losses_match_megatron_lm_restart(runs):
+    sw, saved, resumed = (losses(runs[k]) for k in ("switched", "saved", "resumed"))
+    assert sorted(sw) == list(range(1, N + 1)) and sorted(resumed) == list(range(K + 1, N + 1))
+    assert [sw[i] for i in range(1, K + 1)] == [saved[i] for i in range(1, K + 1)]
+    # after it: as the restart at B, every iteration (its 2nd print after --load is a
+    # two-iteration mean: see test_megatron_lm_train.py)
+    ours, theirs = log_windows(list(sw)), log_windows(list(resumed))
+    for i in range(K + 1, N + 1):
+        assert all(ours[j] == [j] for j in theirs[i])
+        assert resumed[i] in printable_means([sw[j] for j in theirs[i]]), i
+
+
+def test_evaluation_before_and_after_the_switch(runs):
+    sw, saved, resumed = (validation_losses(runs[k]) for k in ("switched", "saved", "resumed"))
+    # during training at 2 (at A), 4 and 6 (at B), and once more after training
+    assert set(sw) == {(2, False), (4, False), (6, False), (N, True)}
+    assert sw[(2, False)] == saved[(2, False)]
+    for key in ((4, False), (6, False), (N, True)):
+        assert sw[key] == resumed[key], key
