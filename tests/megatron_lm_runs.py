@@ -119,6 +119,63 @@ def validation_losses(text: str) -> dict[tuple[int, bool], str]:
     return {(int(it), bool(final)): loss for it, final, loss in VALID.findall(text)}
 
 
+def log_windows(iterations: list[int]) -> dict[int, list[int]]:
+    """For one Megatron-LM process that logs every iteration (`--log-interval 1`) and
+    trained `iterations`: the iterations whose mean loss it prints at each of them.
+
+    training_log() sums the loss since its last reset and prints the sum over the count;
+    the first iteration of a process prints but does not reset (core_v0.16.1 training.py:
+    `should_reset = not is_first_iteration`, meant for a first print ahead of a longer
+    interval). With an interval of 1 the second print is thus the mean of the first two
+    iterations, in a fresh run (iteration 2) as after `--load` (K+2): a Megatron-LM bug,
+    NVIDIA/Megatron-LM#6237 (fixed upstream by #7092), in the printed loss only."""
+    its = sorted(iterations)
+    out = {i: [i] for i in its}
+    if len(its) > 1:
+        out[its[1]] = its[:2]
+    return out
+
+
+def _float32s_printed_as(text: str) -> list[float]:
+    """Every float32 value that Megatron-LM's `{:.6E}` prints as `text` (7 digits: a few
+    float32 values each)."""
+    import numpy as np
+
+    def shows(v) -> bool:
+        return f"{float(v):.6E}" == text
+
+    lo = hi = np.float32(float(text))
+    if not shows(lo):
+        raise ValueError(f"no float32 prints as {text!r}")
+    while shows(np.nextafter(lo, np.float32(-np.inf))):
+        lo = np.nextafter(lo, np.float32(-np.inf))
+    while shows(np.nextafter(hi, np.float32(np.inf))):
+        hi = np.nextafter(hi, np.float32(np.inf))
+    out, v = [], lo
+    while v <= hi:
+        out.append(v)
+        v = np.nextafter(v, np.float32(np.inf))
+    return out
+
+
+def printable_means(printed: list[str]) -> set[str]:
+    """Every loss training_log() can print as the mean over a window of iterations whose
+    own losses printed as `printed`: it adds the float32 losses into a float32 tensor (from
+    0) and divides `.item()` by the count. Exact up to what the prints keep: for one
+    iteration, just `{printed[0]}`; for more, each print stands for its float32 values."""
+    import itertools
+
+    import numpy as np
+
+    out = set()
+    for values in itertools.product(*map(_float32s_printed_as, printed)):
+        total = np.float32(0.0)
+        for v in values:
+            total = np.float32(total + v)
+        out.add(f"{float(total) / len(values):.6E}")
+    return out
+
+
 def checkpoint_tensors(ckpt_dir: Path, iteration: int) -> dict[str, object]:
     """Every entry of a torch_dist checkpoint as one logical (global) object: tensors whole,
     whatever layout saved them (torch.distributed.checkpoint's reader, no process group)."""
