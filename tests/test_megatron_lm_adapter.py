@@ -116,14 +116,90 @@ def test_layout_from_args():
 
 
 @pytest.mark.parametrize("text,world", [("tp2pp2dp2", 8), ("tp1pp2vpp2dp4", 8),
-                                        ("tp4pp1dp2", 8), ("tp1pp4ppf1ppl1dp1", 4)])
-def test_args_for_layout_round_trip(text, world):
+                                        ("tp4pp1dp2", 8), ("tp1pp4ppf1ppl1dp1", 4),
+                                        ("tp1pp2doi2dp4", 8), ("tp2pp1doi4dp4", 8)])
+@pytest.mark.parametrize("doi_before", [1, 2])
+def test_args_for_layout_round_trip(text, world, doi_before):
+    # from a job with one or two optimizer instances: the layout's doi replaces the old
     spec = mlm.spec_from_megatron_args(megatron_args(num_layers=8))
     lay = Layout.parse(text, world)
-    a = megatron_args(num_layers=8, **mlm.args_for_layout(lay, spec))
+    a = megatron_args(num_layers=8, num_distributed_optimizer_instances=doi_before)
+    vars(a).update(mlm.args_for_layout(lay, spec))
     assert mlm.layout_from_megatron_args(a, spec, world) == lay
     assert a.padded_vocab_size == spec.padded_vocab_size(lay.tp)
     assert a.data_parallel_size == lay.dp
+    assert a.num_distributed_optimizer_instances == lay.doi
+
+
+def test_optimizer_instances_are_accepted_and_read():
+    a = megatron_args(tensor_model_parallel_size=1, expert_tensor_parallel_size=1,
+                      pipeline_model_parallel_size=1, num_distributed_optimizer_instances=2)
+    assert mlm.unsupported_args(a, te_available=False) == []
+    lay = mlm.layout_from_megatron_args(a, mlm.spec_from_megatron_args(a), 4)
+    assert str(lay) == "tp1pp1doi2dp4" and lay.dense_shards == 2
+    with pytest.raises(DynatrainError, match="doi4"):  # megatron-core refuses it too
+        mlm.layout_from_megatron_args(megatron_args(num_distributed_optimizer_instances=4),
+                                      mlm.spec_from_megatron_args(a), 8)
+
+
+class _Group:
+    """A process group of the emulated world: its members, ascending (torch's numbering)."""
+
+    def __init__(self, ranks):
+        self.ranks = sorted(ranks)
+
+
+def _megatron_core_groups(monkeypatch, lay: Layout, rank: int) -> None:
+    """megatron-core's own `initialize_model_parallel` (as Megatron-LM calls it, default
+    rank order) on `rank` of an emulated world of `lay.world_size` processes."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: lay.world_size)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(dist, "new_group", lambda ranks=None, **kw: _Group(ranks))
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: list(g.ranks))
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        lay.tp, lay.pp, None, context_parallel_size=lay.cp, expert_model_parallel_size=lay.ep,
+        expert_tensor_parallel_size=lay.etp, num_distributed_optimizer_instances=lay.doi,
+        create_gloo_process_groups=False)
+
+
+@pytest.mark.parametrize("text,world", [("tp1pp1doi2dp4", 4), ("tp1pp2cp2doi2dp2", 8),
+                                        ("tp1pp2ep2etp1doi2dp4", 8), ("tp2pp1dp4", 8)])
+def test_megatron_core_groups_are_wrapped_rank_for_rank(monkeypatch, text, world):
+    """Every rank's Megatron-LM groups, made by megatron-core itself, pass the wrap's check
+    against our `Layout`, the distributed-optimizer instance groups included (CP folds into
+    them, expert parameters shard over expert-DP blocks); the layout's group is the default
+    group, since an instance spans 1/doi of the job. A layout with other instances than
+    megatron-core's is refused, naming the group."""
+    import types
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    lay = Layout.parse(text, world)
+    default_group = object()
+    monkeypatch.setattr(dist, "group", types.SimpleNamespace(WORLD=default_group))
+    try:
+        for rank in range(world):
+            _megatron_core_groups(monkeypatch, lay, rank)
+            groups = mlm.wrap_megatron_groups(lay)
+            assert groups.layout_group is default_group and groups.created == []
+            own = {k: v for k, v in groups.group_ranks.items() if k not in ("embd", "pos_embd")}
+            assert own["intra_dist_opt"] == [r for r in range(world)
+                                             if lay.coords(r).edp // lay.expert_shards
+                                             == lay.coords(rank).edp // lay.expert_shards]
+            assert len(own["intra_dp_cp"]) == lay.dense_shards
+            assert ("inter_dist_opt" in own) == (lay.doi > 1)
+            other = Layout.parse(text.replace("doi2", "") if lay.doi > 1 else text + "doi2",
+                                 world)
+            with pytest.raises(DynatrainError, match="intra_dp_cp|intra_dist_opt"):
+                mlm.wrap_megatron_groups(other)
+    finally:
+        ps.destroy_model_parallel()
 
 
 def test_supported_job_has_no_objection():

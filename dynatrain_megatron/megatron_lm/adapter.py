@@ -123,28 +123,42 @@ def _tokenizer_vocab_size() -> Optional[int]:
 def wrap_megatron_groups(layout: Layout):
     """Megatron-LM's `parallel_state` groups as our `ParallelGroups`, after checking that
     every group has exactly the ranks `layout` gives it with the default placement (so the
-    planner's idea of who holds what is Megatron-LM's). Creates no group."""
+    planner's idea of who holds what is Megatron-LM's). Creates no group.
+
+    With several distributed-optimizer instances (`layout.doi` > 1) that includes the
+    instance groups the optimizer shards and reduces over (`intra_dp_cp`, `intra_expt_dp`,
+    `inter_dist_opt`, `intra_dist_opt`: `elastic.groups.optimizer_instance_groups`).
+    The layout's own group (loss averaging, state gathers) is the default group: Megatron-LM
+    starts on every process, and an instance (`intra_dist_opt`) spans only 1/doi of them."""
     import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from ..elastic.groups import ParallelGroups
+    from ..elastic.groups import ParallelGroups, optimizer_instance_groups
     from ..vps.placement import Placement
 
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     rank = dist.get_rank()
+    if layout.world_size != dist.get_world_size():
+        raise DynatrainError(f"layout {layout} has {layout.world_size} ranks, but Megatron-LM "
+                             f"runs on {dist.get_world_size()}")
+    expected_groups = {name: layout.groups(axes) for name, axes in GROUP_AXES.items()}
+    expected_groups.update(optimizer_instance_groups(layout))
+    if layout.doi == 1:  # one instance: megatron-core shards over the whole DP groups
+        expected_groups["intra_dp_cp"] = expected_groups["dp_cp"]
+        expected_groups["intra_expt_dp"] = expected_groups["expt_dp"]
     mine: dict[str, list[int]] = {}
     wrong = []
-    for name, axes in GROUP_AXES.items():
+    for name, groups in expected_groups.items():
         group = getattr(pgc, name, None)
-        expected = next(g for g in layout.groups(axes) if rank in g)
+        expected = sorted(next(g for g in groups if rank in g))
         if group is None:
             if len(expected) > 1:
                 wrong.append(f"{name}: Megatron-LM has none, {layout} needs {expected}")
             continue
         actual = sorted(dist.get_process_group_ranks(group))
-        if actual != sorted(expected):
-            wrong.append(f"{name}: Megatron-LM {actual}, {layout} {sorted(expected)}")
-        mine[name] = sorted(expected)
+        if actual != expected:
+            wrong.append(f"{name}: Megatron-LM {actual}, {layout} {expected}")
+        mine[name] = expected
     if wrong:
         raise DynatrainError(f"rank {rank}: Megatron-LM's process groups are not those of "
                              f"{layout} in the default rank order: " + "; ".join(wrong[:4]))
@@ -154,8 +168,7 @@ def wrap_megatron_groups(layout: Layout):
             mine[name] = sorted(dist.get_process_group_ranks(g))
     return ParallelGroups(layout=layout, placement=Placement.default(layout.world_size),
                           rank=rank, pg_collection=pgc, group_ranks=mine, created=[],
-                          # one optimizer instance (refused otherwise): it spans the layout
-                          layout_group=getattr(pgc, "intra_dist_opt", None))
+                          layout_group=dist.group.WORLD)
 
 
 def _check_live_state(spec: ModelSpec, train: TrainConfig, objs) -> None:

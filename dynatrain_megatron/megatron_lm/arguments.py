@@ -170,7 +170,8 @@ def layout_from_megatron_args(args: Any, spec: ModelSpec, world_size: int) -> La
                     ep=arg_value(args, "expert_model_parallel_size", 1),
                     etp=arg_value(args, "expert_tensor_parallel_size") or 0,
                     ppf=arg_value(args, "decoder_first_pipeline_num_layers") or 0,
-                    ppl=arg_value(args, "decoder_last_pipeline_num_layers") or 0)
+                    ppl=arg_value(args, "decoder_last_pipeline_num_layers") or 0,
+                    doi=arg_value(args, "num_distributed_optimizer_instances", 1) or 1)
     layout.check_model(spec)
     return layout
 
@@ -191,6 +192,7 @@ def args_for_layout(layout: Layout, spec: ModelSpec) -> dict[str, Any]:
         "expert_model_parallel_size": layout.ep,
         "expert_tensor_parallel_size": layout.etp,
         "data_parallel_size": layout.dp,
+        "num_distributed_optimizer_instances": layout.doi,
         "decoder_first_pipeline_num_layers": layout.ppf or None,
         "decoder_last_pipeline_num_layers": layout.ppl or None,
         "padded_vocab_size": spec.padded_vocab_size(layout.tp),
@@ -267,8 +269,6 @@ def unsupported_args(args: Any, *, te_available: bool) -> list[str]:
                  "use_layer_wise_distributed_optimizer", "optimizer_cpu_offload",
                  "use_precision_aware_optimizer"):
         refuse(arg_value(args, flag, False), f"--{flag.replace('_', '-')}")
-    refuse((arg_value(args, "num_distributed_optimizer_instances", 1) or 1) != 1,
-           "--num-distributed-optimizer-instances > 1")
     refuse(arg_value(args, "ddp_num_buckets") is not None, "--ddp-num-buckets (use --ddp-bucket-size)")
     refuse(arg_value(args, "fp16", False) and arg_value(args, "loss_scale") is not None,
            "--loss-scale (static fp16 loss scale)")
