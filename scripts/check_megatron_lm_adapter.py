@@ -8,8 +8,8 @@ two functions the adapter imports (`get_tokenizer`, `build_train_valid_test_data
 The loop then calls `dynatrain_step` after every step as the patched `train()` does, a
 switch tp2pp2dp1 -> tp1pp2dp2 is requested through the signal file, and the losses after the
 switch are compared with a dist_checkpointing save at A and load at B (must be identical).
-What this does not cover: Megatron-LM's real model provider (TE layer spec), train_step,
-data loaders and checkpointing.
+What this does not cover: Megatron-LM's real model provider (TE layer spec), its
+core_transformer_config_from_args, train_step, data loaders and checkpointing.
 
   python scripts/check_megatron_lm_adapter.py     # ~1-2 min on 2 cores
 """
@@ -47,8 +47,18 @@ def case(root):
         built.append((ps.get_data_parallel_world_size(), ps.get_tensor_model_parallel_world_size()))
         return provider(None)
     mtt.build_train_valid_test_data_iterators = build_iters
+    # B's config: Megatron-LM's core_transformer_config_from_args, emulated by our own
+    # config for the layout the args describe (tests/test_megatron_lm_config.py checks the
+    # real one against a Megatron-LM launched at B)
+    mta = types.ModuleType("megatron.training.arguments")
+    def config_from_args(a):
+        from dynatrain_megatron.mcore.builders import make_transformer_config
+        lay = mla.layout_from_megatron_args(a, spec, dist.get_world_size())
+        return make_transformer_config(spec, lay, init_weights=False)
+    mta.core_transformer_config_from_args = config_from_args
     sys.modules["megatron.training"] = mt
     sys.modules["megatron.training.training"] = mtt
+    sys.modules["megatron.training.arguments"] = mta
 
     # Megatron-LM's initialisation: megatron's own groups, default rank order
     ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)

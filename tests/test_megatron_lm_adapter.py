@@ -242,11 +242,24 @@ def test_moe_layer_freq_all_moe_is_fine():
 
 
 def test_performance_only_differences_are_warnings():
+    # carried by B's config (Megatron-LM's own, test_megatron_lm_config.py): no warning
     a = megatron_args(recompute_granularity="full", gradient_accumulation_fusion=True,
                       sequence_parallel=True)
+    assert mlm.performance_differences(a) == []
+    # not carried: warned, still accepted
+    a = megatron_args(tp_comm_overlap=True, check_for_nan_in_loss_and_grad=True)
     notes = mlm.performance_differences(a)
-    assert any("recompute" in n for n in notes) and any("sequence parallel" in n for n in notes)
+    assert any("--tp-comm-overlap" in n for n in notes) and any("NaN" in n for n in notes)
     assert mlm.unsupported_args(a, te_available=False) == []
+
+
+def test_sequence_parallel_follows_the_job_and_the_layout():
+    dense = mla.spec_from_megatron_args(megatron_args())
+    moe = mla.spec_from_megatron_args(megatron_args(num_experts=4, moe_ffn_hidden_size=64))
+    at = lambda text, spec, sp: mla.args_for_layout(Layout.parse(text, 4), spec,  # noqa: E731
+                                                    sequence_parallel=sp)["sequence_parallel"]
+    assert at("tp2pp2", dense, True) and not at("tp1pp2dp2", dense, True)
+    assert not at("tp2pp2", dense, False) and at("tp2pp2", moe, False)
 
 
 def test_chained_extra_args_provider():

@@ -70,12 +70,14 @@ class DynatrainHook:
                  rendezvous_dir: Optional[str] = None,
                  recovery_checkpoint: Optional[str] = None, max_recoveries: int = 8,
                  memory: Optional[SwitchMemoryCheck] = None,
-                 advisor: Optional[LayoutAdvisor] = None, auto_layout: bool = False) -> None:
+                 advisor: Optional[LayoutAdvisor] = None, auto_layout: bool = False,
+                 builder: Optional[MegatronBuilder] = None) -> None:
         # the job's switch options, checked once at start (SwitchError names every bad one)
         SwitchOptions(placement=placement, ranks_per_node=ranks_per_node,
                       memory_budget=memory_budget, timeout=timeout)
         self.spec = spec
-        self.builder = MegatronBuilder(spec, train)
+        # how B's objects are made (a Megatron-LM job's builder uses its own config)
+        self.builder = builder or MegatronBuilder(spec, train)
         self.controller = controller
         self.ranks_per_node = ranks_per_node
         self.memory_budget = memory_budget
@@ -111,7 +113,8 @@ class DynatrainHook:
             controller.auto_layout = auto_layout
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig) -> "DynatrainHook":
+    def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig,
+                  builder: Optional[MegatronBuilder] = None) -> "DynatrainHook":
         schedule = (load_schedule(args.dynatrain_schedule, train.train_iters)
                     if args.dynatrain_schedule else None)
         ctl = Controller(spec, args.dynatrain_signal_file, args.dynatrain_poll_interval, schedule,
@@ -127,7 +130,7 @@ class DynatrainHook:
                    log_dir=args.dynatrain_log_dir, timeout=args.dynatrain_timeout,
                    rendezvous_dir=args.dynatrain_rendezvous_dir,
                    recovery_checkpoint=args.dynatrain_recovery_checkpoint,
-                   memory=memory_check_from_args(args))
+                   memory=memory_check_from_args(args), builder=builder)
 
     def start(self, trainer: Optional[Trainer], layout: Layout, placement: Placement) -> None:
         """Tell the hook the job's first layout; every process calls it (standby ranks,

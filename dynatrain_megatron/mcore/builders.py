@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -278,9 +278,17 @@ class TrainingObjects:
     scheduler: Any
 
 
+ConfigFactory = Callable[[Layout, bool], Any]
+
+
 def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGroups,
-                           train: TrainConfig, init_weights: bool = True) -> TrainingObjects:
+                           train: TrainConfig, init_weights: bool = True,
+                           config_factory: Optional[ConfigFactory] = None) -> TrainingObjects:
     """Model chunks, DDP, optimizer and scheduler for `layout` on `groups` (a member rank).
+
+    `config_factory(layout, init_weights)` gives the TransformerConfig (default:
+    `make_transformer_config`); a Megatron-LM job passes one that builds Megatron-LM's own
+    config for the layout, so B keeps the job's fusions, recompute and sequence parallelism.
 
     Touches neither the RNGs nor megatron's globals: the caller seeds and installs
     (`MegatronBuilder.build` before, a switch's `activate` at its commit), so the objects
@@ -288,7 +296,10 @@ def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGrou
     from megatron.core.distributed import finalize_model_grads
 
     validate_layout(spec, layout, **validator_options(train, layout))
-    config = make_transformer_config(spec, layout, init_weights=init_weights)
+    if config_factory is None:
+        config = make_transformer_config(spec, layout, init_weights=init_weights)
+    else:
+        config = config_factory(layout, init_weights)
     chunks = build_model_chunks(spec, layout, groups, config, init_weights=init_weights)
     if not init_weights:
         restore_tensor_parallel_attributes(chunks, spec)
@@ -314,6 +325,7 @@ class MegatronBuilder:
 
     spec: ModelSpec
     train: TrainConfig
+    config_factory: Optional[ConfigFactory] = None  # see build_training_objects
 
     def bucket_size(self, layout: Layout) -> Optional[int]:
         return bucket_size_of(self.train, layout)
@@ -326,7 +338,9 @@ class MegatronBuilder:
         # data-parallel rank of a checkpoint's sharded state dict): point them at `groups`
         install(groups)
         seed_rngs(self.train.seed, groups)  # the weights draw from them
-        return build_training_objects(self.spec, layout, groups, self.train, init_weights=init_weights)
+        return build_training_objects(self.spec, layout, groups, self.train,
+                                      init_weights=init_weights,
+                                      config_factory=self.config_factory)
 
     def build_detached(self, layout: Layout, groups: ParallelGroups) -> TrainingObjects:
         """Layout B's objects for a switch (no weight initialisation), without touching what
@@ -334,7 +348,8 @@ class MegatronBuilder:
         megatron-core 0.16.1 constructor we use takes its groups from `pg_collection`), so
         this may run in a background thread while A trains. `activate` makes them current
         at the commit."""
-        return build_training_objects(self.spec, layout, groups, self.train, init_weights=False)
+        return build_training_objects(self.spec, layout, groups, self.train, init_weights=False,
+                                      config_factory=self.config_factory)
 
     def activate(self, objs: TrainingObjects) -> None:
         """Make `objs` the current layout: megatron's globals point at its groups and the

@@ -56,6 +56,7 @@ from .arguments import (arg_value, args_for_layout, layout_from_megatron_args, p
                         performance_differences, spec_from_megatron_args,
                         train_config_from_megatron_args, unsupported_args)
 from .timers import confine_timers, world_collectives_on
+from .transformer_config import JobIntents, megatron_lm_config_factory
 
 log = logging.getLogger("dynatrain")
 
@@ -236,7 +237,7 @@ class MegatronLMSession:
                  config: Any) -> None:
         import torch.distributed as dist
 
-        from ..mcore.builders import TrainingObjects, with_layer_implementation
+        from ..mcore.builders import MegatronBuilder, TrainingObjects, with_layer_implementation
         from ..loop.hook import DynatrainHook
         from ..mcore.training import Trainer
 
@@ -260,7 +261,12 @@ class MegatronLMSession:
         _check_live_state(self.spec, self.train, objs)
         self.trainer = Trainer(self.spec, self.train, objs,
                                consumed_samples=arg_value(args, "consumed_train_samples", 0))
-        self.hook = DynatrainHook.from_args(args, self.spec, self.train)
+        # B's config is Megatron-LM's own for B (transformer_config.py)
+        self.intents = JobIntents.from_args(args)
+        self.hook = DynatrainHook.from_args(
+            args, self.spec, self.train,
+            builder=MegatronBuilder(self.spec, self.train, config_factory=megatron_lm_config_factory(
+                args, self.spec, self.intents)))
         self.test_data_iterator: Any = None
         self.latest: Optional[LoopObjects] = None
         log.info("dynatrain: wrapping Megatron-LM's %s job (%s); switches are polled every %d "
@@ -301,7 +307,8 @@ class MegatronLMSession:
         o = t.objs
         confine_timers(o.groups.layout_group if o.layout.world_size < world else None)
         self.args.consumed_train_samples = t.consumed_samples
-        for k, v in args_for_layout(o.layout, self.spec).items():
+        for k, v in args_for_layout(o.layout, self.spec,
+                                    sequence_parallel=self.intents.sequence_parallel).items():
             setattr(self.args, k, v)
         _prepare_config(self.args, o.model, o.optimizer, o.config, old_config)
         with world_collectives_on(o.groups.layout_group if o.layout.world_size < world

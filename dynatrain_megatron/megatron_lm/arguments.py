@@ -176,9 +176,13 @@ def layout_from_megatron_args(args: Any, spec: ModelSpec, world_size: int) -> La
     return layout
 
 
-def args_for_layout(layout: Layout, spec: ModelSpec) -> dict[str, Any]:
+def args_for_layout(layout: Layout, spec: ModelSpec, *,
+                    sequence_parallel: bool = False) -> dict[str, Any]:
     """Megatron-LM `args` values that describe `layout` (set after a switch, since
-    Megatron-LM's loop, logging, data loaders and checkpointing read them)."""
+    Megatron-LM's loop, logging, data loaders and checkpointing read them).
+
+    `sequence_parallel`: whether the job asked for it (`--sequence-parallel`); as Megatron-LM
+    validates it, it holds only with TP, and an MoE job with TP always has it."""
     vpp = layout.vpp if layout.vpp > 1 else None
     per_vstage = None
     if vpp and not (layout.ppf or layout.ppl):
@@ -196,8 +200,7 @@ def args_for_layout(layout: Layout, spec: ModelSpec) -> dict[str, Any]:
         "decoder_first_pipeline_num_layers": layout.ppf or None,
         "decoder_last_pipeline_num_layers": layout.ppl or None,
         "padded_vocab_size": spec.padded_vocab_size(layout.tp),
-        # what our builder does (make_transformer_config): SP only for MoE with TP
-        "sequence_parallel": spec.is_moe and layout.tp > 1,
+        "sequence_parallel": layout.tp > 1 and (sequence_parallel or spec.is_moe),
     }
 
 
@@ -301,20 +304,15 @@ def unsupported_args(args: Any, *, te_available: bool) -> list[str]:
 
 def performance_differences(args: Any) -> list[str]:
     """Options accepted but not reproduced after a switch: same training, other speed or
-    memory. Logged as a warning when the session starts."""
+    memory. Logged as a warning when the session starts. (B's TransformerConfig is
+    Megatron-LM's own for the new layout, so recompute, fusions and sequence parallelism
+    carry over; see `transformer_config.py`.)"""
     out = []
-    if arg_value(args, "recompute_granularity") is not None:
-        out.append(f"activation recompute ({arg_value(args, 'recompute_granularity')}) is off after a "
-                   f"switch: more activation memory")
-    for flag in ("tp_comm_overlap", "overlap_p2p_comm", "gradient_accumulation_fusion",
-                 "bias_gelu_fusion", "bias_swiglu_fusion", "masked_softmax_fusion",
-                 "bias_dropout_fusion", "apply_rope_fusion", "cross_entropy_loss_fusion"):
-        if arg_value(args, flag, False):
-            out.append(f"--{flag.replace('_', '-')} is off after a switch")
+    if arg_value(args, "tp_comm_overlap", False):
+        out.append("--tp-comm-overlap is off after a switch (its user buffers are set up for "
+                   "the first layout's TP size)")
     if arg_value(args, "check_for_nan_in_loss_and_grad", False):
         out.append("the DDP NaN check on gradients is off after a switch")
-    if arg_value(args, "sequence_parallel", False) and not arg_value(args, "num_experts"):
-        out.append("sequence parallelism is off after a switch (our builder uses it for MoE only)")
     return out
 
 

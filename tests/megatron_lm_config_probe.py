@@ -1,0 +1,66 @@
+"""Run by test_megatron_lm_config.py in a fresh interpreter with the Megatron-LM snapshot on
+the path: for each case, Megatron-LM's own validated args for a job at A, the config our
+factory makes from them for layout B, and the config Megatron-LM makes when launched at B
+(`core_transformer_config_from_args` of its validated args); prints the differing fields
+as JSON. argv: a JSON list of [flags at A, flags at B, B's layout]."""
+import dataclasses
+import functools
+import json
+import os
+import sys
+
+os.environ.setdefault("WORLD_SIZE", "4")
+os.environ.setdefault("RANK", "0")
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+from dynatrain_megatron.compat.megatron_lm import prepare_megatron_lm  # noqa: E402
+
+prepare_megatron_lm()
+
+from megatron.training.arguments import (core_transformer_config_from_args, parse_args,  # noqa: E402
+                                         validate_args)
+
+from dynatrain_megatron.megatron_lm.arguments import (chain_extra_args_providers,  # noqa: E402
+                                                      spec_from_megatron_args)
+from dynatrain_megatron.megatron_lm.transformer_config import (JobIntents,  # noqa: E402
+                                                               megatron_lm_config_factory)
+from dynatrain_megatron.vps.layout import Layout  # noqa: E402
+
+# not compared: how weights are initialised (B's are filled by the switch, not drawn)
+INIT_FIELDS = {"perform_initialization", "use_cpu_initialization"}
+
+
+def megatron_args(flags: list[str], vocab_rows: int):
+    sys.argv = ["pretrain_gpt.py", *flags]
+    args = parse_args(extra_args_provider=chain_extra_args_providers())
+    validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    args.padded_vocab_size = vocab_rows  # what Megatron-LM's tokenizer set-up computes
+    return args
+
+
+def same(x, y) -> bool:
+    if isinstance(x, functools.partial) and isinstance(y, functools.partial):
+        return (x.func, x.args, x.keywords) == (y.func, y.args, y.keywords)
+    return x == y
+
+
+def main() -> None:
+    out = []
+    for a_flags, b_flags, b_text in json.loads(sys.argv[1]):
+        a = megatron_args(a_flags, 1024)
+        spec = spec_from_megatron_args(a)
+        layout = Layout.parse(b_text, int(os.environ["WORLD_SIZE"]))
+        ours = megatron_lm_config_factory(a, spec, JobIntents.from_args(a))(layout, False)
+        theirs = core_transformer_config_from_args(
+            megatron_args(b_flags, spec.padded_vocab_size(layout.tp)))
+        diff = [f.name for f in dataclasses.fields(ours) if f.name not in INIT_FIELDS
+                and not same(getattr(ours, f.name), getattr(theirs, f.name))]
+        out.append({"layout": b_text, "diff": diff, "sequence_parallel": ours.sequence_parallel,
+                    "overlap_p2p_comm": ours.overlap_p2p_comm,
+                    "recompute": ours.recompute_granularity,
+                    "perform_initialization": ours.perform_initialization})
+    print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
