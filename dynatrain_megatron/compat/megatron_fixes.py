@@ -2,7 +2,8 @@
 
 Without TE/apex, the distributed optimizer falls back to `torch.optim.Adam`, and loading a
 `fully_reshardable` checkpoint into a fresh optimizer has three bugs (found by probing,
-see shared/ref/megatron-core-on-cpu.md). They are not CPU-specific (they bite any install
+see shared/ref/megatron-core-on-cpu.md), and saving one has a fourth (any install; see
+shared/ref/megatron-state-layout.md). They are not CPU-specific (they bite any install
 without TE/apex), and the checkpoint-based reference path we compare against must be
 correct, so these are applied on every device:
 
@@ -12,6 +13,18 @@ correct, so these are applied on every device:
    which the reshardable loader never provides -> KeyError: we copy the keys provided.
 3. `load_state_dict` gives every parameter ONE shared `step` tensor; torch Adam then
    increments it once per parameter per step and bias correction goes wrong: we un-share it.
+4. Saving `fully_reshardable` misplaces the optimizer state of every parameter after a
+   padded bucket end: `get_parameter_state_dp_zero` packs each buffer's buckets back to
+   back with their end padding stripped, but `sharded_param_state_fully_reshardable` slices
+   that packing at `param_index_map` offsets, which count the padding. The parameter's
+   param / exp_avg / exp_avg_sq are then saved shifted by the padding, with zeros at the
+   end (megatron warns "param range exceeds unpadded buffer ... data corruption"); loading
+   takes them as they are. A buffer has more than one bucket with the DDP bucket size, and
+   with tied embeddings and PP > 1 (the first stage's word embedding gets a bucket of its
+   own): e.g. Megatron-LM's tiny GPT with `--decoder-first-pipeline-num-layers 1` restarts
+   with its embedding shifted by a row. We hand that function the packing laid out at the
+   buckets' buffer offsets, so the offsets it uses are right (fixed upstream after 0.16.1,
+   NVIDIA/Megatron-LM PR #5077, the other way round).
 
 And one of MoE without Transformer Engine (on a GPU as much as on the CPU): the router's
 `moe_utils` references `te_general_gemm`, which is only imported when TE is installed, so
@@ -29,6 +42,25 @@ def _define_te_general_gemm() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _at_bucket_offsets(buffers, state):
+    """Fix 4: `get_parameter_state_dp_zero`'s world tensors (buckets packed without their
+    end padding) laid out as the buffer is, each bucket at its offset, padding zero."""
+    if state is None:  # memory-efficient gather: DP ranks other than 0 get nothing
+        return None
+    for gbuf_idx, buffer in enumerate(buffers):
+        for world in state[gbuf_idx].values():
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                packed = world[key]
+                laid_out = packed.new_zeros(buffer.numel)
+                start = 0
+                for bucket in buffer.buckets:
+                    n = bucket.numel_unpadded
+                    laid_out[bucket.offset:bucket.offset + n] = packed[start:start + n]
+                    start += n
+                world[key] = laid_out
+    return state
 
 
 def apply() -> None:
@@ -65,7 +97,20 @@ def apply() -> None:
                 st["step"] = st["step"].clone()
         return out
 
+    original_fully_reshardable = DO.sharded_param_state_fully_reshardable
+
+    def sharded_param_state_fully_reshardable(self, *a, **k):
+        # only this call sees the laid-out tensors; `save_parameter_state` and the DP-zero
+        # load keep megatron's packed format
+        self.get_parameter_state_dp_zero = lambda *ga, **gk: _at_bucket_offsets(
+            self.buffers, DO.get_parameter_state_dp_zero(self, *ga, **gk))
+        try:
+            return original_fully_reshardable(self, *a, **k)
+        finally:
+            del self.get_parameter_state_dp_zero
+
     DO.sharded_state_dict = sharded_state_dict
+    DO.sharded_param_state_fully_reshardable = sharded_param_state_fully_reshardable
     DO._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
     DO.load_state_dict = load_state_dict
     _state["applied"] = True
