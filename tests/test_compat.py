@@ -54,3 +54,76 @@ def test_nothing_is_patched_when_cuda_is_present():
         print(cpu.apply_if_needed(), torch.cuda.current_device is original)
     """)
     assert out == "False True"
+
+
+SHAPE = (32, 2, 64)  # (sequence, micro-batch, hidden) of an activation between stages
+
+
+def _activation(k: int, dtype_name: str):
+    import torch
+
+    g = torch.Generator().manual_seed(k)
+    return torch.randn(SHAPE, generator=g).to(getattr(torch, dtype_name))
+
+
+def overlapped_sends_then_deallocate(dtype_name: str, rounds: int) -> list:
+    """Two pipeline stages driven as megatron's interleaved warm-up drives them with
+    `overlap_p2p_comm`: stage 0 sends each activation with an unwaited isend, waits for the
+    previous send only, then pseudo-frees the activation (`deallocate_output_tensor`) and
+    goes on allocating; stage 1 receives. Returns stage 1's received activations."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
+    from dynatrain_megatron.compat import prepare_runtime
+
+    prepare_runtime()
+    dtype = getattr(torch, dtype_name)
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=dtype,
+                                 batch_p2p_comm=False, overlap_p2p_comm=True,
+                                 deallocate_pipeline_outputs=True)
+    comm = P2PCommunicator(dist.new_group([0, 1]), config)
+    received, pending = [], None
+    for k in range(rounds):
+        if dist.get_rank() == 0:
+            weight = torch.ones((), dtype=dtype, requires_grad=True)
+            output = _activation(k, dtype_name) * weight  # has a grad_fn, as a stage's output
+            _, handles = comm.send_forward_recv_forward(output, recv_prev=False,
+                                                        tensor_shape=SHAPE, overlap_p2p_comm=True)
+            if pending is not None:
+                pending.wait()
+            pending = handles.pop("send_next")
+            deallocate_output_tensor(output, config.deallocate_pipeline_outputs)
+            scratch = [torch.full(SHAPE, float("nan"), dtype=dtype) for _ in range(4)]
+            dist.barrier()  # the receive is posted only now, after the memory was reused
+            del scratch
+        else:
+            dist.barrier()
+            tensor, handles = comm.send_forward_recv_forward(None, recv_prev=True,
+                                                             tensor_shape=SHAPE,
+                                                             overlap_p2p_comm=True)
+            handles["recv_prev"].wait()
+            received.append(tensor.detach().clone())
+    if pending is not None:
+        pending.wait()
+    return received
+
+
+def test_overlapped_p2p_send_survives_output_deallocation():
+    """Megatron-LM's VPP schedule on gloo: an activation pseudo-freed while its isend is in
+    flight still arrives bit-for-bit (compat.cpu item 7); without it the next stage got the
+    freed memory's new contents (NaN losses in bf16)."""
+    import torch
+
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    for dtype_name in ("bfloat16", "float32"):
+        rounds = 4
+        got = run_on_ranks(overlapped_sends_then_deallocate, 2, dtype_name, rounds)[1]
+        assert len(got) == rounds
+        for k, t in enumerate(got):
+            want = _activation(k, dtype_name)
+            assert t.dtype == want.dtype and torch.equal(t.view(torch.uint8),
+                                                         want.view(torch.uint8)), (dtype_name, k)

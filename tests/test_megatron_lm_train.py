@@ -2,11 +2,12 @@
 layout in memory, against Megatron-LM's own restart. One group of three torchrun jobs on 4
 gloo ranks checks many things:
 
-* switched: patched, `--dynatrain`, a bf16 tp2pp2 job trains, a `--dynatrain-schedule` switch lands
-  exactly after iteration K at tp1pp2dp2, training goes on to N and `--save`s there;
+* switched: patched, `--dynatrain`, a bf16 tp2pp2vpp2 job trains, a `--dynatrain-schedule`
+  switch lands exactly after iteration K at tp1pp2vpp2dp2, training goes on to N and
+  `--save`s there;
 * saved: the UNPATCHED tree (the CPU runtime from a sitecustomize, as the patch would give
-  it) trains tp2pp2 to K and saves (`--dist-ckpt-optim-fully-reshardable`);
-* resumed: patched, without `--dynatrain`, `--load`s that at tp1pp2dp2 and trains to N.
+  it) trains tp2pp2vpp2 to K and saves (`--dist-ckpt-optim-fully-reshardable`);
+* resumed: patched, without `--dynatrain`, `--load`s that at tp1pp2vpp2dp2 and trains to N.
 
 The two final checkpoints must be equal entry for entry, bit for bit, as logical tensors
 (read with torch.distributed.checkpoint, whatever layout wrote them); the switched run's
@@ -26,6 +27,9 @@ from megatron_lm_tree import copy_tree, require_snapshot
 pytestmark = pytest.mark.multirank
 
 K, N = 3, 6
+# both with virtual pipeline stages (2 per rank, one layer each): Megatron-LM then runs its
+# interleaved schedule with overlapped P2P, our B our own (batched P2P)
+A, B = "tp2pp2vpp2dp1", "tp1pp2vpp2dp2"
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +39,11 @@ def runs(tmp_path_factory):
     patched = copy_tree(w / "patched", patched=True)
     unpatched = copy_tree(w / "unpatched", patched=False)
     sched = w / "schedule.yaml"
-    sched.write_text(f"- {{iteration: {K}, layout: tp1pp2dp2}}\n")
+    sched.write_text(f"- {{iteration: {K}, layout: {B}}}\n")
     # bf16: the stricter case (an fp32 run hides numerics a rebuilt B could get wrong, e.g.
     # the attention softmax's precision); fp32 was checked the same way by hand
-    a, b = layout_flags(2, 2) + ["--bf16"], layout_flags(1, 2) + ["--bf16"]
+    vpp = dict(num_layers_per_virtual_pipeline_stage=1)
+    a, b = layout_flags(2, 2, **vpp) + ["--bf16"], layout_flags(1, 2, **vpp) + ["--bf16"]
     common = CPU_FLAGS + TINY_GPT + ["--train-iters", str(N)]
     switched = run_megatron_lm(
         patched, 4, common + a + ["--save", str(w / "switched"), "--save-interval", "1000",
@@ -57,7 +62,7 @@ def runs(tmp_path_factory):
 
 def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
     lines = re.findall(r"iteration (\d+): switched (\S+) -> (\S+) .*", runs["switched"])
-    assert lines and all(ln[:3] == (str(K), "tp2pp2dp1", "tp1pp2dp2") for ln in lines)
+    assert lines and all(ln[:3] == (str(K), A, B) for ln in lines)
     assert all("as scheduled" in m.group(0)
                for m in re.finditer(r"iteration \d+: switched .*", runs["switched"]))
     # every rank switched once (the log line is per rank), none rolled back

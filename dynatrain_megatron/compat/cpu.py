@@ -19,6 +19,9 @@ smallest set of patches that lets its GPT/MoE models, DDP and DistributedOptimiz
 6. MoE with TP>1 requires sequence parallelism, and megatron's torch norm refuses it; we build
    the norm without it and tag its parameters `sequence_parallel=True`, so their gradients are
    all-reduced over TP by `finalize_model_grads` (same math as the TE/apex norms).
+7. An isend in flight keeps the memory it sends from (`_patch_overlapped_p2p_sends`): the
+   interleaved schedule with overlapped P2P (Megatron-LM's default with VPP) pseudo-frees a
+   sent activation (`out.data = torch.empty(1)`) before waiting on its isend.
 
 `apply_if_needed()` applies all of it only when `torch.cuda.is_available()` is False and is
 idempotent; on a GPU it does nothing, so behaviour there is megatron's own.
@@ -230,6 +233,36 @@ def _patch_uneven_collectives() -> None:
     mappings._reduce_scatter_along_first_dim = reduce_scatter
 
 
+def _patch_overlapped_p2p_sends() -> None:
+    """Item 7. gloo's isend remembers the tensor's data pointer and sends from it later, in
+    its own thread; its work object holds the tensor, not the memory the tensor had. With
+    `overlap_p2p_comm`, megatron's interleaved schedule calls `deallocate_output_tensor` on an
+    activation whose isend it waits for only at the next send, and that replaces the
+    tensor's storage: on a GPU the caching allocator keeps the old block until the NCCL
+    stream has passed the send, on the CPU it is freed at once and the next stage receives
+    whatever is written there next (NaN in bf16, wrong numbers in fp32). Each send of
+    `_p2p_ops` (the unbatched path, the only one that returns before its sends complete)
+    gets an alias instead: a tensor of its own on the same storage, which the deallocation
+    does not touch and which keeps the storage alive until the send's work is released.
+    No copy, so what is sent is bit-for-bit the same."""
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    original = p2p_communication._p2p_ops
+    if getattr(original, "_dynatrain_send_alias", False):
+        return
+
+    def alias(t: Any) -> Any:
+        return None if t is None else t.detach()
+
+    def _p2p_ops(*, tensor_send_prev, tensor_send_next, **kw: Any) -> Any:
+        return original(tensor_send_prev=alias(tensor_send_prev),
+                        tensor_send_next=alias(tensor_send_next), **kw)
+
+    _p2p_ops._dynatrain_send_alias = True  # type: ignore[attr-defined]
+    _p2p_ops.__wrapped__ = original  # type: ignore[attr-defined]
+    p2p_communication._p2p_ops = _p2p_ops
+
+
 @contextlib.contextmanager
 def in_this_thread():
     """The CPU runtime for the current thread. Torch-function modes are thread-local: a
@@ -254,6 +287,7 @@ def apply_if_needed() -> bool:
     _patch_moe()
     _patch_torch_norm_sequence_parallel()
     _patch_uneven_collectives()
+    _patch_overlapped_p2p_sends()
     mode = _CudaToCpuMode()
     mode.__enter__()
     _state.update(applied=True, mode=mode, thread=threading.get_ident())
