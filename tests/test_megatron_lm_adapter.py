@@ -213,10 +213,20 @@ def test_megatron_lm_defaults_are_refused_with_reasons():
                       transformer_impl="transformer_engine", rampup_batch_size=["16", "16", "1000"],
                       lr_decay_style="WSD", cuda_graph_impl="local")
     why = "\n".join(mlm.unsupported_args(a, te_available=False))
-    for s in ("--transformer-impl transformer_engine", "--hidden-dropout 0.1",
-              "--attention-dropout 0.1", "--use-distributed-optimizer", "--rampup-batch-size",
-              "WSD", "--cuda-graph-impl local"):
+    for s in ("--transformer-impl transformer_engine", "--use-distributed-optimizer",
+              "--rampup-batch-size", "WSD", "--cuda-graph-impl local"):
         assert s in why
+    # Megatron-LM's default dropout is carried by B's config: accepted, with a warning
+    assert "dropout" not in why
+    assert any("--hidden-dropout 0.1" in n and "--attention-dropout 0.1" in n
+               for n in mlm.performance_differences(a))
+
+
+def test_config_carried_options_are_accepted():
+    # B's TransformerConfig is Megatron-LM's own: these no longer stop a job
+    for over in (dict(norm_epsilon=1e-6), dict(apply_layernorm_1p=True), dict(squared_relu=True),
+                 dict(openai_gelu=True)):
+        assert mlm.unsupported_args(megatron_args(**over), te_available=False) == [], over
 
 
 @pytest.mark.parametrize("over,needle", [
@@ -230,7 +240,7 @@ def test_megatron_lm_defaults_are_refused_with_reasons():
     (dict(use_tp_pp_dp_mapping=True), "rank order"),
     (dict(multi_latent_attention=True), "--multi-latent-attention"),
     (dict(lr_warmup_init=1e-6), "--lr-warmup-init"),
-    (dict(squared_relu=True), "--squared-relu"),
+    (dict(quick_geglu=True), "--quick-geglu"),
 ])
 def test_each_unreproducible_option_is_named(over, needle):
     assert any(needle in w for w in mlm.unsupported_args(megatron_args(**over), te_available=False))
@@ -332,8 +342,8 @@ def test_unswitchable_job_is_refused_before_its_first_step():
     # the patched pretrain() registers its dataset provider before train(): the refusal
     # comes there, naming the flag, and nothing is registered
     mlm.reset_session()
-    with pytest.raises(DynatrainError, match="--hidden-dropout 0.1"):
-        mlm.register_dataset_provider(lambda *a: None, megatron_args(hidden_dropout=0.1))
+    with pytest.raises(DynatrainError, match="--rotary-base"):
+        mlm.register_dataset_provider(lambda *a: None, megatron_args(rotary_base=500000))
     assert mlm._DATASET_PROVIDER is None
     mlm.register_dataset_provider(print, megatron_args())
     assert mlm._DATASET_PROVIDER is print
