@@ -19,7 +19,7 @@ it is whole (every logical tensor with the shape and dtype of the checkpoint the
 world saved at iteration 10, whatever layout that was), consistent (each model weight
 equals the optimizer's fp32 copy bit for bit, assembled from other shards), and it is the
 state the layout's ranks held: Megatron-LM's own `--load` of it at tp2pp2 on 4 ranks (a
-plain restart, ~30 s more) saves it again bit-identical and reports the same final
+plain restart, one more torchrun job) saves it again bit-identical and reports the same final
 validation and test losses as the 2 ranks computed in memory before they saved. The
 refused request has no reference run here: what is checked is the refusal (logged, filed
 with its reason, in the summary), that the layout went on (the next switch starts from

@@ -18,7 +18,9 @@ one (a switch being prepared in the background builds groups over the real world
 Megatron-LM trains). `group` must hold the global ranks 0..k-1 in that order, so that a
 member's rank in it is its global rank: every other group's global-to-group numbering
 stays right. Our own collectives (the controller's poll, the switch's votes) need the
-real world: the caller lifts the stand-in (`use(None)`) around them.
+real world, and so does creating or destroying process groups (a group made under a
+stand-in would be known to the layout's ranks only): the caller lifts the stand-in
+(`use(None)`) around them. Nothing Megatron-LM runs between two steps creates groups.
 """
 from __future__ import annotations
 
