@@ -72,7 +72,8 @@ DONE = re.compile(r"\] iteration\s+(\d+)/|dynatrain: iteration (\d+) done at")
 def run_operated(tree: Path, nproc: int, flags: list[str], log: Path, signal: Path,
                  requests: dict) -> str:
     """Run pretrain_gpt.py of `tree` under torchrun and, as each iteration shows in its log,
-    write the request due after it to the signal file (as `dynatrain request` does)."""
+    write the request due after it to the signal file (as `dynatrain request` does), once
+    the job has taken the previous one (a request is never written over another)."""
     from dynatrain_megatron.elastic.signal_file import write_request
 
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
@@ -94,7 +95,9 @@ def run_operated(tree: Path, nproc: int, flags: list[str], log: Path, signal: Pa
             if not m:
                 continue
             it = int(m.group(1) or m.group(2))
-            for due in [k for k in pending if k <= it]:
+            for due in sorted(k for k in pending if k <= it):
+                if signal.exists():
+                    break  # the previous request is not taken yet
                 layout, world = pending.pop(due)
                 write_request(signal, layout, world)
                 print(f"[operator] after iteration {it}: requested {layout}"

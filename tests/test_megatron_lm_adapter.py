@@ -329,7 +329,7 @@ def test_patch_is_well_formed_and_calls_only_what_exists():
         new = sum(1 for ln in body if ln[:1] in (" ", "+", ""))
         assert (old, new) == (old_n, new_n), m.group(0)[:80]
     called = set(re.findall(r"dynatrain_lm\.(\w+)\(", text))
-    assert called == {"register_dataset_provider", "dynatrain_step", "finish_training"}
+    assert called == {"register_dataset_provider", "dynatrain_step", "finish_training", "left_out"}
     for name in called:
         assert callable(getattr(mlm, name))
     assert callable(mla.chain_extra_args_providers)  # pretrain_gpt.py imports it
@@ -358,3 +358,72 @@ def test_softmax_precision_follows_megatron_lm():
         megatron_args(attention_softmax_in_fp32=True)).attention_softmax_in_fp32
     assert mlm.spec_from_megatron_args(
         megatron_args(apply_query_key_layer_scaling=True)).attention_softmax_in_fp32
+
+
+class _Hook:
+    """What `MegatronLMSession.step` asks of the hook, recorded."""
+
+    def __init__(self, layout):
+        self.layout, self.calls = layout, []
+
+    def after_step(self, trainer):
+        self.calls.append("after_step")
+        return trainer
+
+    def stop_standby(self):
+        self.calls.append("stop_standby")
+
+
+def _session(monkeypatch, layout: str, world: int):
+    """A session of a rank of `layout` in a job of `world` processes, without any process
+    group (torch.distributed's answers and the stand-in world are recorded fakes)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    worlds = []
+    monkeypatch.setattr(mlm.stand_in_world, "use", worlds.append)
+    lay = Layout.parse(layout, Layout.parse(layout).world_size)
+    model = ["chunk"]
+    objs = SimpleNamespace(model=model, config=None, layout=lay,
+                           groups=SimpleNamespace(stand_in_world="first ranks"))
+    s = object.__new__(mlm.MegatronLMSession)
+    s.args = argparse.Namespace(train_iters=20, consumed_train_samples=64)
+    s.trainer = SimpleNamespace(objs=objs, iteration=0, consumed_samples=0)
+    s.hook = _Hook(lay)
+    s.latest = mlm.LoopObjects(model, "opt", "sched", "train it", "valid it", None, "test it")
+    s.test_data_iterator = "test it"
+    loop = mlm.LoopObjects(model, "opt", "sched", "train it", "valid it", None)
+    return s, loop, worlds
+
+
+@pytest.mark.parametrize("ending,iteration,calls", [
+    (False, 8, ["after_step"]),                    # a step: poll, standby ranks wait on
+    (False, 20, ["after_step", "stop_standby"]),   # --train-iters reached
+    (True, 8, ["stop_standby"]),                   # Megatron-LM exits: no poll, no switch
+])
+def test_standby_ranks_are_told_when_the_job_ends(monkeypatch, ending, iteration, calls):
+    s, loop, worlds = _session(monkeypatch, "tp1pp2dp1", 4)
+    assert s.step(iteration, loop, ending) is loop
+    assert s.hook.calls == calls
+    # the real world for the hook, then the layout's ranks as Megatron-LM's world
+    assert worlds == [None, "first ranks"]
+    kept = None if ending else "train it"  # at an exit the loop's frames own the iterators
+    assert s.latest.train_data_iterator == kept and s.test_data_iterator == (kept and "test it")
+
+
+def test_a_job_on_every_rank_keeps_the_real_world(monkeypatch):
+    s, loop, worlds = _session(monkeypatch, "tp2pp2dp1", 4)
+    assert s.step(20, loop, True) is loop
+    assert s.hook.calls == [] and worlds == [None, None]
+
+
+def test_a_rank_on_standby_at_the_end_leaves_pretrain(monkeypatch):
+    s, _, _ = _session(monkeypatch, "tp1pp2dp1", 4)
+    monkeypatch.setattr(mlm, "_SESSION", s)
+    assert not mlm.left_out()
+    s.trainer = None  # what `step` leaves when the job ended while this rank was out
+    assert mlm.left_out()
+    assert mlm.finish_training(*"abcdefg") == tuple("abcdefg")  # nothing of ours to hand over

@@ -1,36 +1,63 @@
-"""Scale-in and scale-out inside real Megatron-LM's own train() (the snapshot, patched): one
-torchrun job on 4 gloo ranks, tp2pp2, asked through its signal file for tp1pp2dp1 on 2 ranks
-(ranks 2 and 3 wait on standby inside `dynatrain_step`) and then for tp2pp2 on all 4 again.
+"""Scale-in and scale-out inside real Megatron-LM's own train() (the snapshot, patched), and
+a job that ends while ranks are on standby: one torchrun job on 4 gloo ranks, tp2pp2, asked
+through its signal file for tp1pp2dp1 on 2 ranks (ranks 2 and 3 wait on standby inside
+`dynatrain_step`), then for tp3pp1dp1 (refused: 4 heads), then for tp2pp2dp1 on all 4
+again, then for tp1pp2dp1 on 2 ranks once more; it ends on those 2 ranks at iteration N.
 
-With `--log-interval 1`, the layout's ranks run Megatron-LM's world collectives between steps
-(its timers' barrier and all-gather, the rerun state machine's all-reduce, the data rebuild)
-at every step while two ranks are on standby: if any still used the world, the job would
-hang. Megatron-LM prints its iteration line on the world's last rank, rank 3: the lines after
-the scale-out come from a rank that was on standby, so their learning rate and consumed
-samples (its scheduler and data position, restored by the switch) must be those of a job
-that never stopped. The final `--save` runs at the full world again.
+While ranks are on standby, Megatron-LM's code on the layout's ranks has the layout as its
+world (`compat/stand_in_world.py`): with `--log-interval 1`, `--eval-interval 5` and
+`--save-interval 5` its timers, rerun state machine, data rebuild, evaluation and
+`dist_checkpointing` saves run there at every step; had any of them used the real world, the
+job would hang. Megatron-LM prints its lines on its world's last rank, so every iteration
+line comes from a rank of the layout: learning rate and consumed samples must be those of a
+job that never switched, including after the refused request and on the ranks back from
+standby.
+
+At the end the standby ranks leave `pretrain()` and the 2 layout ranks run the final
+`--save`, validation and test. What is checked of that checkpoint, and why it is strong:
+it is whole (every logical tensor with the shape and dtype of the checkpoint the full
+world saved at iteration 10, whatever layout that was), consistent (each model weight
+equals the optimizer's fp32 copy bit for bit, assembled from other shards), and it is the
+state the layout's ranks held: Megatron-LM's own `--load` of it at tp2pp2 on 4 ranks (a
+plain restart, one more torchrun job) saves it again bit-identical and reports the same final
+validation and test losses as the 2 ranks computed in memory before they saved. The
+refused request has no reference run here: what is checked is the refusal (logged, filed
+with its reason, in the summary), that the layout went on (the next switch starts from
+tp1pp2dp1) and that data position and schedule went on as if it had not been asked.
 """
+import json
 import math
 import re
 
 import pytest
+import torch
 
-from megatron_lm_runs import CPU_FLAGS, TINY_GPT, checkpoint_tensors, layout_flags, run_operated
+from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, checkpoint_tensors, differences, layout_flags,
+                              run_megatron_lm, run_operated)
 from megatron_lm_tree import copy_tree, require_snapshot
 
 pytestmark = pytest.mark.multirank
 
-N = 10
+N = 16
+IN, OUT = ("tp2pp2dp1", "tp1pp2dp1"), ("tp1pp2dp1", "tp2pp2dp1")
+# after which iteration the operator writes each request (each once the previous is taken)
+REQUESTS = {2: ("tp1pp2dp1", 2), 3: ("tp3pp1dp1", 3), 5: ("tp2pp2dp1", 4), 8: ("tp1pp2dp1", 2)}
 LINE = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*?"
                   r"learning rate: ([0-9.E+-]+) \|.*?lm loss: ([0-9.E+-]+)")
+EVAL = re.compile(r"validation loss at iteration (\d+)( on \w+ set)? \| lm loss value: "
+                  r"([0-9.E+-]+)")
+FLAGS = CPU_FLAGS + TINY_GPT + layout_flags(2, 2) + [
+    "--train-iters", str(N), "--save-interval", "5", "--eval-interval", "5"]
 
 
-def cosine_lr(iteration: int, *, lr=1e-3, min_lr=1e-4, warmup=1, decay=N) -> float:
-    """Megatron-LM's cosine schedule with linear warm-up (TINY_GPT's settings)."""
-    if iteration <= warmup:
-        return lr * iteration / warmup
-    ratio = (iteration - warmup) / (decay - warmup)
-    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1) * (lr - min_lr)
+def cosine_lr(iteration: int, *, lr=1e-3, min_lr=1e-4, batch=8, warmup=1, decay=N) -> float:
+    """Megatron-LM's cosine schedule with linear warm-up (TINY_GPT's settings), in samples
+    as its scheduler counts."""
+    step, warmup, decay = batch * iteration, batch * warmup, batch * decay
+    if step <= warmup:
+        return lr * float(step) / float(warmup)
+    coeff = 0.5 * (math.cos(math.pi * (float(step - warmup) / float(decay - warmup))) + 1.0)
+    return min_lr + coeff * (lr - min_lr)
 
 
 @pytest.fixture(scope="module")
@@ -41,42 +68,107 @@ def run(tmp_path_factory):
     tree = copy_tree(w / "patched", patched=True)
     signal = w / "switch.json"
     text = run_operated(
-        tree, 4, CPU_FLAGS + TINY_GPT + layout_flags(2, 2) + [
-            "--train-iters", str(N), "--save", str(w / "ckpt"), "--save-interval", "1000",
-            "--dynatrain", "--dynatrain-signal-file", str(signal)],
-        w / "job.log", signal, {2: ("tp1pp2dp1", 2), 5: ("tp2pp2dp1", 4)})
-    return dict(w=w, text=text)
-
-
-def test_scale_in_and_out_inside_megatron_lm(run):
-    text = run["text"]
-    # the rows of every rank's switch summary (rank 0, never on standby, has both)
+        tree, 4, FLAGS + ["--save", str(w / "ckpt"), "--dynatrain",
+                          "--dynatrain-signal-file", str(signal)],
+        w / "job.log", signal, REQUESTS)
     summary = re.findall(r"^\s+(\d+)\s+(tp\S+)\s+(tp\S+)\s+[0-9.]+\s", text, re.M)
-    assert ("tp2pp2dp1", "tp1pp2dp1") in {(a, b) for _, a, b in summary}
-    assert ("tp1pp2dp1", "tp2pp2dp1") in {(a, b) for _, a, b in summary}
-    inn = min(int(i) for i, a, b in summary if (a, b) == ("tp2pp2dp1", "tp1pp2dp1"))
-    out = min(int(i) for i, a, b in summary if (a, b) == ("tp1pp2dp1", "tp2pp2dp1"))
-    assert 2 <= inn < out < N
-    # two ranks left and came back at the scale-out's iteration, in the loop's own count
-    assert text.count("this rank is not in the new layout; on standby") == 2
+    switches = sorted({(int(i), a, b) for i, a, b in summary})  # every rank logs its own
+    return dict(w=w, tree=tree, text=text, switches=switches)
+
+
+@pytest.fixture(scope="module")
+def reloaded(run):
+    """Megatron-LM's own restart from the final checkpoint at tp2pp2 on 4 ranks (no
+    dynatrain): it loads iteration N, trains no step, saves again, validates and tests."""
+    w = run["w"]
+    text = run_megatron_lm(run["tree"], 4, FLAGS + ["--load", str(w / "ckpt"),
+                                                     "--save", str(w / "reloaded")],
+                           w / "reload.log")
+    return dict(text=text)
+
+
+def test_switches_and_standby_inside_megatron_lm(run):
+    text, switches = run["text"], run["switches"]
+    assert [(a, b) for _, a, b in switches] == [IN, OUT, IN], switches
+    (inn, _, _), (out, _, _), (inn2, _, _) = switches
+    assert 2 <= inn < out < inn2 < N
+    # two ranks left twice, came back once, at the scale-out's iteration in the loop's count
+    assert text.count("this rank is not in the new layout; on standby") == 4
     assert re.findall(r"back from standby at iteration (\d+)", text) == [str(out)] * 2
-    # rank 0 reports the steps taken without Megatron-LM's printing rank
+    # rank 0 also reports the steps taken while the others were on standby
     assert {int(i) for i in re.findall(r"dynatrain: iteration (\d+) done at tp1pp2dp1 on 2 "
-                                       r"of 4 ranks", text)} == set(range(inn, out))
+                                       r"of 4 ranks", text)} == (set(range(inn, out))
+                                                                 | set(range(inn2, N + 1)))
 
 
-def test_returned_rank_continues_schedule_and_data(run):
-    lines = {int(i): (int(c), lr) for i, c, lr, _ in LINE.findall(run["text"])}
-    out = max(int(i) for i in re.findall(r"back from standby at iteration (\d+)", run["text"]))
-    after = [i for i in lines if i > out]
-    assert after and max(after) == N
-    for i, (consumed, lr) in lines.items():  # before the scale-in and after the scale-out
-        assert consumed == 8 * i, (i, consumed)
-        assert lr == f"{cosine_lr(i):.6E}", (i, lr)
+def test_refused_request_leaves_training_as_it_was(run):
+    text, w = run["text"], run["w"]
+    refusal = "layout tp3pp1dp1 cannot hold model 'megatron-lm': num_attention_heads 4 % tp 3"
+    assert text.count(f"switch request rejected: {refusal}") == 1  # rank 0 decides
+    assert text.count(f"  - {refusal}") == 2  # in the summary of both layout ranks at the end
+    filed = [json.loads(p.read_text()) for p in w.glob("switch.json.rejected.*")]
+    assert len(filed) == 1 and filed[0]["outcome"] == "rejected"
+    assert refusal in filed[0]["reason"] and "tp3pp1dp1" in filed[0]["request"]
+    assert len(list(w.glob("switch.json.applied.*"))) == 3
+    # the layout went on: the next switch left tp1pp2dp1 (IN, OUT, IN and nothing else)
+    assert [a for _, a, _ in run["switches"]] == ["tp2pp2dp1", "tp1pp2dp1", "tp2pp2dp1"]
 
 
-def test_final_save_at_the_full_world(run):
-    state = checkpoint_tensors(run["w"] / "ckpt", N)
-    emb = [v for k, v in state.items() if k.endswith("embedding.word_embeddings.weight")
-           and not k.startswith("optimizer")]
-    assert emb and tuple(emb[0].shape) == (1024, 64)  # whole (padded vocab), at any layout
+def test_every_iteration_continues_schedule_and_data(run):
+    """Every iteration's line, printed by the layout's last rank (on 2 ranks: rank 1; after
+    the scale-out: rank 3, back from standby), once, with the learning rate and consumed
+    samples of a job that never switched, was never refused and never had ranks out."""
+    found = LINE.findall(run["text"])
+    assert [int(i) for i, *_ in found] == list(range(1, N + 1))
+    for i, consumed, lr, loss in found:
+        assert int(consumed) == 8 * int(i), (i, consumed)
+        # the logged learning rate went through float32 (the last digit shows it)
+        assert lr == f"{torch.tensor(cosine_lr(int(i)), dtype=torch.float32).item():.6E}", (i, lr)
+        assert math.isfinite(float(loss))
+
+
+def test_evaluation_and_saves_run_on_the_layout_ranks(run):
+    text = run["text"]
+    evals = [(int(i), where.strip()) for i, where, _ in EVAL.findall(text)]
+    # in the loop every 5 iterations, then pretrain()'s own validation and test at the end
+    assert evals == [(5, ""), (10, ""), (15, ""), (N, "on validation set"), (N, "on test set")]
+    saved = re.findall(r"successfully saved checkpoint from iteration\s+(\d+) .*?\[ t (\d)/(\d), "
+                       r"p (\d)/(\d) \]", text)
+    assert [int(i) for i, *_ in saved] == [5, 10, 15, N]
+    assert saved[-1][1:] == ("1", "1", "1", "2")  # the final one by tp1pp2dp1's ranks
+    # the standby ranks were told at the last step and left; the layout's ranks said so
+    assert text.count("the job ended while this rank was on standby") == 2
+    assert text.count("the job ends at tp1pp2dp1 on ranks 0..1; the other 2 are on standby") == 2
+    assert "Traceback" not in text
+
+
+def test_final_checkpoint_is_whole_at_the_layout_that_saved_it(run):
+    ckpt = run["w"] / "ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(N)
+    common = torch.load(ckpt / f"iter_{N:07d}" / "common.pt", weights_only=False)
+    args = common["args"]
+    assert common["iteration"] == N and args.consumed_train_samples == 8 * N
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 2)
+    final, full = checkpoint_tensors(ckpt, N), checkpoint_tensors(ckpt, 10)
+    per_rank = lambda k: k.startswith("rng_state/")  # noqa: E731 - one entry per saving rank
+    assert {k for k in final if not per_rank(k)} == {k for k in full if not per_rank(k)}
+    for k, v in final.items():
+        if torch.is_tensor(v):
+            assert (v.shape, v.dtype) == (full[k].shape, full[k].dtype), k
+            assert torch.isfinite(v).all(), k
+    assert tuple(final["embedding.word_embeddings.weight"].shape) == (1024, 64)  # padded vocab
+    weights = [k for k in final if k.startswith("optimizer.state.param.")]
+    assert len(weights) == 16
+    for k in weights:  # the model's weights and the optimizer's fp32 copy: bit for bit
+        assert differences({0: final[k[len("optimizer.state.param."):]]}, {0: final[k]}) == [], k
+
+
+def test_final_checkpoint_loads_at_another_layout_as_it_was(run, reloaded):
+    w = run["w"]
+    assert "successfully loaded checkpoint" in reloaded["text"]
+    again = checkpoint_tensors(w / "reloaded", N)
+    assert differences(checkpoint_tensors(w / "ckpt", N), again,
+                       skip=lambda k: k.startswith("rng_state/")) == []
+    # the state the 2 ranks evaluated in memory at the end is the state in the checkpoint
+    final = [(i, where, loss) for i, where, loss in EVAL.findall(run["text"]) if where]
+    assert final and EVAL.findall(reloaded["text"]) == final

@@ -61,6 +61,10 @@ class ParallelGroups:
     # megatron's construction-time object gathers, made while another layout trains, run
     # on the CPU and never on the device's streams (elastic.communicators)
     layout_group_cpu: object = None
+    # the layout's devices in global-rank order, where they are the job's first ranks and
+    # others are left on standby: the default group Megatron-LM's code is given meanwhile
+    # (compat/stand_in_world.py; None elsewhere and on processes outside the layout)
+    stand_in_world: object = None
 
     @property
     def virtual_rank(self) -> Optional[int]:
@@ -90,8 +94,10 @@ class ParallelGroups:
         """Move this object's references to its process-group handles out (after
         `destroy`), so that holding this object no longer keeps them alive: whoever takes
         them decides where their destructors run."""
-        handles = [self.pg_collection, self.transfer, self.layout_group, self.layout_group_cpu]
+        handles = [self.pg_collection, self.transfer, self.layout_group, self.layout_group_cpu,
+                   self.stand_in_world]
         self.pg_collection = self.transfer = self.layout_group = self.layout_group_cpu = None
+        self.stand_in_world = None
         return handles
 
 
@@ -164,6 +170,10 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
     for name, groups_virtual in optimizer_instance_groups(layout).items():
         add(name, groups_virtual)
     everyone = make(list(dev))  # the same group as intra_dist_opt when doi == 1
+    # with processes left out, the world Megatron-LM sees: possible only where the layout's
+    # devices are the first ranks (a member's rank in it must be its global rank)
+    stand_in = (make(sorted(dev)) if sorted(dev) == list(range(len(dev)))
+                and len(dev) < dist.get_world_size() else None)
     for name in ("embd", "pos_embd"):  # megatron wants them explicitly None off-stage
         if not hasattr(pgc, name):
             setattr(pgc, name, None)
@@ -182,7 +192,8 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
     return ParallelGroups(layout=layout, placement=placement, rank=rank, pg_collection=pgc,
                           group_ranks=mine, created=created, transfer=transfer,
                           layout_group=everyone if rank in dev else None,
-                          layout_group_cpu=everyone_cpu if rank in dev else None)
+                          layout_group_cpu=everyone_cpu if rank in dev else None,
+                          stand_in_world=stand_in if rank in dev else None)
 
 
 def forget_megatron_groups() -> None:

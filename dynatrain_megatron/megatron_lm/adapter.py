@@ -28,11 +28,22 @@ What this can do, and what it cannot (the honest part):
 * Scale-in/out: a rank that a switch leaves out waits on standby inside `dynatrain_step`
   (the hook's `standby()`: the controller's broadcasts, B's groups) and comes back into
   `train()` with the new objects and the current iteration, or leaves the loop when the job
-  ends. Meanwhile the world collectives Megatron-LM makes between steps on the layout's
-  ranks (timers, the rerun state machine, the data rebuild) run over the layout's group
-  (`megatron_lm/timers.py`). Not done: a job that ends with ranks on standby and then saves or
-  evaluates in `pretrain()` (those use the world), and exits other than `--train-iters`
-  (`--exit-interval`, signals, duration) while ranks are on standby.
+  ends. Meanwhile Megatron-LM's own code on the layout's ranks is given the layout as its
+  world (`compat/stand_in_world.py`: their thread's default group is the layout's ranks,
+  which are the job's first ranks), so everything it does over "the world" runs on them
+  alone, as in a job launched on those ranks: timers, the rerun state machine, the data
+  rebuild, evaluation, `--save` (megatron-core's `dist_checkpointing` included) and the
+  exit checks of `checkpoint_and_decide_exit`. `dynatrain_step` gives our own collectives
+  the real world back while it runs.
+* A job that ends with ranks on standby: the layout's ranks hold all the training state;
+  they run `pretrain()`'s final save (a checkpoint at their layout, loadable at any
+  layout), validation and test among themselves. The standby ranks hold nothing: told by
+  the layout's last step (`--train-iters`) or by its exit (`--exit-interval`,
+  `--exit-duration-in-mins`, `--exit-signal-handler`, which `checkpoint_and_decide_exit`
+  decides on the layout's ranks and `dynatrain_step` hears as `ending`), they leave
+  `train()`, and `pretrain()` returns for them before its final save (`left_out()`).
+  Not done: a switch still being prepared in the background when such a job ends (its
+  standby ranks wait on the preparation's vote, not on the end).
 * Not done: Megatron-LM's gloo twin groups
   of the first layout are dropped and its first process groups are left alive (not
   destroyed) because `parallel_state` may still hand them out elsewhere.
@@ -55,8 +66,8 @@ from ..mcore.train_config import TrainConfig
 from .arguments import (arg_value, args_for_layout, layout_from_megatron_args, params_dtype_of,
                         performance_differences, spec_from_megatron_args,
                         train_config_from_megatron_args, unsupported_args)
-from .timers import confine_timers, world_collectives_on
 from .transformer_config import JobIntents, megatron_lm_config_factory
+from ..compat import stand_in_world
 
 log = logging.getLogger("dynatrain")
 
@@ -272,9 +283,10 @@ class MegatronLMSession:
         log.info("dynatrain: wrapping Megatron-LM's %s job (%s); switches are polled every %d "
                  "iteration(s)", layout, self.spec.name, args.dynatrain_poll_interval)
 
-    def step(self, iteration: int, loop: LoopObjects) -> LoopObjects:
+    def step(self, iteration: int, loop: LoopObjects, ending: bool = False) -> LoopObjects:
         import torch.distributed as dist
 
+        stand_in_world.use(None)  # the controller's and the switch's collectives: the world
         t = self.trainer
         if loop.model is not t.objs.model:
             raise DynatrainError("train() holds other objects than the last switch returned; "
@@ -283,58 +295,90 @@ class MegatronLMSession:
         t.consumed_samples = arg_value(self.args, "consumed_train_samples", t.consumed_samples)
         old_config = t.objs.config
         before = t.objs
-        t = self.hook.after_step(t)
+        if not ending:  # an exit decided by Megatron-LM: no new switch at the last step
+            t = self.hook.after_step(t)
         if t is None:  # a scale-in left this rank out: on standby until one brings it back
             log.info("dynatrain: iteration %d: this rank is on standby", iteration)
             t = self.hook.standby()
             if t is None:  # the job ended while this rank was out
                 self.trainer = None
+                log.info("dynatrain: the job ended while this rank was on standby: it leaves "
+                         "train() holding no training state")
                 return dataclasses.replace(loop, iteration=arg_value(self.args, "train_iters",
                                                                 iteration), stop=True)
             log.info("dynatrain: back from standby at iteration %d", t.iteration)
         self.trainer = t
         world = dist.get_world_size()
-        if (self.hook.layout.world_size < world
-                and t.iteration >= arg_value(self.args, "train_iters", t.iteration)):
+        out = self.hook.layout.world_size < world  # some processes are on standby
+        if out and (ending or t.iteration >= arg_value(self.args, "train_iters", t.iteration)):
             self.hook.stop_standby()  # the last step: the ranks on standby leave train()
-        if self.hook.layout.world_size < world and dist.get_rank() == 0:
-            # Megatron-LM prints its iteration line on the world's last rank, maybe on standby
+        if out and dist.get_rank() == 0:
+            # Megatron-LM prints its iteration line on its world's last rank
             log.info("dynatrain: iteration %d done at %s on %d of %d ranks (the others on "
                      "standby)", t.iteration, self.hook.layout, self.hook.layout.world_size,
                      world)
-        if t.objs is before:
-            return loop
         o = t.objs
-        confine_timers(o.groups.layout_group if o.layout.world_size < world else None)
-        self.args.consumed_train_samples = t.consumed_samples
-        for k, v in args_for_layout(o.layout, self.spec,
-                                    sequence_parallel=self.intents.sequence_parallel).items():
-            setattr(self.args, k, v)
-        _prepare_config(self.args, o.model, o.optimizer, o.config, old_config)
-        with world_collectives_on(o.groups.layout_group if o.layout.world_size < world
-                                  else None):
-            train_it, valid_it, test_it = _rebuild_data_iterators(self.args, len(o.model))
-        self.test_data_iterator = test_it
-        self.latest = LoopObjects(o.model, o.optimizer, o.scheduler, train_it, valid_it,
-                                  o.config, test_it, changed=True, iteration=t.iteration)
-        return self.latest
+        stand_in = _stand_in_world(o, world)
+        if o is not before:
+            self.args.consumed_train_samples = t.consumed_samples
+            for k, v in args_for_layout(o.layout, self.spec,
+                                        sequence_parallel=self.intents.sequence_parallel).items():
+                setattr(self.args, k, v)
+            _prepare_config(self.args, o.model, o.optimizer, o.config, old_config)
+            with stand_in_world.stand_in(stand_in):
+                train_it, valid_it, test_it = _rebuild_data_iterators(self.args, len(o.model))
+            self.test_data_iterator = test_it
+            self.latest = LoopObjects(o.model, o.optimizer, o.scheduler, train_it, valid_it,
+                                      o.config, test_it, changed=True, iteration=t.iteration)
+        if ending:  # train() exits with Megatron-LM's iterators: they go with its frames
+            self.forget_iterators()
+        # until the next call, Megatron-LM's code on this rank sees the layout as its world
+        stand_in_world.use(stand_in)
+        return loop if o is before else self.latest
+
+    def forget_iterators(self) -> None:
+        """Drop the session's references to the data iterators (Megatron-LM holds its own).
+        A DataLoader's worker processes end when its last holder lets it go; one still held
+        at interpreter exit is ended with SIGTERM, which the handler of
+        `--exit-signal-handler`, inherited by the forked workers, swallows: exit hangs."""
+        if self.latest is not None:
+            self.latest = dataclasses.replace(self.latest, train_data_iterator=None,
+                                              valid_data_iterator=None, test_data_iterator=None)
+        self.test_data_iterator = None
+
+
+def _stand_in_world(objs: Any, world: int) -> Any:
+    """The world Megatron-LM's code is given on a rank of `objs`'s layout: None (the real
+    one) when the layout spans every process, else its ranks (`ParallelGroups`)."""
+    if objs.layout.world_size == world:
+        return None
+    group = objs.groups.stand_in_world
+    if group is None:
+        raise DynatrainError(
+            f"{objs.layout} runs on devices {list(objs.groups.placement.devices)} of {world} "
+            f"processes: Megatron-LM's world collectives can be confined to a layout only on "
+            f"the job's first ranks")
+    return group
 
 
 def dynatrain_step(args: Any, iteration: int, model: list, optimizer: Any,
                    opt_param_scheduler: Any, train_data_iterator: Any, valid_data_iterator: Any,
-                   config: Any) -> LoopObjects:
+                   config: Any, ending: bool = False) -> LoopObjects:
     """The per-step call of the patched `train()`, on every rank, after the optimizer step,
-    the iteration/consumed-samples accounting and `checkpoint_and_decide_exit`.
+    the iteration/consumed-samples accounting and `checkpoint_and_decide_exit`; `ending`:
+    what that returned (Megatron-LM leaves the loop after this step: no switch starts, and
+    ranks on standby are told the job is over).
 
     Returns the objects to continue with; `changed` is True after a switch, when the
-    caller must also refresh `get_forward_backward_func()` and `get_num_microbatches()`.
+    caller must also refresh `get_forward_backward_func()` and `get_num_microbatches()`;
+    `stop` is True on a rank that was on standby when the job ended (leave the loop).
     """
     global _SESSION
     loop = LoopObjects(model, optimizer, opt_param_scheduler, train_data_iterator,
                        valid_data_iterator, config)
     if _SESSION is None:
         _SESSION = MegatronLMSession(args, model, optimizer, opt_param_scheduler, config)
-    return _SESSION.step(iteration, loop)
+    return _SESSION.step(iteration, loop, ending)
 
 
 def finish_training(model: list, optimizer: Any, opt_param_scheduler: Any,
@@ -342,28 +386,48 @@ def finish_training(model: list, optimizer: Any, opt_param_scheduler: Any,
                     test_data_iterator: Any, config: Any) -> tuple:
     """Called by the patched `pretrain()` after `train()` returns: the objects the loop
     ended with (the caller's are released if a switch happened) and the switch summary."""
+    import torch.distributed as dist
+
     s = _SESSION
-    if s is None or s.trainer is None:  # no session, or on standby at the end
+    if s is None or s.trainer is None:  # no session, or on standby at the end (left_out)
         return (model, optimizer, opt_param_scheduler, train_data_iterator,
                 valid_data_iterator, test_data_iterator, config)
     s.hook.finish(s.trainer)
+    o = s.trainer.objs
+    with stand_in_world.real_world():
+        world = dist.get_world_size()
+    if o.layout.world_size < world:
+        log.info("dynatrain: the job ends at %s on ranks 0..%d; the other %d are on standby "
+                 "and leave: Megatron-LM's final save, validation and test run on the "
+                 "layout's ranks as its world", o.layout, o.layout.world_size - 1,
+                 world - o.layout.world_size)
     if s.latest is None:
         return (model, optimizer, opt_param_scheduler, train_data_iterator,
                 valid_data_iterator, test_data_iterator, config)
-    o = s.trainer.objs
     last = s.latest
-    return (o.model, o.optimizer, o.scheduler, last.train_data_iterator,
-            last.valid_data_iterator, s.test_data_iterator, o.config)
+    out = (o.model, o.optimizer, o.scheduler, last.train_data_iterator,
+           last.valid_data_iterator, s.test_data_iterator, o.config)
+    s.forget_iterators()
+    return out
+
+
+def left_out() -> bool:
+    """True on a process that was on standby when the job ended: it holds no training
+    state, so the patched `pretrain()` returns before its final save, validation and test
+    (the layout's ranks run them among themselves)."""
+    return _SESSION is not None and _SESSION.trainer is None
 
 
 def reset_session() -> None:
     """Forget the session and the dataset provider (tests, in-process restarts)."""
     global _SESSION, _DATASET_PROVIDER
+    stand_in_world.use(None)
     _SESSION = None
     _DATASET_PROVIDER = None
 
 
 __all__: Iterable[str] = (
     "LoopObjects", "MegatronLMSession", "check_switchable", "dynatrain_step",
-    "finish_training", "register_dataset_provider", "reset_session", "wrap_megatron_groups",
+    "finish_training", "left_out", "register_dataset_provider", "reset_session",
+    "wrap_megatron_groups",
 )
