@@ -24,6 +24,7 @@ stand-in would be known to the layout's ranks only): the caller lifts the stand-
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 from typing import Any, Iterator, Optional
@@ -57,6 +58,17 @@ def _install() -> None:
             raise DynatrainError(f"torch.distributed's world object is a {type(world)!r}, "
                                  "not torch's own _World: cannot give a thread its own world")
         world.__class__ = _ThreadWorld
+        atexit.register(_tear_down)
+
+
+def _tear_down() -> None:
+    """At interpreter exit: the real world again, and every process group destroyed in
+    order. A process that ran collectives on a stand-in and left its gloo groups to the
+    interpreter's finalisation was seen to abort there ("terminate called without an
+    active exception", 2 of 10 runs of a 4-rank script; 0 of 10 with this)."""
+    _local.group = None
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def check_stand_in(group: Any) -> None:
