@@ -44,6 +44,11 @@ What this can do, and what it cannot (the honest part):
   `train()`, and `pretrain()` returns for them before its final save (`left_out()`).
   Not done: a switch still being prepared in the background when such a job ends (its
   standby ranks wait on the preparation's vote, not on the end).
+* A rank that dies (under `dynatrain launch`, with `--dynatrain-rendezvous-dir`): the
+  patched loop hands the failed collective to `rank_death`, which re-forms the world and
+  comes back through `MegatronLMSession.rebind_loop` like a switch: from the survivors'
+  memory with several distributed-optimizer instances, else (the dead rank's optimizer
+  shards are lost) from Megatron-LM's last `--save`.
 * Not done: Megatron-LM's gloo twin groups
   of the first layout are dropped and its first process groups are left alive (not
   destroyed) because `parallel_state` may still hand them out elsewhere.

@@ -12,16 +12,16 @@ The patched loop catches the failed collective around `train_step` and around
 exception handler (its traceback holds the broken communicators) calls `recover`, then
 rebinds what `recover` returns, as after a switch. What is recovered from where:
 
-* Megatron-LM's distributed optimizer with one instance (the only kind the adapter
-  accepts) keeps every `main_param` / `exp_avg` / `exp_avg_sq` shard on one rank only: the
-  dead ranks' shards are gone. The survivors then build the largest layout that fits them
-  and load Megatron-LM's own last checkpoint (`--save`, with Megatron-LM's
-  `load_checkpoint`: iteration, consumed samples, scheduler, rerun state); the loop goes on
-  from that iteration. Without a checkpoint the job ends with the lost tensors named.
-* Where every lost shard has a replica on a survivor (several optimizer instances,
-  `doi` > 1), `recover_after_death` recovers the state from the survivors' memory at the
-  current iteration instead; inside Megatron-LM that path waits for the adapter to accept
-  `doi` > 1 and is not exercised here yet.
+* Where every shard of the dead ranks has a replica on a survivor (several optimizer
+  instances, `--num-distributed-optimizer-instances` > 1), `recover_after_death` switches
+  the survivors' own tensors to the largest layout that fits them: nothing is lost and the
+  loop goes on from the current iteration.
+* Megatron-LM's distributed optimizer with one instance keeps every `main_param` /
+  `exp_avg` / `exp_avg_sq` shard on one rank only: the dead ranks' shards are gone. The
+  survivors then build that layout and load Megatron-LM's own last checkpoint (`--save`,
+  with Megatron-LM's `load_checkpoint`: iteration, consumed samples, scheduler, rerun
+  state); the loop goes on from that iteration. Without a checkpoint the job ends with
+  the lost tensors named.
 
 Megatron-LM's globals end consistent with the new world: `parallel_state` (our groups
 installed), `args` (world size, rank, layout sizes, consumed samples), the micro-batch
@@ -206,7 +206,8 @@ def _resume_from_save(s: MegatronLMSession, dst: Layout, box: dict):
         raise DynatrainError(
             "a rank died and its optimizer state had no replica (one distributed-optimizer "
             f"instance), and there is no Megatron-LM checkpoint to resume from (--save "
-            f"{save}): the job ends; restart it")
+            f"{save}): the job ends; restart it (--num-distributed-optimizer-instances 2 "
+            f"keeps a replica of every shard)")
     for k, v in args_for_layout(dst, s.spec).items():
         setattr(args, k, v)
     _follow_world(args)
