@@ -354,6 +354,13 @@ class MegatronLMSession:
                                   flops=flops)
         return self.latest
 
+    def enter_layout_world(self) -> None:
+        """Give Megatron-LM's code on this rank the current layout as its world (after a
+        recovery, as `step` does after a switch)."""
+        import torch.distributed as dist
+
+        stand_in_world.use(_stand_in_world(self.trainer.objs, dist.get_world_size()))
+
     def forget_iterators(self) -> None:
         """Drop the session's references to the data iterators (Megatron-LM holds its own).
         A DataLoader's worker processes end when its last holder lets it go; one still held

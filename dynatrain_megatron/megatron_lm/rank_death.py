@@ -25,7 +25,7 @@ rebinds what `recover` returns, as after a switch. What is recovered from where:
 
 Megatron-LM's globals end consistent with the new world: `parallel_state` (our groups
 installed), `args` (world size, rank, layout sizes, consumed samples), the micro-batch
-calculator, the timers (back on the world), the model config's callbacks, the data
+calculator, the stand-in world of Megatron-LM's code, the model config's callbacks, the data
 iterators (rebuilt at the consumed samples). A survivor the new world does not need ends
 its process with status 0 (`dynatrain launch` reports the job by its last workers).
 
@@ -112,7 +112,9 @@ def recover(args: Any, iteration: int, failure: str,
     log.warning("dynatrain: training goes on at %s on %d ranks after iteration %d, %s",
                 trainer.objs.layout, trainer.objs.layout.world_size, trainer.iteration,
                 "from the last checkpoint" if box else "recovered in memory")
-    return s.rebind_loop(trainer, old_config, flops=box.get("flops"))
+    loop = s.rebind_loop(trainer, old_config, flops=box.get("flops"))
+    s.enter_layout_world()
+    return loop
 
 
 def _follow_world(args: Any) -> None:
@@ -149,11 +151,11 @@ def _held_by_megatron_lm(s: MegatronLMSession) -> list:
 def _let_go(held: list, old_config: Any, checkpointing_context: Optional[dict]) -> None:
     """Empty in place what Megatron-LM's frames still reference of the broken layout
     (module doc), after the hook read this rank's state and released its objects; the
-    checkpoint strategies Megatron-LM cached with the old groups are dropped, and the
-    timers go back to the world."""
+    checkpoint strategies Megatron-LM cached with the old groups are dropped, and
+    Megatron-LM's code is given the real world again (`compat/stand_in_world.py`)."""
     import gc
 
-    from .timers import confine_timers
+    from ..compat import stand_in_world
 
     for obj in held:
         vars(obj).clear()
@@ -165,7 +167,7 @@ def _let_go(held: list, old_config: Any, checkpointing_context: Optional[dict]) 
                 setattr(old_config, name, None)
     if checkpointing_context is not None:
         checkpointing_context.clear()
-    confine_timers(None)
+    stand_in_world.use(None)  # it may hold the broken layout's group
     gc.collect()
     stopped = _stop_data_loader_workers()
     if stopped:
