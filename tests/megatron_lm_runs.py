@@ -219,3 +219,17 @@ def differences(a: dict, b: dict, *, skip=lambda key: False) -> list[str]:
         elif not _same(a[k], b[k]):
             diff.append(f"{k}: {type(a[k]).__name__} values differ")
     return diff
+
+
+def run_launched(tree: Path, nproc: int, flags: list[str], log: Path, *, env: dict,
+                 timeout: float = 900) -> tuple[int, str]:
+    """Run pretrain_gpt.py of `tree` on `nproc` gloo ranks under `dynatrain launch` (a
+    worker that dies does not stop the others); returns (the launcher's status, the log)."""
+    full = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+                PYTHONPATH=os.pathsep.join([str(ROOT), str(tree)]), **env)
+    cmd = [sys.executable, "-m", "dynatrain_megatron.cli", "launch", "--nproc", str(nproc),
+           str(tree / "pretrain_gpt.py"), *flags]
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=tree, env=full, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=timeout)
+    return proc.returncode, log.read_text()

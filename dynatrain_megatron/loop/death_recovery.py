@@ -61,6 +61,21 @@ def fit_layout(spec: ModelSpec, train: TrainConfig, old: Layout, n: int) -> Layo
 
 
 @dataclass(frozen=True)
+class HostLoop:
+    """What a training loop that is not ours (Megatron-LM's `train()`) adds to a recovery.
+
+    `let_go`: drop the loop's own references to the broken layout's objects; called once
+    this rank's state was read and its objects released, before the world is re-formed
+    (a gloo communicator's sockets close only with its last reference, and a survivor
+    blocked on this one learns of the death only then). `resume(dst)`: build `dst` on the
+    re-formed world and load the loop's own last checkpoint into it (instead of
+    `--dynatrain-recovery-checkpoint`)."""
+
+    let_go: Callable[[], None]
+    resume: Callable[[Layout], Trainer]
+
+
+@dataclass(frozen=True)
 class Recovery:
     """What `recover_after_death` did on this process."""
 
@@ -78,8 +93,8 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
                         generation: int = 1, timeout: Optional[float] = None,
                         layout: Optional[Layout] = None,
                         placement: Optional[Placement] = None,
-                        choose: Optional[Callable[[int], tuple[Layout, str]]] = None
-                        ) -> Recovery:
+                        choose: Optional[Callable[[int], tuple[Layout, str]]] = None,
+                        host: Optional[HostLoop] = None) -> Recovery:
     """Every survivor calls this after a collective failed because a rank died; a
     survivor on standby (`trainer` None, no state) passes the job's `layout` and
     `placement` instead.
@@ -91,7 +106,7 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     Survivors B does not need stay in the new world (standby). Otherwise only B's ranks
     re-form the world and load the last checkpoint; the lost tensors are named.
     `choose` (auto-layout): survivors -> (layout, note) replaces "the largest layout that
-    fits" (`fit_layout`)."""
+    fits" (`fit_layout`). `host`: the hooks of a host training loop (`HostLoop`)."""
     old = trainer.objs if trainer is not None else None
     old_rank, old_world = dist.get_rank(), dist.get_world_size()
     if old is not None:
@@ -106,6 +121,8 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     # the roster, and be left out of the new world
     del old
     held, scalars = let_go_of_layout(trainer, spec, pa, broken=True)
+    if host is not None:
+        host.let_go()
 
     def dead_of(survivors) -> list[int]:
         return [d for d in pa.devices if d not in survivors]
@@ -139,6 +156,12 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
         rec = _recover_in_memory(spec, train, src, pa, dst, nw, held, scalars, what, timeout)
         return replace(rec, note=note)
     held = None
+    if host is not None:
+        log.warning("resuming from the training loop's last checkpoint at %s on %d ranks "
+                    "(optimizer state of the dead ranks had no replica)", dst, dst.world_size)
+        new = host.resume(dst)
+        assert dist.get_world_size() == dst.world_size
+        return Recovery(new, nw, what, mode, dst, note=note)
     if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
         raise DynatrainError(f"state lost ({what}) and no checkpoint to resume from "
                              f"(--dynatrain-recovery-checkpoint)")

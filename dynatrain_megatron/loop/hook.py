@@ -100,6 +100,7 @@ class DynatrainHook:
         self.recovery_checkpoint = recovery_checkpoint
         self.max_recoveries = max_recoveries
         self.recoveries: list[dict] = []
+        self.host = None  # a host training loop's recovery hooks (death_recovery.HostLoop)
         self.admitted: list[dict] = []  # joiners that grew the world (loop/growth.py)
         self.faults = FaultPlan.from_env()  # DYNATRAIN_FAULTS, e.g. a rank killed at a step
         self.memory = memory  # A and B together on the devices (loop/memory_check.py)
@@ -451,7 +452,8 @@ class DynatrainHook:
         rec = recover_after_death(trainer, self.spec, self.builder.train, self.rendezvous_dir,
                                   self.recovery_checkpoint, generation=len(self.recoveries) + 1,
                                   timeout=self.timeout, layout=self.layout,
-                                  placement=self.layout_placement, choose=self._survivor_layout())
+                                  placement=self.layout_placement, choose=self._survivor_layout(),
+                                  host=self.host)
         src = self.layout
         self.layout = rec.layout
         self.layout_placement = Placement(tuple(range(rec.layout.world_size)))

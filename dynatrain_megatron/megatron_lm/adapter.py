@@ -44,6 +44,11 @@ What this can do, and what it cannot (the honest part):
   `train()`, and `pretrain()` returns for them before its final save (`left_out()`).
   Not done: a switch still being prepared in the background when such a job ends (its
   standby ranks wait on the preparation's vote, not on the end).
+* A rank that dies (under `dynatrain launch`, with `--dynatrain-rendezvous-dir`): the
+  patched loop hands the failed collective to `rank_death`, which re-forms the world and
+  comes back through `MegatronLMSession.rebind_loop` like a switch: from the survivors'
+  memory with several distributed-optimizer instances, else (the dead rank's optimizer
+  shards are lost) from Megatron-LM's last `--save`.
 * Not done: Megatron-LM's gloo twin groups
   of the first layout are dropped and its first process groups are left alive (not
   destroyed) because `parallel_state` may still hand them out elsewhere.
@@ -86,6 +91,7 @@ class LoopObjects:
     changed: bool = False
     iteration: int = 0  # where the loop goes on (a rank back from standby catches up)
     stop: bool = False  # this rank was on standby when the job ended: leave the loop
+    flops: Optional[float] = None  # floating-point operations so far, when a recovery reset them
 
 
 _DATASET_PROVIDER: Optional[Callable] = None
@@ -318,23 +324,42 @@ class MegatronLMSession:
                      "standby)", t.iteration, self.hook.layout, self.hook.layout.world_size,
                      world)
         o = t.objs
-        stand_in = _stand_in_world(o, world)
         if o is not before:
-            self.args.consumed_train_samples = t.consumed_samples
-            for k, v in args_for_layout(o.layout, self.spec,
-                                        sequence_parallel=self.intents.sequence_parallel).items():
-                setattr(self.args, k, v)
-            _prepare_config(self.args, o.model, o.optimizer, o.config, old_config)
-            with stand_in_world.stand_in(stand_in):
-                train_it, valid_it, test_it = _rebuild_data_iterators(self.args, len(o.model))
-            self.test_data_iterator = test_it
-            self.latest = LoopObjects(o.model, o.optimizer, o.scheduler, train_it, valid_it,
-                                      o.config, test_it, changed=True, iteration=t.iteration)
+            self.rebind_loop(t, old_config)
         if ending:  # train() exits with Megatron-LM's iterators: they go with its frames
             self.forget_iterators()
         # until the next call, Megatron-LM's code on this rank sees the layout as its world
-        stand_in_world.use(stand_in)
+        stand_in_world.use(_stand_in_world(o, world))
         return loop if o is before else self.latest
+
+    def rebind_loop(self, t: Any, old_config: Any, flops: Optional[float] = None) -> LoopObjects:
+        """After `t` got new objects (a switch, a recovery): Megatron-LM's `args`, the model
+        config's callbacks and the data iterators follow them; returns what `train()`
+        continues with (`old_config`: the model config `train()` had, for its timers;
+        `flops`: the floating-point operations so far, when a checkpoint set them back)."""
+        import torch.distributed as dist
+
+        self.trainer = t
+        o = t.objs
+        self.args.consumed_train_samples = t.consumed_samples
+        for k, v in args_for_layout(o.layout, self.spec,
+                                    sequence_parallel=self.intents.sequence_parallel).items():
+            setattr(self.args, k, v)
+        _prepare_config(self.args, o.model, o.optimizer, o.config, old_config)
+        with stand_in_world.stand_in(_stand_in_world(o, dist.get_world_size())):
+            train_it, valid_it, test_it = _rebuild_data_iterators(self.args, len(o.model))
+        self.test_data_iterator = test_it
+        self.latest = LoopObjects(o.model, o.optimizer, o.scheduler, train_it, valid_it,
+                                  o.config, test_it, changed=True, iteration=t.iteration,
+                                  flops=flops)
+        return self.latest
+
+    def enter_layout_world(self) -> None:
+        """Give Megatron-LM's code on this rank the current layout as its world (after a
+        recovery, as `step` does after a switch)."""
+        import torch.distributed as dist
+
+        stand_in_world.use(_stand_in_world(self.trainer.objs, dist.get_world_size()))
 
     def forget_iterators(self) -> None:
         """Drop the session's references to the data iterators (Megatron-LM holds its own).
@@ -418,6 +443,11 @@ def left_out() -> bool:
     return _SESSION is not None and _SESSION.trainer is None
 
 
+def current_session() -> Optional["MegatronLMSession"]:
+    """The session of this process (None before the first `dynatrain_step`)."""
+    return _SESSION
+
+
 def reset_session() -> None:
     """Forget the session and the dataset provider (tests, in-process restarts)."""
     global _SESSION, _DATASET_PROVIDER
@@ -427,7 +457,7 @@ def reset_session() -> None:
 
 
 __all__: Iterable[str] = (
-    "LoopObjects", "MegatronLMSession", "check_switchable", "dynatrain_step",
+    "LoopObjects", "MegatronLMSession", "check_switchable", "current_session", "dynatrain_step",
     "finish_training", "left_out", "register_dataset_provider", "reset_session",
     "wrap_megatron_groups",
 )

@@ -1,0 +1,227 @@
+"""A rank that dies inside Megatron-LM's own `train()`: the survivors re-form the world and go
+on in the same processes, at a layout that fits them (`loop/death_recovery.py`).
+
+It needs a launcher that lets the survivors live: torchrun's agent stops every worker when
+one fails, so under torchrun a death still ends the job (restart from the last `--save`);
+`dynatrain launch` (or Slurm's `srun --kill-on-bad-exit=0`) only watches, and
+`--dynatrain-rendezvous-dir` is where the survivors meet.
+
+The patched loop catches the failed collective around `train_step` and around
+`dynatrain_step` (where a death surfaces: a gloo error on every survivor), hands its text to
+`failure_of` (anything that is not a dead peer is re-raised), and once outside the
+exception handler (its traceback holds the broken communicators) calls `recover`, then
+rebinds what `recover` returns, as after a switch. What is recovered from where:
+
+* Where every shard of the dead ranks has a replica on a survivor (several optimizer
+  instances, `--num-distributed-optimizer-instances` > 1), `recover_after_death` switches
+  the survivors' own tensors to the largest layout that fits them: nothing is lost and the
+  loop goes on from the current iteration.
+* Megatron-LM's distributed optimizer with one instance keeps every `main_param` /
+  `exp_avg` / `exp_avg_sq` shard on one rank only: the dead ranks' shards are gone. The
+  survivors then build that layout and load Megatron-LM's own last checkpoint (`--save`,
+  with Megatron-LM's `load_checkpoint`: iteration, consumed samples, scheduler, rerun
+  state); the loop goes on from that iteration. Without a checkpoint the job ends with
+  the lost tensors named.
+
+Megatron-LM's globals end consistent with the new world: `parallel_state` (our groups
+installed), `args` (world size, rank, layout sizes, consumed samples), the micro-batch
+calculator, the stand-in world of Megatron-LM's code, the model config's callbacks, the data
+iterators (rebuilt at the consumed samples). A survivor the new world does not need ends
+its process with status 0 (`dynatrain launch` reports the job by its last workers).
+
+A survivor blocked in a collective with another survivor learns of the death only when that
+one's sockets close, which on gloo happens only when nothing holds them any more; a survivor
+that keeps one open leaves that peer blocked until the process-group timeout (and out of the
+new world). Inside Megatron-LM two things hold them besides our objects: its frames
+(`train()`, `pretrain()`) reference the broken layout's optimizer, model config and last
+model chunk, and its data loaders' worker processes, forked after the world was made, hold
+copies of every socket. `_let_go` empties those objects in place (the loop continues with
+new ones) and stops those workers (the iterators are rebuilt on the new world).
+
+Not covered: a death that surfaces elsewhere in the loop (evaluation, a checkpoint save, the
+log line's timer collectives) ends the survivors there with Megatron-LM's own error, like
+without dynatrain; the recovered job's last `--save` must have been written completely
+(Megatron-LM's tracker file is written last).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Optional
+
+from ..loop.death_recovery import HostLoop
+from ..vps.errors import DynatrainError
+from ..vps.layout import Layout
+from .adapter import LoopObjects, MegatronLMSession, current_session
+from .arguments import arg_value, args_for_layout
+
+log = logging.getLogger("dynatrain")
+
+
+def failure_of(error: BaseException) -> str:
+    """The text of a failure the session can recover from (a dead peer); re-raises
+    `error` otherwise (a bug, or no session, rendezvous directory or recovery budget)."""
+    s = current_session()
+    if s is None or s.trainer is None and s.hook.layout is None:
+        raise error
+    if not s.hook.can_recover(error):
+        if s.hook.rendezvous_dir is None and _looks_like_dead_peer(error):
+            log.error("dynatrain: a peer died (%s); without --dynatrain-rendezvous-dir (and "
+                      "a launcher that keeps the survivors alive: `dynatrain launch`) the job "
+                      "cannot recover: restart it from the last --save",
+                      str(error).splitlines()[0][:200])
+        raise error
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+
+
+def _looks_like_dead_peer(error: BaseException) -> bool:
+    text = str(error)
+    return any(m in text for m in ("Connection closed by peer", "Connection reset by peer",
+                                   "Broken pipe"))
+
+
+def recover(args: Any, iteration: int, failure: str,
+            checkpointing_context: Optional[dict] = None) -> LoopObjects:
+    """Every survivor, after `failure_of`, outside the exception handler: re-form the
+    world, recover the training state (module doc) and return what `train()` continues
+    with (`changed`; `stop` on a survivor that waited on standby until the job ended).
+    A survivor the new world does not need exits the process here (status 0)."""
+    s = current_session()
+    if s is None:
+        raise DynatrainError("recover() before the first dynatrain_step")
+    old_config = s.trainer.objs.config if s.trainer is not None else None
+    held = _held_by_megatron_lm(s)
+    box: dict = {}
+    s.hook.host = HostLoop(let_go=lambda: _let_go(held, old_config, checkpointing_context),
+                           resume=lambda dst: _resume_from_save(s, dst, box))
+    trainer, s.trainer = s.trainer, None
+    what, trainer = s.hook.recover(trainer, failure)
+    s.hook.host = None
+    if what == "leave":
+        log.warning("dynatrain: this survivor is not needed by the new layout: the process "
+                    "ends")
+        sys.stdout.flush()
+        raise SystemExit(0)
+    if what == "standby":
+        log.info("dynatrain: on standby after the recovery")
+        trainer = s.hook.standby()
+        if trainer is None:
+            return LoopObjects([], None, None, None, None, None,
+                               iteration=arg_value(args, "train_iters", iteration), stop=True)
+    _follow_world(args)
+    log.warning("dynatrain: training goes on at %s on %d ranks after iteration %d, %s",
+                trainer.objs.layout, trainer.objs.layout.world_size, trainer.iteration,
+                "from the last checkpoint" if box else "recovered in memory")
+    loop = s.rebind_loop(trainer, old_config, flops=box.get("flops"))
+    s.enter_layout_world()
+    return loop
+
+
+def _follow_world(args: Any) -> None:
+    """Megatron-LM's `args` that describe the world (its checkpoint code compares them)."""
+    import torch.distributed as dist
+
+    args.world_size = dist.get_world_size()
+    args.rank = dist.get_rank()
+
+
+def _held_by_megatron_lm(s: MegatronLMSession) -> list:
+    """The broken layout's objects that Megatron-LM's frames may still reference and that
+    hold its communicators: the optimizer (and those it chains), the model chunks and their
+    process-group collections (`train()` keeps one in a local)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    if s.trainer is None:
+        return []
+    o = s.trainer.objs
+    out, pending = [], [o.optimizer]
+    while pending:
+        opt = pending.pop()
+        if opt is not None:
+            out.append(opt)
+            pending += list(getattr(opt, "chained_optimizers", None) or [])
+    for chunk in o.model:
+        pgc = get_attr_wrapped_model(chunk, "pg_collection", allow_none=True)
+        if pgc is not None and all(pgc is not x for x in out):
+            out.append(pgc)
+        out.append(chunk)  # `train()` keeps the last one in a loop variable (`model_module`)
+    return out
+
+
+def _let_go(held: list, old_config: Any, checkpointing_context: Optional[dict]) -> None:
+    """Empty in place what Megatron-LM's frames still reference of the broken layout
+    (module doc), after the hook read this rank's state and released its objects; the
+    checkpoint strategies Megatron-LM cached with the old groups are dropped, and
+    Megatron-LM's code is given the real world again (`compat/stand_in_world.py`)."""
+    import gc
+
+    from ..compat import stand_in_world
+
+    for obj in held:
+        vars(obj).clear()
+    held.clear()
+    if old_config is not None:
+        for name in ("grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func",
+                     "finalize_model_grads_func"):
+            if hasattr(old_config, name):
+                setattr(old_config, name, None)
+    if checkpointing_context is not None:
+        checkpointing_context.clear()
+    stand_in_world.use(None)  # it may hold the broken layout's group
+    gc.collect()
+    stopped = _stop_data_loader_workers()
+    if stopped:
+        log.info("dynatrain: stopped %d data-loader worker process(es) of the broken world",
+                 stopped)
+
+
+def _stop_data_loader_workers() -> int:
+    """Stop the worker processes of every live multi-process data-loader iterator. They
+    were forked from this process after the world was made, so each holds a copy of every
+    communicator socket of that time: the peers blocked on this rank would see its
+    sockets close only when the workers end (with persistent workers, at the job's end).
+    The iterators are rebuilt on the new world (`rebind_loop`). Returns the workers stopped."""
+    import gc
+
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    n = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, _MultiProcessingDataLoaderIter):
+            n += len(getattr(obj, "_workers", ()))
+            obj._shutdown_workers()
+    return n
+
+
+def _resume_from_save(s: MegatronLMSession, dst: Layout, box: dict):
+    """`HostLoop.resume`: build `dst` on the re-formed world and load Megatron-LM's last
+    checkpoint (`--save`) into it with Megatron-LM's own `load_checkpoint`."""
+    import torch.distributed as dist
+    from megatron.training.checkpointing import checkpoint_exists, load_checkpoint
+
+    from ..mcore.session import start_job
+    from ..mcore.training import Trainer
+
+    args = s.args
+    save = arg_value(args, "save")
+    if not save or not checkpoint_exists(save):
+        raise DynatrainError(
+            "a rank died and its optimizer state had no replica (one distributed-optimizer "
+            f"instance), and there is no Megatron-LM checkpoint to resume from (--save "
+            f"{save}): the job ends; restart it (--num-distributed-optimizer-instances 2 "
+            f"keeps a replica of every shard)")
+    for k, v in args_for_layout(dst, s.spec).items():
+        setattr(args, k, v)
+    _follow_world(args)
+    new = start_job(s.spec, dst, s.train)
+    o = new.objs
+    iteration, flops = load_checkpoint(o.model, o.optimizer, o.scheduler, load_arg="save")
+    box["flops"] = flops
+    consumed = arg_value(args, "consumed_train_samples", 0)
+    log.warning("dynatrain: loaded Megatron-LM's checkpoint of iteration %d (%d samples "
+                "consumed) from %s at %s on %d ranks", iteration, consumed, save, dst,
+                dist.get_world_size())
+    return Trainer(s.spec, s.train, o, iteration, consumed)
+
+
+__all__ = ("failure_of", "recover")

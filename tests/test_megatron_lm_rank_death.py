@@ -1,0 +1,147 @@
+"""A rank killed inside real Megatron-LM's own train() (the snapshot, patched), launched with
+`dynatrain launch` so that the survivors live on: one job on 4 gloo ranks, tp2pp2 with
+`--save-interval 2`, rank 3 killed after iteration 3 (`DYNATRAIN_FAULTS`).
+
+The survivors notice in different places (ranks 0 and 1 in the step-boundary poll, rank 2
+blocked in the pipeline's receive from rank 0, which it learns of only when rank 0 lets go
+of every copy of its sockets), all three meet in the rendezvous directory, and since the
+distributed optimizer kept rank 3's optimizer shards nowhere else, the two that tp2pp1dp1
+needs load Megatron-LM's checkpoint of iteration 2 at that layout in the same processes and
+train on to 6; the third ends with status 0. Iteration 3 runs twice: at tp2pp2 before the
+death and at tp2pp1 after it, from the same state and the same samples, so it must report
+the same loss and grad norm. Every iteration's consumed samples and learning rate are those
+of a job that never failed, and the checkpoints written after the recovery describe the new
+world (Megatron-LM's `args`) and count every iteration's work once.
+"""
+import math
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dynatrain_megatron.megatron_lm import adapter as mlm
+from dynatrain_megatron.megatron_lm import rank_death
+from megatron_lm_runs import CPU_FLAGS, TINY_GPT, layout_flags, run_launched
+from megatron_lm_tree import copy_tree, require_snapshot
+
+PATCH = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm-core_v0.16.1" / "dynatrain.patch"
+
+N = 6
+LINE = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*?"
+                  r"learning rate: ([0-9.E+-]+) \|.*?lm loss: ([0-9.E+-]+) \|.*?"
+                  r"grad norm: ([0-9.]+) \|")
+
+
+def cosine_lr(iteration: int, *, lr=1e-3, min_lr=1e-4, warmup=1, decay=N) -> float:
+    """Megatron-LM's cosine schedule with linear warm-up (TINY_GPT's settings)."""
+    if iteration <= warmup:
+        return lr * iteration / warmup
+    ratio = (iteration - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1) * (lr - min_lr)
+
+
+def test_patch_hands_failures_to_functions_that_exist():
+    text = PATCH.read_text()
+    assert set(re.findall(r"dynatrain_death\.(\w+)\(", text)) == {"failure_of", "recover"}
+    assert callable(rank_death.failure_of) and callable(rank_death.recover)
+    # both places a death surfaces are guarded: train_step and dynatrain_step
+    assert text.count("dt_failure = dynatrain_death.failure_of(dt_error)") == 2
+
+
+def test_only_a_dead_peer_with_a_rendezvous_directory_is_recovered(monkeypatch, caplog):
+    dead = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234. More\nlines")
+    bug = ValueError("a bug of the model")
+    monkeypatch.setattr(mlm, "_SESSION", None)
+    with pytest.raises(RuntimeError) as e:  # no session yet: Megatron-LM's own error
+        rank_death.failure_of(dead)
+    assert e.value is dead
+
+    def session(rendezvous_dir):
+        hook = SimpleNamespace(layout="tp2pp2dp1", rendezvous_dir=rendezvous_dir,
+                               can_recover=lambda err: rendezvous_dir is not None
+                               and isinstance(err, RuntimeError))
+        return SimpleNamespace(trainer=object(), hook=hook)
+
+    monkeypatch.setattr(mlm, "_SESSION", session("/shared/rdv"))
+    assert rank_death.failure_of(dead) == ("RuntimeError: [pair.cc:553] Connection closed by "
+                                           "peer [127.0.0.1]:1234. More")
+    with pytest.raises(ValueError) as e:
+        rank_death.failure_of(bug)
+    assert e.value is bug
+    monkeypatch.setattr(mlm, "_SESSION", session(None))  # torchrun: no rendezvous directory
+    with pytest.raises(RuntimeError) as e:
+        rank_death.failure_of(dead)
+    assert e.value is dead
+    assert "cannot recover: restart it from the last --save" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    require_snapshot()
+    w = tmp_path_factory.mktemp("megatron-lm-death")
+    w.chmod(0o700)
+    tree = copy_tree(w / "patched", patched=True)
+    faults = ('{"fail_rank": 3, "fail_phase": "step", "iteration": 3, "kill": true, '
+              '"exit_code": 1}')
+    status, text = run_launched(
+        tree, 4, CPU_FLAGS + TINY_GPT + layout_flags(2, 2) + [
+            "--train-iters", str(N), "--save", str(w / "ckpt"), "--save-interval", "2",
+            "--distributed-timeout-minutes", "3",
+            "--dynatrain", "--dynatrain-rendezvous-dir", str(w / "rdv")],
+        w / "job.log", env={"DYNATRAIN_FAULTS": faults})
+    return dict(w=w, status=status, text=text)
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+def test_survivors_recover_inside_megatron_lm(run):
+    text = run["text"]
+    assert run["status"] == 0, text[-4000:]  # the last workers to end exited 0
+    exits = dict(re.findall(r"\[launch\] worker (\d) exited with (-?\d+) after", text))
+    assert exits == {"3": "1", "0": "0", "1": "0", "2": "0"}
+    # every survivor noticed in time and is in the one roster (none kept a socket of the
+    # broken world open: rank 2 would otherwise wake only when ranks 0 and 1 exit)
+    rosters = re.findall(r"world re-formed \(generation 1\): survivors (\[[0-9, ]*\]) of 4 "
+                         r"ranks, (\d) kept", text)
+    assert rosters == [("[0, 1, 2]", "2")] * 3
+    assert text.count("this survivor is not needed by the new layout: the process ends") == 1
+    loaded = re.findall(r"loaded Megatron-LM's checkpoint of iteration (\d+) \((\d+) samples "
+                        r"consumed\) from \S+ at (\S+) on (\d) ranks", text)
+    assert loaded == [("2", "16", "tp2pp1dp1", "2")] * 2
+    assert "recovered from the death of ranks [3]: tp2pp2dp1 -> tp2pp1dp1 (from the checkpoint)" \
+        in text
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+def test_replayed_iteration_and_schedule_continue_exactly(run):
+    lines = [(int(i), int(c), lr, loss, gn) for i, c, lr, loss, gn in LINE.findall(run["text"])]
+    assert [i for i, *_ in lines] == [1, 2, 3, 3, 4, 5, 6]  # 3 before the death and again after
+    for i, consumed, lr, _, _ in lines:
+        assert consumed == 8 * i, (i, consumed)
+        # as printed (7 digits): Megatron-LM's own arithmetic may round the last one apart
+        assert float(lr) == pytest.approx(cosine_lr(i), rel=1e-6), (i, lr)
+    before, after = [ln[3:] for ln in lines if ln[0] == 3]
+    # the same learning rate, loss and grad norm: the same state and the same samples
+    assert before == after
+
+
+@pytest.mark.multirank
+@pytest.mark.faults
+def test_checkpoints_after_the_recovery_describe_the_new_world(run):
+    ckpt = run["w"] / "ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(N)
+    common = {i: torch.load(ckpt / f"iter_{i:07d}" / "common.pt", weights_only=False)
+              for i in (2, 4, 6)}
+    assert vars(common[2]["args"])["world_size"] == 4
+    for i in (4, 6):
+        a = common[i]["args"]
+        assert (a.world_size, a.data_parallel_size, a.tensor_model_parallel_size,
+                a.pipeline_model_parallel_size) == (2, 1, 2, 1)
+        assert a.consumed_train_samples == 8 * i
+        assert common[i]["opt_param_scheduler"]["num_steps"] == 8 * i
+        # the work of the iteration lost with the dead rank (3) is not counted twice
+        flops = common[i]["num_floating_point_operations_so_far"]
+        assert flops == common[2]["num_floating_point_operations_so_far"] * i / 2
