@@ -94,7 +94,8 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
                         layout: Optional[Layout] = None,
                         placement: Optional[Placement] = None,
                         choose: Optional[Callable[[int], tuple[Layout, str]]] = None,
-                        host: Optional[HostLoop] = None) -> Recovery:
+                        host: Optional[HostLoop] = None,
+                        builder: Optional[MegatronBuilder] = None) -> Recovery:
     """Every survivor calls this after a collective failed because a rank died; a
     survivor on standby (`trainer` None, no state) passes the job's `layout` and
     `placement` instead.
@@ -106,7 +107,8 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     Survivors B does not need stay in the new world (standby). Otherwise only B's ranks
     re-form the world and load the last checkpoint; the lost tensors are named.
     `choose` (auto-layout): survivors -> (layout, note) replaces "the largest layout that
-    fits" (`fit_layout`). `host`: the hooks of a host training loop (`HostLoop`)."""
+    fits" (`fit_layout`). `host`: the hooks of a host training loop (`HostLoop`).
+    `builder`: how B's objects are made (the job's own; default `MegatronBuilder`)."""
     old = trainer.objs if trainer is not None else None
     old_rank, old_world = dist.get_rank(), dist.get_world_size()
     if old is not None:
@@ -153,7 +155,8 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
         log.warning("rank %d is not needed by the new layout: leaving", old_rank)
         return Recovery(None, nw, what, mode, dst, note=note)
     if mode == "memory":
-        rec = _recover_in_memory(spec, train, src, pa, dst, nw, held, scalars, what, timeout)
+        rec = _recover_in_memory(spec, train, src, pa, dst, nw, held, scalars, what, timeout,
+                                 builder)
         return replace(rec, note=note)
     held = None
     if host is not None:
@@ -168,7 +171,7 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     log.warning("resuming from the checkpoint in %s at %s on %d ranks (optimizer state of the "
                 "dead ranks had no replica: the survivors' memory is not used)",
                 checkpoint_dir, dst, dst.world_size)
-    new = start_job(spec, dst, train)
+    new = start_job(spec, dst, train, builder=builder)
     new.iteration, new.consumed_samples = dist_ckpt.load(new.objs, checkpoint_dir)
     assert dist.get_world_size() == dst.world_size
     return Recovery(new, nw, what, mode, dst, note=note)
@@ -197,12 +200,13 @@ def let_go_of_layout(trainer: Optional[Trainer], spec: ModelSpec, placement: Pla
 def switch_from_held(spec: ModelSpec, train: TrainConfig, src: Layout, src_placement: Placement,
                      dst: Layout, dst_devices, held: Optional[LiveState],
                      scalars: Optional[Scalars], timeout: Optional[float], what: str,
-                     unavailable=()) -> tuple[Optional[Trainer], SwitchReport]:
+                     unavailable=(), builder: Optional[MegatronBuilder] = None,
+                     ) -> tuple[Optional[Trainer], SwitchReport]:
     """The switch `src` -> `dst` on a re-formed world from the tensors `let_go_of_layout`
     kept (B's placement: `dst_devices` in order). Returns (the trainer at B, or None on a
     rank B does not use; the report). Raises, having released B, if it aborted: there is
     no A to roll back to (its objects are gone)."""
-    res = switch_layout(spec, MegatronBuilder(spec, train), None, src, src_placement, dst,
+    res = switch_layout(spec, builder or MegatronBuilder(spec, train), None, src, src_placement, dst,
                         build_groups, scalars,
                         SwitchOptions(placement="default", timeout=timeout),
                         dst_devices=dst_devices, src_state=held, unavailable=unavailable)
@@ -223,7 +227,8 @@ def switch_from_held(spec: ModelSpec, train: TrainConfig, src: Layout, src_place
 
 def _recover_in_memory(spec: ModelSpec, train: TrainConfig, src: Layout, pa: Placement,
                        dst: Layout, nw: NewWorld, held, scalars, what: str,
-                       timeout: Optional[float]) -> Recovery:
+                       timeout: Optional[float],
+                       builder: Optional[MegatronBuilder] = None) -> Recovery:
     """The switch A -> B on the re-formed world: A's devices renumbered to their new
     ranks, the dead ones on placeholder devices past the world that send nothing."""
     new_rank = {old: i for i, old in enumerate(nw.members)}
@@ -234,7 +239,7 @@ def _recover_in_memory(spec: ModelSpec, train: TrainConfig, src: Layout, pa: Pla
     unavailable = tuple(d for d in src_pl.devices if d >= n)
     new, report = switch_from_held(
         spec, train, src, src_pl, dst, range(dst.world_size), held, scalars, timeout,
-        f"in-memory recovery after the death of ranks {list(nw.dead)}", unavailable)
+        f"in-memory recovery after the death of ranks {list(nw.dead)}", unavailable, builder)
     log.warning("recovered in memory: %s -> %s on %d ranks, %d bytes moved in %.2f s",
                 src, dst, dst.world_size, report.bytes_moved, report.pause_seconds)
     return Recovery(new, nw, what, "memory", dst, report)

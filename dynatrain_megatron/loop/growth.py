@@ -28,6 +28,7 @@ from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from .death_recovery import let_go_of_layout, switch_from_held
+from ..mcore.builders import MegatronBuilder
 from ..mcore.session import freeze_long_lived_objects
 from ..mcore.train_config import TrainConfig
 from ..mcore.training import Trainer
@@ -105,13 +106,14 @@ def announce(store: dist.Store, prefix: str, world: int, layout: Layout,
 
 def grow_world(trainer: Optional[Trainer], spec: ModelSpec, train: TrainConfig,
                store: dist.Store, prefix: str, world: int, layout: Layout,
-               placement: Placement, timeout: Optional[float] = None) -> Optional[Trainer]:
+               placement: Placement, timeout: Optional[float] = None,
+               builder: Optional[MegatronBuilder] = None) -> Optional[Trainer]:
     """Every process of the job (standby ones with `trainer` None), with the meeting
     `prefix` rank 0 broadcast. Returns the trainer rebuilt on the grown world, or None on
-    a standby process."""
+    a standby process. `builder`: the job's (default `MegatronBuilder`)."""
     held, scalars = let_go_of_layout(trainer, spec, placement, broken=False)
     _reinit(store, prefix, dist.get_rank(), world)
-    return _rebuild(spec, train, layout, placement, held, scalars, timeout)
+    return _rebuild(spec, train, layout, placement, held, scalars, timeout, builder)
 
 
 def join_world(spec: ModelSpec, train: TrainConfig, store: dist.Store, prefix: str,
@@ -145,12 +147,14 @@ def _reinit(store: dist.Store, prefix: str, rank: int, world: int) -> None:
 
 
 def _rebuild(spec: ModelSpec, train: TrainConfig, layout: Layout, placement: Placement,
-             held: Optional[LiveState], scalars, timeout: Optional[float]) -> Optional[Trainer]:
+             held: Optional[LiveState], scalars, timeout: Optional[float],
+             builder: Optional[MegatronBuilder] = None) -> Optional[Trainer]:
     """The switch from `layout` to itself on the new world: local copies only."""
     freeze_long_lived_objects()
     trainer, report = switch_from_held(spec, train, layout, placement, layout,
                                        placement.devices, held, scalars, timeout,
-                                       f"rebuilding {layout} on the grown world")
+                                       f"rebuilding {layout} on the grown world",
+                                       builder=builder)
     log.info("rebuilt %s on the grown world: %d bytes moved, %.3f s", layout,
              report.bytes_moved, report.pause_seconds)
     return trainer

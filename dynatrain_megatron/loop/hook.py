@@ -378,7 +378,8 @@ class DynatrainHook:
         self._drop_preparation(broken=False)  # it belongs to the old world
         t0 = time.perf_counter()
         trainer = growth.grow_world(trainer, self.spec, self.builder.train, store, prefix,
-                                    world, self.layout, self.layout_placement, self.timeout)
+                                    world, self.layout, self.layout_placement, self.timeout,
+                                    builder=self.builder)
         if reviewer is not None:  # rank 0: number the next joiners after these
             reviewer.world_size, reviewer.generation = world, generation + 1
             reviewer.accepted.clear()
@@ -453,7 +454,7 @@ class DynatrainHook:
                                   self.recovery_checkpoint, generation=len(self.recoveries) + 1,
                                   timeout=self.timeout, layout=self.layout,
                                   placement=self.layout_placement, choose=self._survivor_layout(),
-                                  host=self.host)
+                                  host=self.host, builder=self.builder)
         src = self.layout
         self.layout = rec.layout
         self.layout_placement = Placement(tuple(range(rec.layout.world_size)))

@@ -53,12 +53,14 @@ def resolve_layout(spec: ModelSpec, layout: Layout | str, world_size: int) -> La
 
 
 def start_job(spec: ModelSpec, layout: Layout | str, train: TrainConfig,
-              placement: Optional[Placement] = None) -> Optional[Trainer]:
+              placement: Optional[Placement] = None,
+              builder: Optional[MegatronBuilder] = None) -> Optional[Trainer]:
     """Everything up to the first training step, on every rank of the world.
 
     With a `placement` on fewer devices than the world, the other ranks are *standby*:
     they take part in building the groups (a collective) and get None, holding no
-    training state until a scale-out switch brings them in."""
+    training state until a scale-out switch brings them in. `builder`: how the objects are
+    made (default `MegatronBuilder`; a Megatron-LM job passes its own)."""
     init_distributed()
     prepare_runtime()
     n = len(placement.devices) if placement is not None else dist.get_world_size()
@@ -68,7 +70,7 @@ def start_job(spec: ModelSpec, layout: Layout | str, train: TrainConfig,
     if groups.virtual_rank is None:
         groups.destroy()
         return None
-    return Trainer(spec, train, MegatronBuilder(spec, train).build(lay, groups))
+    return Trainer(spec, train, (builder or MegatronBuilder(spec, train)).build(lay, groups))
 
 
 _FROZEN = {"done": False}

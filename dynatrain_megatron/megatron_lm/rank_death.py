@@ -210,10 +210,11 @@ def _resume_from_save(s: MegatronLMSession, dst: Layout, box: dict):
             f"instance), and there is no Megatron-LM checkpoint to resume from (--save "
             f"{save}): the job ends; restart it (--num-distributed-optimizer-instances 2 "
             f"keeps a replica of every shard)")
-    for k, v in args_for_layout(dst, s.spec).items():
+    for k, v in args_for_layout(dst, s.spec,
+                                sequence_parallel=s.intents.sequence_parallel).items():
         setattr(args, k, v)
     _follow_world(args)
-    new = start_job(s.spec, dst, s.train)
+    new = start_job(s.spec, dst, s.train, builder=s.hook.builder)
     o = new.objs
     iteration, flops = load_checkpoint(o.model, o.optimizer, o.scheduler, load_arg="save")
     box["flops"] = flops
