@@ -233,3 +233,69 @@ def run_launched(tree: Path, nproc: int, flags: list[str], log: Path, *, env: di
         proc = subprocess.run(cmd, cwd=tree, env=full, stdout=f, stderr=subprocess.STDOUT,
                               timeout=timeout)
     return proc.returncode, log.read_text()
+
+
+# ---------------------------------------------------------------- switch vs restart
+def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], layout_b: str,
+                       k: int) -> dict:
+    """The three torchrun jobs (4 gloo ranks) that compare an in-memory switch with
+    Megatron-LM's own restart, on copies of the snapshot under `w`:
+
+    * switched: patched, `--dynatrain-schedule` switches A -> `layout_b` after iteration `k`,
+      trains to the end of `common`'s `--train-iters` and `--save`s there;
+    * saved: the UNPATCHED tree (CPU runtime from a sitecustomize) trains A to `k` and saves;
+    * resumed: patched, without `--dynatrain`, `--load`s that at B and trains to the end.
+
+    `a`/`b`: the flags of each layout. Returns the logs by name and `w`."""
+    from megatron_lm_tree import copy_tree
+
+    patched = copy_tree(w / "patched", patched=True)
+    unpatched = copy_tree(w / "unpatched", patched=False)
+    sched = w / "schedule.yaml"
+    sched.write_text(f"- {{iteration: {k}, layout: {layout_b}}}\n")
+    switched = run_megatron_lm(
+        patched, 4, common + a + ["--save", str(w / "switched"), "--save-interval", "1000",
+                                  "--dynatrain", "--dynatrain-schedule", str(sched)],
+        w / "switched.log")
+    saved = run_megatron_lm(
+        unpatched, 4, common + a + ["--save", str(w / "saved"), "--save-interval", str(k),
+                                    "--exit-interval", str(k)],
+        w / "saved.log", patched=False)
+    resumed = run_megatron_lm(
+        patched, 4, common + b + ["--load", str(w / "saved"), "--save", str(w / "resumed"),
+                                  "--save-interval", "1000"],
+        w / "resumed.log")
+    return dict(w=w, switched=switched, saved=saved, resumed=resumed)
+
+
+def switch_lines(text: str) -> list[tuple[str, str, str]]:
+    """(iteration, from, to) of every rank's `iteration N: switched A -> B` log line."""
+    return [m[:3] for m in re.findall(r"iteration (\d+): switched (\S+) -> (\S+) .*", text)]
+
+
+def assert_losses_as_restart(runs: dict, k: int, n: int) -> None:
+    """The switched run's losses: before `k` the unpatched tree's, after it the restart's,
+    every iteration. Each print is the mean over its log window (`log_windows`): Megatron-LM
+    prints mean(K+1, K+2) at K+2 after `--load`, while the switched process, training since
+    iteration 1, prints K+2's own loss (its only mean is at iteration 2, as the unpatched
+    tree's). The prints keep 7 digits, so the restart's mean is checked against every float32
+    sum those digits allow (`printable_means`; a single iteration's set is its print)."""
+    sw, saved, resumed = (losses(runs[x]) for x in ("switched", "saved", "resumed"))
+    assert sorted(sw) == list(range(1, n + 1)) and sorted(resumed) == list(range(k + 1, n + 1))
+    assert [sw[i] for i in range(1, k + 1)] == [saved[i] for i in range(1, k + 1)]
+    ours, theirs = log_windows(list(sw)), log_windows(list(resumed))
+    assert theirs[k + 2] == [k + 1, k + 2]
+    for i in range(k + 1, n + 1):
+        assert all(ours[j] == [j] for j in theirs[i])
+        window = [sw[j] for j in theirs[i]]
+        assert resumed[i] in printable_means(window), (i, resumed[i], window)
+
+
+def assert_switched_as_scheduled(text: str, k: int, a: str, b: str, ranks: int = 4) -> None:
+    """Every rank switched `a` -> `b` once, exactly after iteration `k`, as scheduled, and
+    no switch was rolled back."""
+    lines = switch_lines(text)
+    assert len(lines) == ranks and all(ln == (str(k), a, b) for ln in lines), lines
+    assert all("as scheduled" in m.group(0)
+               for m in re.finditer(r"iteration \d+: switched .*", text))
+    assert "rolled back" not in text

@@ -23,10 +23,11 @@ import re
 import pytest
 
 from megatron_lm_data import build_indexed_dataset
-from megatron_lm_runs import (CPU_FLAGS, TINY_MODEL, checkpoint_tensors, differences, layout_flags,
-                              log_windows, losses, printable_means, run_megatron_lm,
+from megatron_lm_runs import (CPU_FLAGS, TINY_MODEL, assert_losses_as_restart,
+                              assert_switched_as_scheduled, checkpoint_tensors,
+                              differences, layout_flags, switch_and_restart,
                               validation_losses)
-from megatron_lm_tree import copy_tree, require_snapshot
+from megatron_lm_tree import require_snapshot
 
 pytestmark = pytest.mark.multirank
 
@@ -40,27 +41,11 @@ def runs(tmp_path_factory):
     snapshot = require_snapshot()
     w = tmp_path_factory.mktemp("megatron-lm-moe")
     data = build_indexed_dataset(snapshot, w / "data")
-    patched = copy_tree(w / "patched", patched=True)
-    unpatched = copy_tree(w / "unpatched", patched=False)
-    sched = w / "schedule.yaml"
-    sched.write_text(f"- {{iteration: {K}, layout: {B}}}\n")
     a = layout_flags(1, 2, expert_model_parallel_size=2, decoder_first_pipeline_num_layers=1)
     b = layout_flags(1, 1, expert_model_parallel_size=4)
     common = (CPU_FLAGS + TINY_MODEL + MOE + data
               + ["--split", "90,10,0", "--eval-interval", "2", "--train-iters", str(N)])
-    switched = run_megatron_lm(
-        patched, 4, common + a + ["--save", str(w / "switched"), "--save-interval", "1000",
-                                  "--dynatrain", "--dynatrain-schedule", str(sched)],
-        w / "switched.log")
-    saved = run_megatron_lm(
-        unpatched, 4, common + a + ["--save", str(w / "saved"), "--save-interval", str(K),
-                                    "--exit-interval", str(K)],
-        w / "saved.log", patched=False)
-    resumed = run_megatron_lm(
-        patched, 4, common + b + ["--load", str(w / "saved"), "--save", str(w / "resumed"),
-                                  "--save-interval", "1000"],
-        w / "resumed.log")
-    return dict(w=w, switched=switched, saved=saved, resumed=resumed)
+    return switch_and_restart(w, common, a, b, B, K)
 
 
 def test_trains_on_the_indexed_dataset(runs):
@@ -70,11 +55,8 @@ def test_trains_on_the_indexed_dataset(runs):
 
 
 def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
-    lines = re.findall(r"iteration (\d+): switched (\S+) -> (\S+) .*", runs["switched"])
-    assert len(lines) == 4 and all(ln[:3] == (str(K), A, B) for ln in lines)
-    assert all("as scheduled" in m.group(0)
-               for m in re.finditer(r"iteration \d+: switched .*", runs["switched"]))
-    assert "rolled back" not in runs["switched"]
+    # every rank once (the log line is per rank), none rolled back
+    assert_switched_as_scheduled(runs["switched"], K, A, B)
 
 
 def test_final_checkpoints_are_bit_identical(runs):
@@ -90,15 +72,7 @@ def test_final_checkpoints_are_bit_identical(runs):
 
 
 def test_losses_match_megatron_lm_restart(runs):
-    sw, saved, resumed = (losses(runs[k]) for k in ("switched", "saved", "resumed"))
-    assert sorted(sw) == list(range(1, N + 1)) and sorted(resumed) == list(range(K + 1, N + 1))
-    assert [sw[i] for i in range(1, K + 1)] == [saved[i] for i in range(1, K + 1)]
-    # after it: as the restart at B, every iteration (its 2nd print after --load is a
-    # two-iteration mean: see test_megatron_lm_train.py)
-    ours, theirs = log_windows(list(sw)), log_windows(list(resumed))
-    for i in range(K + 1, N + 1):
-        assert all(ours[j] == [j] for j in theirs[i])
-        assert resumed[i] in printable_means([sw[j] for j in theirs[i]]), i
+    assert_losses_as_restart(runs, K, N)  # as in test_megatron_lm_train.py
 
 
 def test_evaluation_before_and_after_the_switch(runs):

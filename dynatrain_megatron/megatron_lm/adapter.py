@@ -14,13 +14,15 @@ What this can do, and what it cannot (the honest part):
   Megatron-LM's groups are the ones our `Layout` computes and that the live state agrees,
   fragment for fragment, with the analytic layout (the same check the switch does). A job
   whose state we would misread is refused at that point, before anything moves.
-* The *new* layout's objects are built by our `MegatronBuilder` from a `ModelSpec` derived
-  from Megatron-LM's arguments, not by Megatron-LM's `model_provider`. So only jobs whose
-  model our builder reproduces are accepted: `unsupported_args` lists every Megatron-LM
-  option that would change the model's function or the optimizer's state layout (dropout,
-  grouped GEMM, MLA, FSDP, batch-size ramp-up, ...), and the session refuses to start if
-  any is set. Options that change only speed or memory (recompute, fusions, communication
-  overlap) are accepted with a warning: after a switch the model runs without them.
+* The *new* layout's objects are built by our `MegatronBuilder` (megatron-core's `GPTModel`
+  with the layer spec Megatron-LM picks for the accepted options) with Megatron-LM's own
+  `TransformerConfig` for B (`transformer_config.py`), so recompute, fusions, dropout and
+  sequence parallelism carry over. Not Megatron-LM's `gpt_builder` itself: for MoE it reads
+  the pipeline rank from `parallel_state`, which is A's while B is built in the background.
+  Only jobs whose parameter shapes and schedule our builder models are accepted:
+  `unsupported_args` lists every option that would change them (grouped GEMM, MLA, MTP, a
+  custom spec, FSDP, batch-size ramp-up, ...), and the session refuses to start if any is
+  set. `--tp-comm-overlap` is off after a switch, with a warning.
 * After a switch, Megatron-LM's `args` are updated to the new layout, the micro-batch
   calculator is reconfigured, and the data iterators are rebuilt with Megatron-LM's own
   `build_train_valid_test_data_iterators` at `args.consumed_train_samples`, so the sample
