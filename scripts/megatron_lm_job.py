@@ -109,8 +109,10 @@ def main() -> int:
     l_sw, l_ref = losses(sw), {**losses(saved), **losses(resumed)}
     print("\niteration  switched      restart")
     for i in sorted(l_sw):
-        print(f"{i:>9}  {l_sw[i]:<12}  {l_ref.get(i, '-'):<12}"
-              f"{'  <- switch to tp1pp2dp2' if i == k else ''}")
+        note = {k: "  <- switch to tp1pp2dp2",
+                k + 2: f"  <- the restart prints the mean of {k + 1} and {k + 2} "
+                       f"(Megatron-LM's log, NVIDIA/Megatron-LM#6237)"}.get(i, "")
+        print(f"{i:>9}  {l_sw[i]:<12}  {l_ref.get(i, '-'):<12}{note}")
     print(f"\nthe tp2pp2 -> tp1pp2dp2 switch after iteration {k}: pause {max(pause):.3f} s "
           "(slowest rank, from the log)")
     print(f"end of iteration {k} at A -> end of iteration {k + 1} at B:")
