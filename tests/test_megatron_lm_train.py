@@ -1,13 +1,17 @@
 """Real Megatron-LM (the snapshot's own pretrain_gpt.py, copied and patched) switching its
-layout in memory, against Megatron-LM's own restart. One group of three torchrun jobs on 4
-gloo ranks checks many things:
+layout in memory, against Megatron-LM's own restart. For each case, one group of three
+torchrun jobs on 4 gloo ranks checks many things:
 
-* switched: patched, `--dynatrain`, a bf16 tp2pp2vpp2 job trains, a `--dynatrain-schedule`
-  switch lands exactly after iteration K at tp1pp2vpp2dp2, training goes on to N and
-  `--save`s there;
+* switched: patched, `--dynatrain`, the job trains at A, a `--dynatrain-schedule` switch
+  lands exactly after iteration K at B, training goes on to N and `--save`s there;
 * saved: the UNPATCHED tree (the CPU runtime from a sitecustomize, as the patch would give
-  it) trains tp2pp2vpp2 to K and saves (`--dist-ckpt-optim-fully-reshardable`);
-* resumed: patched, without `--dynatrain`, `--load`s that at tp1pp2vpp2dp2 and trains to N.
+  it) trains A to K and saves (`--dist-ckpt-optim-fully-reshardable`);
+* resumed: patched, without `--dynatrain`, `--load`s that at B and trains to N.
+
+The cases: dense tp2pp2 -> tp1pp2dp2 in fp32, and the same with virtual pipeline stages in
+bf16 (tp2pp2vpp2 -> tp1pp2vpp2dp2: 2 stages of one layer per rank, Megatron-LM's interleaved
+schedule with overlapped P2P before and after the switch; bf16 is the stricter dtype, since
+fp32 hides numerics a rebuilt B could get wrong, such as the attention softmax's precision).
 
 The two final checkpoints must be equal entry for entry, bit for bit, as logical tensors
 (read with torch.distributed.checkpoint, whatever layout wrote them); the switched run's
@@ -26,25 +30,27 @@ from megatron_lm_tree import require_snapshot
 pytestmark = pytest.mark.multirank
 
 K, N = 3, 6
-# both with virtual pipeline stages (2 per rank, one layer each): Megatron-LM's interleaved
-# schedule with overlapped P2P, before the switch and after it (B's config is Megatron-LM's)
-A, B = "tp2pp2vpp2dp1", "tp1pp2vpp2dp2"
+VPP = dict(num_layers_per_virtual_pipeline_stage=1)
+CASES = {  # name: (flags at A, flags at B, A, B)
+    "dense-fp32": (layout_flags(2, 2), layout_flags(1, 2), "tp2pp2dp1", "tp1pp2dp2"),
+    "vpp-bf16": (layout_flags(2, 2, **VPP) + ["--bf16"], layout_flags(1, 2, **VPP) + ["--bf16"],
+                 "tp2pp2vpp2dp1", "tp1pp2vpp2dp2"),
+}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(CASES))
+def runs(request, tmp_path_factory):
     require_snapshot()
-    # bf16: the stricter case (an fp32 run hides numerics a rebuilt B could get wrong, e.g.
-    # the attention softmax's precision); fp32 was checked the same way by hand
-    vpp = dict(num_layers_per_virtual_pipeline_stage=1)
-    a, b = layout_flags(2, 2, **vpp) + ["--bf16"], layout_flags(1, 2, **vpp) + ["--bf16"]
+    a, b, lay_a, lay_b = CASES[request.param]
     common = CPU_FLAGS + TINY_GPT + ["--train-iters", str(N)]
-    return switch_and_restart(tmp_path_factory.mktemp("megatron-lm"), common, a, b, B, K)
+    out = switch_and_restart(tmp_path_factory.mktemp(f"megatron-lm-{request.param}"), common,
+                             a, b, lay_b, K)
+    return dict(out, A=lay_a, B=lay_b)
 
 
 def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
     # every rank once (the log line is per rank), none rolled back
-    assert_switched_as_scheduled(runs["switched"], K, A, B)
+    assert_switched_as_scheduled(runs["switched"], K, runs["A"], runs["B"])
 
 
 def test_final_checkpoints_are_bit_identical(runs):
