@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
 
@@ -47,12 +48,13 @@ def layout_flags(tp: int, pp: int, **extra: int) -> list[str]:
 
 
 def run_megatron_lm(tree: Path, nproc: int, flags: list[str], log: Path, *,
-                    patched: bool = True, timeout: float = 900) -> str:
+                    patched: bool = True, timeout: float = 900,
+                    env: Optional[dict] = None) -> str:
     """Run pretrain_gpt.py of `tree` on `nproc` gloo ranks; returns the log text. An
     unpatched tree gets the CPU runtime from `megatron_lm_unpatched/sitecustomize.py`."""
     path = [str(ROOT), str(tree)] if patched else [str(UNPATCHED_SITE), str(ROOT), str(tree)]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
-               PYTHONPATH=os.pathsep.join(path))
+               PYTHONPATH=os.pathsep.join(path), **(env or {}))
     cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc),
            str(tree / "pretrain_gpt.py"), *flags]
     with open(log, "w") as f:
@@ -237,7 +239,8 @@ def run_launched(tree: Path, nproc: int, flags: list[str], log: Path, *, env: di
 
 # ---------------------------------------------------------------- switch vs restart
 def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], layout_b: str,
-                       k: int) -> dict:
+                       k: int, *, before: Sequence[tuple[int, str]] = (),
+                       env: Optional[dict] = None) -> dict:
     """The three torchrun jobs (4 gloo ranks) that compare an in-memory switch with
     Megatron-LM's own restart, on copies of the snapshot under `w`:
 
@@ -246,17 +249,20 @@ def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], l
     * saved: the UNPATCHED tree (CPU runtime from a sitecustomize) trains A to `k` and saves;
     * resumed: patched, without `--dynatrain`, `--load`s that at B and trains to the end.
 
-    `a`/`b`: the flags of each layout. Returns the logs by name and `w`."""
+    `a`/`b`: the flags of each layout; `before`: (iteration, layout) entries scheduled ahead
+    of B's, and `env` for the switched run (a fault plan that makes them fail). Returns the
+    logs by name and `w`."""
     from megatron_lm_tree import copy_tree
 
     patched = copy_tree(w / "patched", patched=True)
     unpatched = copy_tree(w / "unpatched", patched=False)
     sched = w / "schedule.yaml"
-    sched.write_text(f"- {{iteration: {k}, layout: {layout_b}}}\n")
+    sched.write_text("".join(f"- {{iteration: {i}, layout: {lay}}}\n"
+                             for i, lay in [*before, (k, layout_b)]))
     switched = run_megatron_lm(
         patched, 4, common + a + ["--save", str(w / "switched"), "--save-interval", "1000",
                                   "--dynatrain", "--dynatrain-schedule", str(sched)],
-        w / "switched.log")
+        w / "switched.log", env=env)
     saved = run_megatron_lm(
         unpatched, 4, common + a + ["--save", str(w / "saved"), "--save-interval", str(k),
                                     "--exit-interval", str(k)],
@@ -291,11 +297,12 @@ def assert_losses_as_restart(runs: dict, k: int, n: int) -> None:
         assert resumed[i] in printable_means(window), (i, resumed[i], window)
 
 
-def assert_switched_as_scheduled(text: str, k: int, a: str, b: str, ranks: int = 4) -> None:
-    """Every rank switched `a` -> `b` once, exactly after iteration `k`, as scheduled, and
-    no switch was rolled back."""
+def assert_switched_as_scheduled(text: str, k: int, a: str, b: str, ranks: int = 4,
+                                 rolled_back: bool = False) -> None:
+    """Every rank switched `a` -> `b` once, exactly after iteration `k`, as scheduled; no
+    switch was rolled back (unless `rolled_back`: the test made one fail)."""
     lines = switch_lines(text)
     assert len(lines) == ranks and all(ln == (str(k), a, b) for ln in lines), lines
     assert all("as scheduled" in m.group(0)
                for m in re.finditer(r"iteration \d+: switched .*", text))
-    assert "rolled back" not in text
+    assert rolled_back or "rolled back" not in text

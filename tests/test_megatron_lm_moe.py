@@ -10,7 +10,11 @@ test_megatron_lm_train.py, check at once:
   at B (pp2 -> pp1). (Megatron-LM's own restart is exact here only with our fix of
   megatron-core's reshardable optimizer save, `compat/megatron_fixes.py` item 4: its
   checkpoint shifted the state of a parameter after a padded bucket end);
-* `--eval-interval` evaluation before and after the switch, and after training.
+* `--eval-interval` evaluation before and after the switch, and after training;
+* a switch whose B cannot be built: the schedule also asks for C after iteration 1, and a
+  fault plan makes building C fail on rank 1 (`DYNATRAIN_FAULTS` with `dst_layout`). That
+  switch is rolled back on every rank and training goes on at A; since the final state must
+  still equal the restart's bit for bit, the attempt left nothing behind.
 
 The runs: switched (patched, `--dynatrain-schedule` switches after K, trains to N, saves);
 saved (the UNPATCHED tree trains A to K and saves); resumed (patched, no `--dynatrain`,
@@ -18,6 +22,7 @@ loads at B, trains to N, saves). The final checkpoints must be equal bit for bit
 tensors, and every loss Megatron-LM prints must agree with the run that trained that
 iteration at the same layout history.
 """
+import json
 import re
 
 import pytest
@@ -33,6 +38,9 @@ pytestmark = pytest.mark.multirank
 
 K, N = 3, 6
 A, B = "tp1pp2ep2etp1ppf1dp2", "tp1pp1ep4etp1dp4"
+C = "tp1pp1ep2etp1dp4"  # a layout that fails to build (injected) after iteration 1
+FAIL_C = {"DYNATRAIN_FAULTS": json.dumps({"fail_rank": 1, "fail_phase": "prepare",
+                                          "dst_layout": C})}
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64"]
 
 
@@ -45,7 +53,7 @@ def runs(tmp_path_factory):
     b = layout_flags(1, 1, expert_model_parallel_size=4)
     common = (CPU_FLAGS + TINY_MODEL + MOE + data
               + ["--split", "90,10,0", "--eval-interval", "2", "--train-iters", str(N)])
-    return switch_and_restart(w, common, a, b, B, K)
+    return switch_and_restart(w, common, a, b, B, K, before=[(1, C)], env=FAIL_C)
 
 
 def test_trains_on_the_indexed_dataset(runs):
@@ -56,7 +64,17 @@ def test_trains_on_the_indexed_dataset(runs):
 
 def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
     # every rank once (the log line is per rank), none rolled back
-    assert_switched_as_scheduled(runs["switched"], K, A, B)
+    assert_switched_as_scheduled(runs["switched"], K, A, B, rolled_back=True)
+
+
+def test_a_switch_that_cannot_be_built_leaves_training_at_a(runs):
+    text = runs["switched"]
+    # rank 1's build of C failed; every rank learned it at the first vote and rolled back
+    assert "fault injection: rank 1 fails in phase prepare" in text
+    assert text.count("switch rolled back; training continues at " + A) == 4
+    assert "switches rolled back: 1" in text
+    # training went on at A: the losses up to K equal the unpatched tree's, and the final
+    # state the restart's (test_losses_match_megatron_lm_restart, test_final_checkpoints_...)
 
 
 def test_final_checkpoints_are_bit_identical(runs):

@@ -8,7 +8,7 @@ import pytest
 
 from dynatrain_megatron.elastic import controller as C
 from dynatrain_megatron.elastic.schedule import ScheduleError, load_schedule
-from dynatrain_megatron.transition.faults import FaultPlan, FaultSpecError
+from dynatrain_megatron.transition.faults import FaultPlan, FaultSpecError, InjectedFault
 from dynatrain_megatron.vps.model_spec import ModelSpec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "models"
@@ -99,6 +99,7 @@ def test_schedule_entry_during_a_pending_switch_runs_after_it(monkeypatch, caplo
     ('{"fail_rank": 1}', "go together"),
     ('{"failrank": 1}', "unknown key 'failrank'"),
     ('{"delay_rank": true, "delay_seconds": 1}', "delay_rank must be int"),
+    ('{"fail_rank": 1, "fail_phase": "prepare", "dst_layout": 4}', "dst_layout must be str"),
 ])
 def test_faults_env_strict(monkeypatch, text, match):
     monkeypatch.setenv("DYNATRAIN_FAULTS", text)
@@ -113,6 +114,17 @@ def test_faults_env_valid(monkeypatch):
                                              kill=True, delay_seconds=0.5)
     monkeypatch.delenv("DYNATRAIN_FAULTS")
     assert FaultPlan.from_env() is None
+
+
+def test_fault_for_one_destination_layout_only():
+    plan = FaultPlan.from_json('{"fail_rank": 1, "fail_phase": "prepare", '
+                               '"dst_layout": "tp1pp1ep2etp1dp4"}')
+    plan.fail(1, "prepare", dst="tp1pp1ep4etp1dp4")  # another B: goes through
+    plan.fail(0, "prepare", dst="tp1pp1ep2etp1dp4")  # another rank
+    with pytest.raises(InjectedFault, match="rank 1 in phase prepare"):
+        plan.fail(1, "prepare", dst="tp1pp1ep2etp1dp4")
+    with pytest.raises(InjectedFault):  # without a destination filter: every switch
+        FaultPlan(fail_rank=1, fail_phase="prepare").fail(1, "prepare", dst="tp1pp1ep4etp1dp4")
 
 
 def test_a_scheduled_switch_is_decided_its_lead_early_and_lands_after_its_iteration(monkeypatch):

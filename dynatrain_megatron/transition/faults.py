@@ -6,7 +6,9 @@ for a whole job); with none, every hook below is a no-op. Phases: "prepare" (aft
 built, before the plan is agreed), "round" (inside transfer round `round`, after its
 exchange), "commit" (after the transfer, before the commit vote), and "step" (in training,
 after optimizer step `iteration`, outside any switch). With `kill`, the failing rank's
-process exits on the spot instead of raising, as a crash would (its sockets close).
+process exits on the spot instead of raising, as a crash would (its sockets close). With
+`dst_layout`, "prepare" and "commit" failures hit only a switch to that layout (say, a B
+that cannot be built on one rank), so a later switch of the same job goes through.
 """
 from __future__ import annotations
 
@@ -30,11 +32,11 @@ class InjectedFault(DynatrainError):
     """Raised by a `FaultPlan` on the rank and phase it names."""
 
 
-_OPTIONAL = ("fail_rank", "fail_phase", "corrupt_rank", "delay_rank")
+_OPTIONAL = ("fail_rank", "fail_phase", "corrupt_rank", "delay_rank", "dst_layout")
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "fail_rank": (int,), "fail_phase": (str,), "corrupt_rank": (int,), "delay_rank": (int,),
     "delay_seconds": (int, float), "round": (int,), "kill": (bool,), "exit_code": (int,),
-    "iteration": (int,)}
+    "iteration": (int,), "dst_layout": (str,)}
 
 
 class FaultSpecError(DynatrainError, ValueError):
@@ -52,6 +54,7 @@ class FaultPlan:
     kill: bool = False  # the failing rank dies (os._exit) instead of raising
     exit_code: int = 1  # its exit status (test harnesses read 0 as "left without a result")
     iteration: int = 0  # the training iteration "step" failures apply to
+    dst_layout: Optional[str] = None  # "prepare"/"commit" failures: only a switch to this
 
     def __post_init__(self) -> None:
         if self.fail_phase is not None and self.fail_phase not in PHASES:
@@ -93,8 +96,10 @@ class FaultPlan:
         except ValueError as e:
             raise FaultSpecError(f"DYNATRAIN_FAULTS: {e}") from None
 
-    def fail(self, rank: int, phase: str, round_index: int = 0) -> None:
+    def fail(self, rank: int, phase: str, round_index: int = 0, dst: Optional[str] = None) -> None:
         at = {"round": self.round, "step": self.iteration}.get(phase, round_index)
+        if self.dst_layout is not None and dst is not None and dst != self.dst_layout:
+            return
         if self.fail_rank == rank and self.fail_phase == phase and round_index == at:
             log.warning("fault injection: rank %d %s in phase %s", rank,
                         "dies" if self.kill else "fails", phase)

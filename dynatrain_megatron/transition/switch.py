@@ -110,7 +110,7 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
         if src_objs is not None and not unavailable:
             _bind_source(prep, spec, builder, src_objs, verify)
         prep.phases["bind_src"] = t() - t0
-        (faults or _NO_FAULTS).fail(me, "prepare")
+        (faults or _NO_FAULTS).fail(me, "prepare", dst=str(dst))
     except Exception as e:  # noqa: BLE001 - every rank learns it at the switch's first vote
         prep.error = f"rank {me}: prepare: {type(e).__name__}: {e}"
         log.error("rank %d: preparing the switch %s -> %s failed (nothing has moved): %s",
@@ -362,7 +362,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         # a collective: every rank calls it; after a death any surviving replica serves
         carry_vocab_padding(old_live, new_live, kinds, main_only=not unavailable,
                             src_padded=spec.padded_vocab_size(src.tp) > spec.vocab_size)
-        faults.fail(me, "commit")
+        faults.fail(me, "commit", dst=str(dst))
     except Exception as e:  # noqa: BLE001
         errors.append(f"rank {me}: commit: {type(e).__name__}: {e}")
     phases["transfer"] = t() - t5
