@@ -240,7 +240,7 @@ def run_launched(tree: Path, nproc: int, flags: list[str], log: Path, *, env: di
 # ---------------------------------------------------------------- switch vs restart
 def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], layout_b: str,
                        k: int, *, before: Sequence[tuple[int, str]] = (),
-                       env: Optional[dict] = None) -> dict:
+                       env: Optional[dict] = None, plain: bool = False) -> dict:
     """The three torchrun jobs (4 gloo ranks) that compare an in-memory switch with
     Megatron-LM's own restart, on copies of the snapshot under `w`:
 
@@ -250,8 +250,10 @@ def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], l
     * resumed: patched, without `--dynatrain`, `--load`s that at B and trains to the end.
 
     `a`/`b`: the flags of each layout; `before`: (iteration, layout) entries scheduled ahead
-    of B's, and `env` for the switched run (a fault plan that makes them fail). Returns the
-    logs by name and `w`."""
+    of B's, and `env` for the switched run (a fault plan that makes them fail). With `plain`,
+    the unpatched run goes on to the end (saving at `k` on the way) and a fourth job, the
+    patched tree WITHOUT `--dynatrain`, trains A to the end: "plain". Returns the logs by
+    name and `w`."""
     from megatron_lm_tree import copy_tree
 
     patched = copy_tree(w / "patched", patched=True)
@@ -264,14 +266,17 @@ def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], l
                                   "--dynatrain", "--dynatrain-schedule", str(sched)],
         w / "switched.log", env=env)
     saved = run_megatron_lm(
-        unpatched, 4, common + a + ["--save", str(w / "saved"), "--save-interval", str(k),
-                                    "--exit-interval", str(k)],
+        unpatched, 4, common + a + ["--save", str(w / "saved"), "--save-interval", str(k)]
+        + ([] if plain else ["--exit-interval", str(k)]),
         w / "saved.log", patched=False)
     resumed = run_megatron_lm(
-        patched, 4, common + b + ["--load", str(w / "saved"), "--save", str(w / "resumed"),
-                                  "--save-interval", "1000"],
+        patched, 4, common + b + ["--load", str(w / "saved"), "--ckpt-step", str(k),
+                                  "--save", str(w / "resumed"), "--save-interval", "1000"],
         w / "resumed.log")
-    return dict(w=w, switched=switched, saved=saved, resumed=resumed)
+    out = dict(w=w, switched=switched, saved=saved, resumed=resumed)
+    if plain:
+        out["plain"] = run_megatron_lm(patched, 4, common + a, w / "plain.log")
+    return out
 
 
 def switch_lines(text: str) -> list[tuple[str, str, str]]:

@@ -8,7 +8,9 @@ torchrun jobs on 4 gloo ranks checks many things:
   it) trains A to K and saves (`--dist-ckpt-optim-fully-reshardable`);
 * resumed: patched, without `--dynatrain`, `--load`s that at B and trains to N.
 
-The cases: dense tp2pp2 -> tp1pp2dp2 in fp32, and the same with virtual pipeline stages in
+The dense case also trains the patched tree without `--dynatrain` from start to end beside
+the unpatched tree: the same losses at every iteration. The cases: dense tp2pp2 -> tp1pp2dp2
+in fp32, and the same with virtual pipeline stages in
 bf16 (tp2pp2vpp2 -> tp1pp2vpp2dp2: 2 stages of one layer per rank, Megatron-LM's interleaved
 schedule with overlapped P2P before and after the switch; bf16 is the stricter dtype, since
 fp32 hides numerics a rebuilt B could get wrong, such as the attention softmax's precision).
@@ -24,7 +26,7 @@ import pytest
 
 from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, assert_losses_as_restart,
                               assert_switched_as_scheduled, checkpoint_tensors,
-                              differences, layout_flags, switch_and_restart)
+                              differences, layout_flags, losses, switch_and_restart)
 from megatron_lm_tree import require_snapshot
 
 pytestmark = pytest.mark.multirank
@@ -43,8 +45,9 @@ def runs(request, tmp_path_factory):
     require_snapshot()
     a, b, lay_a, lay_b = CASES[request.param]
     common = CPU_FLAGS + TINY_GPT + ["--train-iters", str(N)]
+    # the dense case also runs the patched tree without --dynatrain beside the unpatched one
     out = switch_and_restart(tmp_path_factory.mktemp(f"megatron-lm-{request.param}"), common,
-                             a, b, lay_b, K)
+                             a, b, lay_b, K, plain=request.param == "dense-fp32")
     return dict(out, A=lay_a, B=lay_b)
 
 
@@ -65,6 +68,13 @@ def test_final_checkpoints_are_bit_identical(runs):
     kinds = {k.split(".")[2] for k in ours if k.startswith("optimizer.state.")}
     assert kinds == {"exp_avg", "exp_avg_sq", "param"}  # param: the fp32 main copy
     assert len(ours) > 60
+
+
+def test_patched_tree_without_dynatrain_trains_as_the_unpatched_tree(runs):
+    if "plain" not in runs:
+        pytest.skip("checked in the dense-fp32 case")
+    plain, unpatched = losses(runs["plain"]), losses(runs["saved"])
+    assert sorted(plain) == list(range(1, N + 1)) and plain == unpatched
 
 
 def test_losses_match_megatron_lm_restart(runs):
