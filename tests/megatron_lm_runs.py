@@ -311,3 +311,17 @@ def assert_switched_as_scheduled(text: str, k: int, a: str, b: str, ranks: int =
     assert all("as scheduled" in m.group(0)
                for m in re.finditer(r"iteration \d+: switched .*", text))
     assert rolled_back or "rolled back" not in text
+
+
+def assert_final_checkpoints_identical(runs: dict, n: int) -> dict:
+    """The switched and the resumed runs' checkpoints at `n`, as logical tensors, equal entry
+    for entry, bit for bit: the model, the fp32 main params and both Adam moments of every
+    tensor, the scheduler, the optimizer's param groups and step; everything but the
+    per-rank RNG states (a switch does not carry them). Returns the switched run's."""
+    ours = checkpoint_tensors(runs["w"] / "switched", n)
+    theirs = checkpoint_tensors(runs["w"] / "resumed", n)
+    diff = differences(ours, theirs, skip=lambda k: k.startswith("rng_state"))
+    assert not diff, diff[:10]
+    kinds = {k.split(".")[2] for k in ours if k.startswith("optimizer.state.")}
+    assert kinds == {"exp_avg", "exp_avg_sq", "param"}  # param: the fp32 main copy
+    return ours

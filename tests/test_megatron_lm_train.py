@@ -24,9 +24,9 @@ restart's second print is read as the two-iteration mean Megatron-LM prints ther
 """
 import pytest
 
-from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, assert_losses_as_restart,
-                              assert_switched_as_scheduled, checkpoint_tensors,
-                              differences, layout_flags, losses, switch_and_restart)
+from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, assert_final_checkpoints_identical,
+                              assert_losses_as_restart, assert_switched_as_scheduled,
+                              layout_flags, losses, switch_and_restart)
 from megatron_lm_tree import require_snapshot
 
 pytestmark = pytest.mark.multirank
@@ -57,17 +57,8 @@ def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
 
 
 def test_final_checkpoints_are_bit_identical(runs):
-    w = runs["w"]
-    ours = checkpoint_tensors(w / "switched", N)
-    theirs = checkpoint_tensors(w / "resumed", N)
-    # the model, fp32 main params and both Adam moments of every tensor, the scheduler,
-    # the optimizer's param groups and step: everything but the per-rank RNG states
-    # (no dropout here: no RNG is drawn in training; a switch does not carry them)
-    diff = differences(ours, theirs, skip=lambda k: k.startswith("rng_state"))
-    assert not diff, diff[:10]
-    kinds = {k.split(".")[2] for k in ours if k.startswith("optimizer.state.")}
-    assert kinds == {"exp_avg", "exp_avg_sq", "param"}  # param: the fp32 main copy
-    assert len(ours) > 60
+    # no dropout here: no RNG is drawn in training
+    assert len(assert_final_checkpoints_identical(runs, N)) > 60
 
 
 def test_patched_tree_without_dynatrain_trains_as_the_unpatched_tree(runs):
