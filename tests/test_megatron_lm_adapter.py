@@ -393,6 +393,7 @@ def _session(monkeypatch, layout: str, world: int):
     s.args = argparse.Namespace(train_iters=20, consumed_train_samples=64)
     s.trainer = SimpleNamespace(objs=objs, iteration=0, consumed_samples=0)
     s.hook = _Hook(lay)
+    s.launch_layout = lay
     s.latest = mlm.LoopObjects(model, "opt", "sched", "train it", "valid it", None, "test it")
     s.test_data_iterator = "test it"
     loop = mlm.LoopObjects(model, "opt", "sched", "train it", "valid it", None)
@@ -427,3 +428,19 @@ def test_a_rank_on_standby_at_the_end_leaves_pretrain(monkeypatch):
     s.trainer = None  # what `step` leaves when the job ended while this rank was out
     assert mlm.left_out()
     assert mlm.finish_training(*"abcdefg") == tuple("abcdefg")  # nothing of ours to hand over
+
+
+def test_rank_0_logs_the_layout_once_it_is_not_the_launch_one(monkeypatch, caplog):
+    # Megatron-LM's iteration line names no layout: after a switch rank 0 says it
+    s, loop, _ = _session(monkeypatch, "tp2pp2dp1", 4)
+    s.args.log_interval = 2
+    with caplog.at_level("INFO", logger="dynatrain"):
+        s._log_layout(4, False, 4)  # still the launch layout: nothing
+        s.hook.layout = Layout.parse("tp1pp2dp2", 4)
+        s._log_layout(5, False, 4)  # not a log iteration
+        s._log_layout(6, False, 4)
+        s.hook.layout = Layout.parse("tp1pp2dp1", 2)
+        s._log_layout(8, True, 4)
+    assert [r.getMessage() for r in caplog.records] == [
+        "dynatrain: iteration 6 done at tp1pp2dp2",
+        "dynatrain: iteration 8 done at tp1pp2dp1 on 2 of 4 ranks (the others on standby)"]

@@ -288,6 +288,7 @@ class MegatronLMSession:
                 args, self.spec, self.intents)))
         self.test_data_iterator: Any = None
         self.latest: Optional[LoopObjects] = None
+        self.launch_layout = layout  # Megatron-LM's log line does not show a later one
         log.info("dynatrain: wrapping Megatron-LM's %s job (%s); switches are polled every %d "
                  "iteration(s)", layout, self.spec.name, args.dynatrain_poll_interval)
 
@@ -320,11 +321,7 @@ class MegatronLMSession:
         out = self.hook.layout.world_size < world  # some processes are on standby
         if out and (ending or t.iteration >= arg_value(self.args, "train_iters", t.iteration)):
             self.hook.stop_standby()  # the last step: the ranks on standby leave train()
-        if out and dist.get_rank() == 0:
-            # Megatron-LM prints its iteration line on its world's last rank
-            log.info("dynatrain: iteration %d done at %s on %d of %d ranks (the others on "
-                     "standby)", t.iteration, self.hook.layout, self.hook.layout.world_size,
-                     world)
+        self._log_layout(t.iteration, out, world)
         o = t.objs
         if o is not before:
             self.rebind_loop(t, old_config)
@@ -333,6 +330,23 @@ class MegatronLMSession:
         # until the next call, Megatron-LM's code on this rank sees the layout as its world
         stand_in_world.use(_stand_in_world(o, world))
         return loop if o is before else self.latest
+
+    def _log_layout(self, iteration: int, out: bool, world: int) -> None:
+        """Beside Megatron-LM's iteration line (every `--log-interval`), which names no
+        layout, rank 0 logs the one the job runs at once it is not the launch layout (and
+        how many ranks are on standby): the log says at which layout each step ran."""
+        import torch.distributed as dist
+
+        lay = self.hook.layout
+        if dist.get_rank() != 0 or not (out or lay != self.launch_layout):
+            return
+        if iteration % max(1, arg_value(self.args, "log_interval", 1) or 1):
+            return
+        if out:
+            log.info("dynatrain: iteration %d done at %s on %d of %d ranks (the others on "
+                     "standby)", iteration, lay, lay.world_size, world)
+        else:
+            log.info("dynatrain: iteration %d done at %s", iteration, lay)
 
     def rebind_loop(self, t: Any, old_config: Any, flops: Optional[float] = None) -> LoopObjects:
         """After `t` got new objects (a switch, a recovery): Megatron-LM's `args`, the model
