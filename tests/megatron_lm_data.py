@@ -10,12 +10,11 @@ text is one token. It goes through Megatron-LM's legacy `GPT2BPETokenizer` uncha
 (`--legacy-tokenizer`: the new tokenizer system needs `transformers`).
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from megatron_lm_runs import ROOT
+from megatron_lm_runs import job_env
 
 CORPUS_FILES = ("README.md", "LICENSE", "megatron/training/datasets/README.md",
                 "megatron/rl/README.md")
@@ -77,7 +76,7 @@ def build_indexed_dataset(snapshot: Path, out: Path) -> list[str]:
                  "--merge-file", str(merge_file), "--legacy-tokenizer"]
     cmd = [sys.executable, "-c", run_tool, str(tool), "--input", str(corpus),
            "--output-prefix", str(prefix), "--append-eod", "--workers", "1", *tokenizer]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(snapshot)]))
+    env = job_env(snapshot)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     data = Path(f"{prefix}_text_document")
     if proc.returncode != 0 or not data.with_suffix(".bin").is_file():

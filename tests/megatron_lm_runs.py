@@ -47,16 +47,28 @@ def layout_flags(tp: int, pp: int, **extra: int) -> list[str]:
     return out
 
 
+def job_env(tree: Path, *, patched: bool = True, extra: Optional[dict] = None) -> dict:
+    """The environment of a Megatron-LM job of `tree`: this package and the tree importable
+    (an unpatched tree also gets the CPU runtime from `megatron_lm_unpatched/sitecustomize.py`),
+    one thread per rank, and what Megatron-LM asserts about CUDA connections."""
+    path = [str(ROOT), str(tree)] if patched else [str(UNPATCHED_SITE), str(ROOT), str(tree)]
+    return dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+                PYTHONPATH=os.pathsep.join(path), **(extra or {}))
+
+
+def torchrun_cmd(tree: Path, nproc: int, flags: list[str]) -> list[str]:
+    """The plain torchrun command of `tree`'s pretrain_gpt.py on `nproc` ranks."""
+    return [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc),
+            str(tree / "pretrain_gpt.py"), *flags]
+
+
 def run_megatron_lm(tree: Path, nproc: int, flags: list[str], log: Path, *,
                     patched: bool = True, timeout: float = 900,
                     env: Optional[dict] = None) -> str:
     """Run pretrain_gpt.py of `tree` on `nproc` gloo ranks; returns the log text. An
     unpatched tree gets the CPU runtime from `megatron_lm_unpatched/sitecustomize.py`."""
-    path = [str(ROOT), str(tree)] if patched else [str(UNPATCHED_SITE), str(ROOT), str(tree)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
-               PYTHONPATH=os.pathsep.join(path), **(env or {}))
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc),
-           str(tree / "pretrain_gpt.py"), *flags]
+    env = job_env(tree, patched=patched, extra=env)
+    cmd = torchrun_cmd(tree, nproc, flags)
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT,
                               timeout=timeout)
@@ -78,10 +90,8 @@ def run_operated(tree: Path, nproc: int, flags: list[str], log: Path, signal: Pa
     the job has taken the previous one (a request is never written over another)."""
     from dynatrain_megatron.elastic.signal_file import write_request
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(tree)]))
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc),
-           str(tree / "pretrain_gpt.py"), *flags]
+    env = job_env(tree)
+    cmd = torchrun_cmd(tree, nproc, flags)
     print("+ torchrun --standalone --nproc-per-node", nproc, "pretrain_gpt.py",
           " ".join(f for f in flags if f.startswith("--dynatrain") or f.startswith("--t")
                    or f.startswith("--p")), flush=True)
@@ -227,8 +237,7 @@ def run_launched(tree: Path, nproc: int, flags: list[str], log: Path, *, env: di
                  timeout: float = 900) -> tuple[int, str]:
     """Run pretrain_gpt.py of `tree` on `nproc` gloo ranks under `dynatrain launch` (a
     worker that dies does not stop the others); returns (the launcher's status, the log)."""
-    full = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
-                PYTHONPATH=os.pathsep.join([str(ROOT), str(tree)]), **env)
+    full = job_env(tree, extra=env)
     cmd = [sys.executable, "-m", "dynatrain_megatron.cli", "launch", "--nproc", str(nproc),
            str(tree / "pretrain_gpt.py"), *flags]
     with open(log, "w") as f:

@@ -6,16 +6,15 @@ rules where they depend on the layout (SP only with TP, and always for MoE with 
 overlapped P2P exchange only for VPP). Megatron-LM's real argument parser and validation run
 in a fresh interpreter with the snapshot on the path (`megatron_lm_config_probe.py`)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from megatron_lm_runs import job_env
 from megatron_lm_tree import require_snapshot
 
-ROOT = Path(__file__).resolve().parents[1]
 PROBE = Path(__file__).with_name("megatron_lm_config_probe.py")
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -47,7 +46,7 @@ CASES = [  # (flags at A, flags Megatron-LM would be launched with at B, B)
 @pytest.fixture(scope="module")
 def results():
     snapshot = require_snapshot()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(snapshot)]))
+    env = job_env(snapshot)
     proc = subprocess.run([sys.executable, str(PROBE), json.dumps(CASES)], env=env,
                           capture_output=True, text=True, timeout=300)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -90,11 +90,6 @@ def use(group: Optional[Any]) -> Optional[Any]:
     return previous
 
 
-def current() -> Optional[Any]:
-    """This thread's stand-in world (None: it sees the real world)."""
-    return getattr(_local, "group", None)
-
-
 @contextlib.contextmanager
 def stand_in(group: Optional[Any]) -> Iterator[None]:
     """Within the block, this thread's default group is `group` (None: no change)."""

@@ -328,7 +328,7 @@ class MegatronLMSession:
         if ending:  # train() exits with Megatron-LM's iterators: they go with its frames
             self.forget_iterators()
         # until the next call, Megatron-LM's code on this rank sees the layout as its world
-        stand_in_world.use(_stand_in_world(o, world))
+        self.enter_layout_world()
         return loop if o is before else self.latest
 
     def _log_layout(self, iteration: int, out: bool, world: int) -> None:
@@ -340,7 +340,7 @@ class MegatronLMSession:
         lay = self.hook.layout
         if dist.get_rank() != 0 or not (out or lay != self.launch_layout):
             return
-        if iteration % max(1, arg_value(self.args, "log_interval", 1) or 1):
+        if iteration % (arg_value(self.args, "log_interval", 1) or 1):
             return
         if out:
             log.info("dynatrain: iteration %d done at %s on %d of %d ranks (the others on "
@@ -358,9 +358,7 @@ class MegatronLMSession:
         self.trainer = t
         o = t.objs
         self.args.consumed_train_samples = t.consumed_samples
-        for k, v in args_for_layout(o.layout, self.spec,
-                                    sequence_parallel=self.intents.sequence_parallel).items():
-            setattr(self.args, k, v)
+        self.set_args_for(o.layout)
         _prepare_config(self.args, o.model, o.optimizer, o.config, old_config)
         with stand_in_world.stand_in(_stand_in_world(o, dist.get_world_size())):
             train_it, valid_it, test_it = _rebuild_data_iterators(self.args, len(o.model))
@@ -369,6 +367,13 @@ class MegatronLMSession:
                                   o.config, test_it, changed=True, iteration=t.iteration,
                                   flops=flops)
         return self.latest
+
+    def set_args_for(self, layout: Layout) -> None:
+        """Megatron-LM's `args` describe `layout` (its loop, logging, data loaders and
+        checkpointing read them), with the job's sequence-parallel intent."""
+        for k, v in args_for_layout(layout, self.spec,
+                                    sequence_parallel=self.intents.sequence_parallel).items():
+            setattr(self.args, k, v)
 
     def enter_layout_world(self) -> None:
         """Give Megatron-LM's code on this rank the current layout as its world (after a

@@ -53,7 +53,7 @@ from ..loop.death_recovery import HostLoop
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from .adapter import LoopObjects, MegatronLMSession, current_session
-from .arguments import arg_value, args_for_layout
+from .arguments import arg_value
 
 log = logging.getLogger("dynatrain")
 
@@ -210,9 +210,7 @@ def _resume_from_save(s: MegatronLMSession, dst: Layout, box: dict):
             f"instance), and there is no Megatron-LM checkpoint to resume from (--save "
             f"{save}): the job ends; restart it (--num-distributed-optimizer-instances 2 "
             f"keeps a replica of every shard)")
-    for k, v in args_for_layout(dst, s.spec,
-                                sequence_parallel=s.intents.sequence_parallel).items():
-        setattr(args, k, v)
+    s.set_args_for(dst)  # what load_checkpoint compares the checkpoint's args with
     _follow_world(args)
     new = start_job(s.spec, dst, s.train, builder=s.hook.builder)
     o = new.objs
