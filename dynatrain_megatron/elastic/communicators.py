@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..transition.transport import collective_device, is_nccl, warm_up
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 _CONTROL: dict = {"group": None, "default": None}
 

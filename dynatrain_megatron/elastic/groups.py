@@ -36,7 +36,7 @@ from ..vps.layout import GROUP_AXES, Layout
 from ..vps.placement import Placement
 from .communicators import group_device
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 

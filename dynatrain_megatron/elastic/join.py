@@ -47,7 +47,7 @@ import torch.distributed as dist
 from ..vps.errors import DynatrainError
 from .job_secret import ENV_VAR, JobSecret, load_secret
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 PROTOCOL = "dynatrain-join-v1"
 PREFIX = "dynatrain/join"

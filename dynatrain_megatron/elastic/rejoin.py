@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .communicators import (create_control_group, forget_control_group, rank_device,
                              warm_up_default)
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,8 @@
 """Switch requests through a signal file, read as hostile input.
 
-A request is a small JSON object `{"layout": "tp4pp1dp1", "world": 4, "origin": ...}`.
+A request is a small JSON object `{"layout": "tp4pp1dp1", "world": 4, "origin": ...,
+"id": ...}`; `id` (optional, `[A-Za-z0-9_-]`, at most 64 characters) names the request's
+outcome record, `<path>.<outcome>.<id>`, which `dynatrain request --wait` waits for.
 Writers must put it in place with a rename (write a temporary file in the same directory,
 fsync, rename), as `dynatrain request` does: the job claims whatever sits at the path at
 its poll, so a file written in place may be read half-written (it is then rejected, never
@@ -21,7 +23,8 @@ The job handles the path as input from anyone who can write to its directory:
   read from that descriptor only;
 * the content must match a strict schema (known keys only, exact types, no duplicate keys,
   an ASCII layout string, bounded numbers);
-* the outcome is filed in a fresh file `<path>.<outcome>.<n>` created with
+* the outcome is filed in a fresh file `<path>.<outcome>.<id>` (the request's id; one
+  without an id, or whose id's record exists already: `<path>.<outcome>.<n>`) created with
   `O_CREAT | O_EXCL | O_NOFOLLOW` and mode 0600 (never written through an existing name),
   holding the reason and the request (a bounded excerpt where it is not a valid request).
   A claimed regular file is then removed (the rest of a write still in progress goes to
@@ -37,6 +40,8 @@ import getpass
 import json
 import math
 import os
+import re
+import secrets
 import socket
 import stat
 import time
@@ -57,7 +62,10 @@ EXCERPT_BYTES = 120
 MAX_LAYOUT_CHARS = 64
 MAX_ORIGIN_CHARS = 256
 MAX_WORLD = 1 << 20
-_KEYS = ("layout", "world", "origin", "requested_at")
+_KEYS = ("layout", "world", "origin", "requested_at", "id")
+MAX_ID_CHARS = 64
+_ID = re.compile(r"[A-Za-z0-9_-]{1,%d}" % MAX_ID_CHARS, re.ASCII)
+OUTCOMES = ("applied", "rejected", "failed")
 
 
 def excerpt(data: bytes | str, limit: int = EXCERPT_BYTES) -> str:
@@ -74,6 +82,7 @@ class SwitchRequest:
     world: Optional[int] = None
     origin: str = ""
     requested_at: float = 0.0
+    id: Optional[str] = None  # names the outcome record (`dynatrain request --wait`)
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -98,6 +107,9 @@ class SwitchRequest:
         if type(t) not in (int, float) or not math.isfinite(t):
             raise RequestError(f"request 'requested_at' must be a finite number, got "
                                f"{excerpt(repr(t))}")
+        if self.id is not None and (type(self.id) is not str or not _ID.fullmatch(self.id)):
+            raise RequestError(f"request 'id' must be 1 to {MAX_ID_CHARS} characters of "
+                               f"[A-Za-z0-9_-], got {excerpt(repr(self.id))}")
 
     @classmethod
     def from_json(cls, data: bytes, where: str = "request") -> "SwitchRequest":
@@ -155,12 +167,16 @@ def _bounded_int(text: str) -> int:
 def write_request(path: str | Path, layout: Optional[str],
                   world: Optional[int] = None) -> SwitchRequest:
     """Atomically write a request (what `dynatrain request` does): a temporary file in the
-    same directory, mode 0600, renamed into place."""
+    same directory, mode 0600, renamed into place. It gets a fresh id, which names its
+    outcome record (`outcome_path`)."""
     path = Path(path)
+    now = time.time()
     req = SwitchRequest(layout=layout, world=world,
                         origin=f"{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}"[
                             :MAX_ORIGIN_CHARS],
-                        requested_at=time.time())
+                        requested_at=now,
+                        id=f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}-{os.getpid()}"
+                           f"-{secrets.token_hex(4)}")
     write_private(path, json.dumps(asdict(req)).encode())
     return req
 
@@ -255,9 +271,36 @@ def claim(path: str | Path) -> Optional[Path]:
     raise RequestError(f"no free name to claim {path}")
 
 
-def _create_record(path: Path, outcome: str, data: bytes) -> Path:
-    """A fresh `<path>.<outcome>.<n>` (O_EXCL | O_NOFOLLOW, 0600) holding `data`."""
+def request_id_in(data: bytes) -> Optional[str]:
+    """The id of a request's bytes when they hold a well-formed one (even if the rest of
+    the request is refused), else None: its outcome record is then named after it."""
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) and _ID.fullmatch(rid) else None
+
+
+def outcome_path(path: str | Path, outcome: str, request_id: str) -> Path:
+    """Where the outcome record of the request with `request_id` is filed."""
+    return Path(path).with_name(f"{Path(path).name}.{outcome}.{request_id}")
+
+
+def _create_record(path: Path, outcome: str, data: bytes,
+                   request_id: Optional[str] = None) -> Path:
+    """A fresh `<path>.<outcome>.<id>` (or `.<n>`; O_EXCL | O_NOFOLLOW, 0600) holding
+    `data`."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    if request_id is not None:
+        try:
+            fd = os.open(outcome_path(path, outcome, request_id), flags, 0o600)
+        except OSError:
+            pass  # taken (an id given twice) or unusable: numbered below
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return outcome_path(path, outcome, request_id)
     for n in range(1 << 20):
         dst = _numbered(path, outcome, n)
         try:
@@ -278,7 +321,7 @@ def archive(path: str | Path, outcome: str, reason: str = "",
     what becomes of it."""
     path = Path(path)
     src = Path(request_file) if request_file is not None else path
-    body, regular = "", False
+    body, regular, rid = "", False, None
     try:
         fd, _ = _open_checked(src)
         try:
@@ -288,10 +331,12 @@ def archive(path: str | Path, outcome: str, reason: str = "",
         regular = True
         body = (data.decode("utf-8", errors="replace") if len(data) <= MAX_REQUEST_BYTES
                 else excerpt(data, 4096))
+        rid = request_id_in(data) if len(data) <= MAX_REQUEST_BYTES else None
     except (OSError, RequestError):
         pass
-    record = {"outcome": outcome, "reason": reason[:4 * MAX_REQUEST_BYTES], "request": body}
-    dst = _create_record(path, outcome, json.dumps(record).encode())
+    record = {"outcome": outcome, "reason": reason[:4 * MAX_REQUEST_BYTES], "request": body,
+              "id": rid, "filed_at": time.time()}
+    dst = _create_record(path, outcome, json.dumps(record).encode(), rid)
     try:
         if regular:
             os.unlink(src)

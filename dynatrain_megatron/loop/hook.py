@@ -9,15 +9,13 @@ micro-batch count). Importing it needs megatron-core only, not Megatron-LM.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from ..elastic import job_presence
 from ..elastic.controller import Controller, Decision
 from ..elastic.schedule import load_schedule
 from ..elastic.communicators import everyone_ok
@@ -32,34 +30,17 @@ from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from ..mcore.builders import MegatronBuilder, TrainingObjects, bucket_size_of, validator_options
+from .logs import configure as configure_logging
 from .memory_check import SwitchMemoryCheck, release_grad_buffers, restore_grad_buffers
 from .memory_check import from_args as memory_check_from_args
 from .auto_layout import LayoutAdvisor
+from .stall import StallMeter, stall_parts
+from .switch_log import SwitchLog, SwitchRecord, layout_scalars, share_and_report, summary
 from .switching import WorldBroken, prepared_switch_args, start_preparation, switch_trainer
 from ..mcore.train_config import TrainConfig
 from ..mcore.training import Trainer
 
 log = logging.getLogger("dynatrain")
-
-
-@dataclass
-class SwitchRecord:
-    """One row of the end-of-run summary."""
-
-    iteration: int
-    src: str
-    dst: str
-    placement: str
-    bytes_moved: int
-    lower_bound_bytes: int
-    pause_s: float
-    groups_s: float  # building the new layout's groups
-    phases: dict = field(default_factory=dict)
-    groups_in_pause: bool = False  # True only with background_groups=False (comparison)
-    # B's build, binding, check and plan, done in the background while A trained
-    prepared: dict = field(default_factory=dict)
-    source: str = "signal"  # who asked: "signal", "schedule", "auto"
-    reason: str = ""  # when the job chose the layout: why, and the advisor's top rows
 
 
 class DynatrainHook:
@@ -112,10 +93,24 @@ class DynatrainHook:
         if advisor is not None:
             controller.advise = advisor.advise
             controller.auto_layout = auto_layout
+        # the stall (loop/stall.py): parts timed at the current step boundary before a
+        # switch starts, the switch being measured through B's first steps, and the
+        # finished ones (every rank's breakdown, gathered)
+        self.report = SwitchLog(log_dir)
+        self._laps: dict[str, float] = {}
+        self._entered = time.perf_counter()
+        self._entered_wall = time.time()
+        self._meter: Optional[StallMeter] = None
+        self._measured: Optional[tuple[SwitchRecord, Optional[object]]] = None
+        self.stalls: list[dict] = []
+        # called on a standby rank when the switch that brings it back starts (a host loop
+        # restarts its iteration timer there: the standby time is no step of the job)
+        self.on_return_from_standby: list[Callable[[], None]] = []
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig,
                   builder: Optional[MegatronBuilder] = None) -> "DynatrainHook":
+        configure_logging(dist.get_rank(), getattr(args, "dynatrain_log_all_ranks", False))
         schedule = (load_schedule(args.dynatrain_schedule, train.train_iters)
                     if args.dynatrain_schedule else None)
         ctl = Controller(spec, args.dynatrain_signal_file, args.dynatrain_poll_interval, schedule,
@@ -139,18 +134,47 @@ class DynatrainHook:
         the job's world (DynatrainError, on every rank alike, before the first step)."""
         self.controller.check_schedule(layout.world_size)
         self.layout, self.layout_placement = layout, placement
+        if self.controller.signal_path and dist.get_rank() == 0:
+            try:  # `dynatrain request --wait` tells a live job from a gone one by it
+                job_presence.announce(self.controller.signal_path)
+            except OSError as e:
+                log.warning("could not announce the job at %s: %s", self.controller.signal_path, e)
 
     def after_step(self, trainer: Trainer) -> Optional[Trainer]:
         """Call after every optimizer step, on every rank of the layout. Returns the
         (rebound) trainer, or None when this rank left the layout (scale-in): it is then on
         standby and calls `standby()`."""
+        self._boundary()
+        if self._meter is not None and self._meter.step(self._entered):
+            self._finish_stall(trainer)  # collective over B's ranks, at the same step
+        try:
+            return self._after_step(trainer)
+        finally:
+            if self._meter is not None:
+                self._meter.left()
+
+    def _boundary(self) -> None:
+        """A step boundary starts: the end of the last step, for the stall's window."""
+        self._entered, self._entered_wall = time.perf_counter(), time.time()
+        self._laps = {}
+
+    def _lap(self, name: str, since: float) -> float:
+        """Add the time since `since` to this boundary's part `name`; returns now."""
+        now = time.perf_counter()
+        self._laps[name] = self._laps.get(name, 0.0) + now - since
+        return now
+
+    def _after_step(self, trainer: Trainer) -> Optional[Trainer]:
         if self.layout is None:
             self.start(trainer, trainer.objs.layout, trainer.objs.groups.placement)
         if self.faults is not None:
             self.faults.fail(dist.get_rank(), "step", trainer.iteration)
+        self.report.metrics(trainer.iteration, layout_scalars(self.layout))
         if self.devices.pending:
             return self._switch_when_due(trainer)
+        t0 = time.perf_counter()
         d = self.controller.poll(trainer.iteration, self.layout.world_size)
+        self._lap("controller", t0)
         trainer = self._admit(trainer, d)
         self._on_decision(d, trainer.iteration, trainer.objs)
         if self._sync_target is not None:
@@ -159,19 +183,28 @@ class DynatrainHook:
             return self._switch_when_due(trainer)  # a schedule due now: no step to wait on
         return trainer
 
+    @property
+    def switch_meter(self) -> Optional[StallMeter]:
+        """The stall meter of the switch this step boundary made (None otherwise): a host
+        loop adds its own parts (`add`) and calls `resume()` before B's first step."""
+        return self._meter if self._meter is not None and not self._meter.steps else None
+
     def _switch_when_due(self, trainer: Trainer) -> Optional[Trainer]:
         """A switch prepared in the background: a requested one lands at the first step
         boundary where B is ready on every rank; a scheduled one lands exactly after its
         iteration, waiting there for whatever of the preparation is left."""
         at = self.decision.at if self.decision is not None else None
+        t0 = time.perf_counter()
         if at is None:
-            return self._switch(trainer) if self.devices.ready() else trainer
+            ready = self.devices.ready()
+            self._lap("wait_for_b", t0)
+            return self._switch(trainer) if ready else trainer
         if trainer.iteration < at:
             return trainer
-        t0 = time.perf_counter()
         while not self.devices.ready():  # collective: every rank loops the same times
             time.sleep(0.005)
         self._waited_s = time.perf_counter() - t0
+        self._lap("wait_for_b", t0)
         return self._switch(trainer)
 
     def standby(self) -> Optional[Trainer]:
@@ -181,7 +214,7 @@ class DynatrainHook:
         while True:
             if self.devices.pending:
                 if self.devices.ready():
-                    trainer = self._switch(None)
+                    trainer = self._switch_from_standby()
                     if trainer is not None:
                         return trainer
                 continue
@@ -192,63 +225,101 @@ class DynatrainHook:
             self._admit(None, d)
             self._on_decision(d, None)
             if self._sync_target is not None:
-                trainer = self._switch(None)
+                trainer = self._switch_from_standby()
                 if trainer is not None:
                     return trainer
+
+    def _switch_from_standby(self) -> Optional[Trainer]:
+        """The switch starts now on this standby rank (every rank agreed on it just now):
+        its window starts here, and the host's timers are told."""
+        self._boundary()
+        for callback in self.on_return_from_standby:
+            callback()
+        return self._switch(None)
 
     def _on_decision(self, d: Decision, iteration: Optional[int],
                      objs: Optional[TrainingObjects] = None) -> None:
         if d.rejected:
             self.rejected.append(d.rejected)
+            self._record_outcome("rejected", d, iteration, d.rejected)
         if d.target is None:
             return
         src = self.layout
         if d.target == str(src) and d.world == src.world_size:
             log.info("already at layout %s: nothing to do", src)
             self.controller.done(d, "applied", "already at this layout")
+            self._record_outcome("applied", d, iteration, "already at this layout")
             return
+        when = f"iteration {iteration}: " if iteration is not None else ""
         if d.note:
-            log.info("iteration %s: %s", iteration, d.note)
-        try:  # the same pure computation on every rank: all refuse alike, A untouched
-            dst = Layout.parse(d.target, d.world)
-            placement = choose_dst_placement(self.spec, self.builder, src, self.layout_placement,
-                                             dst, tuple(range(dst.world_size)), self.placement,
-                                             self.ranks_per_node)
-        except Exception as e:  # noqa: BLE001 - a request must never end training
-            reason = f"no placement for {d.target} on {d.world} ranks: {type(e).__name__}: {e}"
-            log.error("switch to %s rejected: %s; training continues at %s", d.target, reason,
-                      src)
-            self.rejected.append(reason)
-            self.controller.done(d, "rejected", reason)
-            return
+            log.info("%s%s", when, d.note)
+        dst = Layout.parse(d.target, d.world)  # the controller validated it
         self.decision = d
-        in_pause = False
+        in_pause = not self.background_groups
+        placement: Optional[Placement] = None
+        if self.memory is not None or in_pause:
+            # B's placement is needed now (the memory plan, or B built in the pause); else
+            # the background preparation chooses it
+            t0 = time.perf_counter()
+            try:  # the same pure computation on every rank: all refuse alike, A untouched
+                placement = self._choose_placement(dst)
+            except Exception as e:  # noqa: BLE001 - a request must never end training
+                reason = (f"no placement for {d.target} on {d.world} ranks: "
+                          f"{type(e).__name__}: {e}")
+                log.error("switch to %s rejected: %s; training continues at %s", d.target,
+                          reason, src)
+                self.rejected.append(reason)
+                self.controller.done(d, "rejected", reason)
+                self._record_outcome("rejected", d, iteration, reason)
+                self.decision = None
+                return
+            t0 = self._lap("placement", t0)
         if self.memory is not None:  # collective; the same decision on every rank
             mem = self.memory.plan(self.spec, self.builder, src, self.layout_placement, dst,
                                    placement)
             (log.info if mem.mode == "background" else log.warning)("%s", mem.describe())
+            self._lap("memory_check", t0)
             if not mem.fits:
                 self.rejected.append(mem.describe())
                 self.controller.done(d, "failed", mem.describe())
+                self._record_outcome("failed", d, iteration, mem.describe())
                 self.decision = None
                 return
-            in_pause = mem.mode in ("in_pause", "release_a_grads")
+            in_pause = in_pause or mem.mode in ("in_pause", "release_a_grads")
             self._release_a_grads = mem.mode == "release_a_grads"
-        if not self.background_groups or in_pause:
-            log.info("iteration %s: switch %s (%d ranks) -> %s (%d ranks) requested; groups "
-                     "built inside the switch", iteration, src, src.world_size, dst,
-                     dst.world_size)
+        if in_pause:
+            log.info("%sswitch %s (%d ranks) -> %s (%d ranks) requested; groups built inside "
+                     "the switch", when, src, src.world_size, dst, dst.world_size)
             self._sync_target = (dst, placement)
             return
-        log.info("iteration %s: switch %s (%d ranks) -> %s (%d ranks) requested; building "
-                 "its groups and objects in the background while training goes on",
-                 iteration, src, src.world_size, dst, dst.world_size)
+        log.info("%sswitch %s (%d ranks) -> %s (%d ranks) requested; choosing its placement, "
+                 "building its groups and objects in the background while training goes on",
+                 when, src, src.world_size, dst, dst.world_size)
         start_preparation(self.devices, self.builder, src, self.layout_placement, dst,
-                          dst_placement=placement, ranks_per_node=self.ranks_per_node,
+                          dst_placement=placement, choose_placement=self._choose_placement,
+                          ranks_per_node=self.ranks_per_node,
                           memory_budget=self.memory_budget, faults=self.faults, src_objs=objs)
 
+    def _choose_placement(self, dst: Layout) -> Placement:
+        """B's placement from the current layout (pure: every rank alone gets the same)."""
+        return choose_dst_placement(self.spec, self.builder, self.layout,
+                                    self.layout_placement, dst, tuple(range(dst.world_size)),
+                                    self.placement, self.ranks_per_node)
+
+    def _record_outcome(self, outcome: str, d: Decision, iteration: Optional[int],
+                        reason: str) -> None:
+        """A request's outcome other than a measured switch, in `switches.jsonl` (rank 0)."""
+        if dist.get_rank() == 0:
+            self.report.record(outcome, dict(iteration=iteration, src=str(self.layout),
+                                             dst=d.target, world=d.world, source=d.source,
+                                             request=self.controller.last_request,
+                                             reason=reason))
+
     def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
+        if self._measured is not None:  # the last switch's stall, before this one starts
+            self._finish_stall(trainer)
         src, src_placement = self.layout, self.layout_placement
+        decision = self.decision
         # A's objects whose gradient buffers this switch frees (restored if it rolls back)
         released = trainer.objs if self._release_a_grads and trainer is not None else None
         self._release_a_grads = False
@@ -258,39 +329,58 @@ class DynatrainHook:
             (dst, dst_placement), self._sync_target = self._sync_target, None
             if released is not None:
                 release_grad_buffers(released)  # room for B (the memory plan's degraded mode)
+            t1 = time.perf_counter()
             kw = dict(new_groups=build_groups(dst, dst_placement))  # B built in the pause too
-            groups_s = time.perf_counter() - t0
+            groups_s = time.perf_counter() - t1
+            self._lap("groups", t1)
         else:
             dst, dst_placement = self.devices.target
             kw, error = {}, None
+            t1 = time.perf_counter()
             try:
                 kw = prepared_switch_args(self.devices)
             except Exception as e:  # noqa: BLE001 - B's groups or preparation failed
                 error = e
-            if not everyone_ok(error is None):  # every rank gives up alike, A untouched
+            t1 = self._lap("warm_up", t1)
+            ok = everyone_ok(error is None)
+            self._lap("votes", t1)
+            if not ok:  # every rank gives up alike, A untouched
                 return self._preparation_failed(trainer, dst, kw, error)
+            if kw.get("new_groups") is not None:
+                dst_placement = kw["new_groups"].placement  # chosen in the background
             groups_s = self.devices.build_seconds
             t0 = time.perf_counter()
+        timings: dict[str, float] = {}
         try:
             trainer, res = switch_trainer(trainer, self.builder, src, src_placement,
                                           dst, dst_devices=dst_placement.devices,
                                           ranks_per_node=self.ranks_per_node,
                                           memory_budget=self.memory_budget,
-                                          timeout=self.timeout, **kw)
+                                          timeout=self.timeout, timings=timings, **kw)
         except Exception:
             if released is not None:
                 restore_grad_buffers(released)
             self.controller.done(self.decision, "failed", "switch raised; see the job log")
+            self._record_outcome("failed", decision, None, "switch raised; see the job log")
             raise
         if released is not None and res.aborted:
             restore_grad_buffers(released)  # A trains on
         if res.aborted:
             self.failed.append(res.aborted)
             self.controller.done(self.decision, "failed", res.aborted)
+            self._record_outcome("failed", decision, trainer.iteration if trainer else None,
+                                 res.aborted)
             log.error("switch rolled back; training continues at %s", src)
             return trainer
         self.layout, self.layout_placement = dst, res.placement
         pause = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        request = self.controller.last_request if decision is not None else None
+        if decision is not None:
+            self.controller.done(decision, "applied",
+                                 f"switched at iteration {trainer.iteration}"
+                                 if trainer is not None else "switched")
+        self._lap("controller", t1)
         if trainer is None:
             log.info("switched %s -> %s: this rank is not in the new layout; on standby",
                      src, dst)
@@ -299,37 +389,36 @@ class DynatrainHook:
         phases = {k: round(v, 4) for k, v in r.phases.items()}
         if not self.background_groups:
             phases["groups"] = round(groups_s, 4)
+        prepared = {k: round(v, 4) for k, v in r.background.items()}
+        if r.background and self.devices.placement_seconds:
+            prepared["placement"] = round(self.devices.placement_seconds, 4)
         rec = SwitchRecord(trainer.iteration, str(src), str(dst), r.placement, r.bytes_moved,
                            r.lower_bound_bytes, pause, groups_s, phases,
-                           groups_in_pause=not self.background_groups,
-                           prepared={k: round(v, 4) for k, v in r.background.items()},
-                           source=self.decision.source if self.decision else "signal",
-                           reason=self.decision.note if self.decision else "")
+                           groups_in_pause="groups" in self._laps, prepared=prepared,
+                           source=decision.source if decision else "signal",
+                           reason=decision.note if decision else "")
         self.history.append(rec)
-        at = self.decision.at if self.decision is not None else None
+        at = decision.at if decision is not None else None
         waited, self._waited_s = self._waited_s, 0.0
         when = "" if at is None else (
             f" as scheduled (waited {waited:.3f} s for B)" if trainer.iteration == at else
             f", {trainer.iteration - at} iteration(s) late (scheduled after iteration {at})")
-        self.controller.done(self.decision, "applied", f"switched at iteration {trainer.iteration}")
-        log.info("iteration %d: switched %s -> %s (placement %s): %.2f MB moved (lower bound "
-                 "%.2f MB), pause %.3f s [bind %.3f, plan %.3f, transfer %.3f, rebuild %.3f], "
-                 "groups %.3f s %s%s%s", trainer.iteration, src, dst, r.placement,
-                 r.bytes_moved / 1e6, r.lower_bound_bytes / 1e6, pause, r.phases.get("bind", 0),
-                 r.phases.get("plan", 0), r.phases.get("transfer", 0), r.phases.get("rebuild", 0),
-                 groups_s, "inside the pause" if rec.groups_in_pause else "in the background",
-                 "; B built %.3f s, bound %.3f s, planned %.3f s in the background" % (
-                     r.background.get("build", 0), r.background.get("bind", 0),
-                     r.background.get("plan", 0)) if r.background else "", when)
-        self._log_event(asdict(rec))
+        self._meter = StallMeter(trainer.iteration, dist.get_rank(), str(src), str(dst),
+                                 started=self._entered, wall_start=self._entered_wall)
+        self._meter.add_all(self._laps, stall_parts(r.phases, timings))
+        self._meter.resume()
+        self._measured = (rec, dict(when=when, request=request, transfer_s=r.phases.get(
+            "transfer", 0.0), groups=trainer.objs.groups, dst=dst))
         return trainer
 
-    def _log_event(self, entry: dict) -> None:
-        """One line of `switches.jsonl` in the log directory (rank 0)."""
-        if self.log_dir and dist.get_rank() == 0:
-            os.makedirs(self.log_dir, exist_ok=True)
-            with open(os.path.join(self.log_dir, "switches.jsonl"), "a") as f:
-                f.write(json.dumps(entry) + "\n")
+    def _finish_stall(self, trainer: Optional[Trainer]) -> None:
+        """The last switch's stall is known (B's first and steady steps, or the job moves
+        on): shared over B's ranks, logged and recorded (`switch_log.share_and_report`)."""
+        meter, measured = self._meter, self._measured
+        self._meter = self._measured = None
+        if meter is not None and measured is not None:
+            self.stalls.append(share_and_report(self.report, measured[0], measured[1],
+                                                meter.finish()))
 
     def _admit(self, trainer: Optional[Trainer], d: Decision) -> Optional[Trainer]:
         """Grow the world with the joiners accepted at this poll (every process calls it
@@ -376,6 +465,8 @@ class DynatrainHook:
             growth.announce(store, prefix, world, self.layout, self.layout_placement,
                             reviewer.secret)
         self._drop_preparation(broken=False)  # it belongs to the old world
+        if self._measured is not None and trainer is not None:
+            self._finish_stall(trainer)  # over the old world's layout, before it grows
         t0 = time.perf_counter()
         trainer = growth.grow_world(trainer, self.spec, self.builder.train, store, prefix,
                                     world, self.layout, self.layout_placement, self.timeout,
@@ -445,6 +536,7 @@ class DynatrainHook:
         from .death_recovery import recover_after_death
 
         log.error("communication failed (%s): a rank is gone; recovering", error[:200])
+        self._meter = self._measured = None  # its ranks cannot share it any more
         self._drop_preparation(broken=True)  # built for the old world: cannot finish
         self._sync_target = None
         if self.decision is not None and self.decision.target is not None:
@@ -466,7 +558,8 @@ class DynatrainHook:
         self.recoveries.append(entry)
         if rec.world.rank is None:
             return "leave", None
-        self._log_event(entry)
+        if dist.get_rank() == 0:
+            self.report.record("recovery", entry)
         if rec.trainer is None:
             return "standby", None
         return "train", rec.trainer
@@ -490,27 +583,14 @@ class DynatrainHook:
         self.controller.stop()
 
     def finish(self, trainer: Trainer, checkpoint_seconds: Optional[float] = None) -> str:
-        """The summary table of all switches (logged on rank 0, returned)."""
-        lines = ["", "dynatrain switches:",
-                 f"{'iter':>5} {'from':>18} {'to':>18} {'moved MB':>9} {'pause s':>8} "
-                 f"{'transfer s':>10} {'groups s (bg)':>13}"
-                 + (f" {'ckpt path s':>11} {'speedup':>8}" if checkpoint_seconds else "")]
-        for h in self.history:
-            row = (f"{h.iteration:>5} {h.src:>18} {h.dst:>18} {h.bytes_moved / 1e6:>9.2f} "
-                   f"{h.pause_s:>8.3f} {h.phases.get('transfer', 0):>10.3f} {h.groups_s:>13.3f}")
-            if checkpoint_seconds:
-                row += f" {checkpoint_seconds:>11.2f} {checkpoint_seconds / h.pause_s:>7.1f}x"
-            lines.append(row)
-        if self.rejected:
-            lines.append(f"rejected requests: {len(self.rejected)}")
-            lines += [f"  - {r}" for r in self.rejected]
-        if self.failed:
-            lines.append(f"switches rolled back: {len(self.failed)}")
-            lines += [f"  - {r}" for r in self.failed]
-        for r in self.recoveries:
-            lines.append(f"recovered from the death of ranks {r['dead']}: {r['src']} -> "
-                         f"{r['dst']} ({'in memory' if r['mode'] == 'memory' else 'from the checkpoint'})"
-                         + (f", pause {r['pause_s']:.3f} s" if r['pause_s'] else ""))
-        text = "\n".join(lines)
+        """The summary table of all switches (logged on rank 0, returned). Every rank of
+        the layout calls it once, at the end (the last switch's stall is shared then)."""
+        if self._measured is not None:
+            self._finish_stall(trainer)
+        if self.controller.signal_path and dist.get_rank() == 0:
+            job_presence.withdraw(self.controller.signal_path)
+        text = summary(self.history, self.stalls, self.rejected, self.failed,
+                       self.recoveries, checkpoint_seconds)
         log.info(text)
         return text
+

@@ -20,7 +20,7 @@ from .builders import MegatronBuilder, TrainingObjects
 from .train_config import TrainConfig
 from .training import Trainer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 def init_distributed(timeout_s: float = 300.0) -> None:

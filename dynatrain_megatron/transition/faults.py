@@ -23,7 +23,7 @@ import torch
 
 from ..vps.errors import DynatrainError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 PHASES = ("prepare", "round", "commit", "step")
 

@@ -45,7 +45,7 @@ from .switch_types import (Builder, LayoutGroups, Prepared, Scalars, SwitchOptio
                            SwitchReport, SwitchResult)
 from .transport import TorchP2PTransport, Transport, collective_device
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement: Placement,

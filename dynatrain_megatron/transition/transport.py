@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
