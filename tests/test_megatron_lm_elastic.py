@@ -118,7 +118,9 @@ def test_refused_request_leaves_training_as_it_was(run):
     rows = sorted((json.loads(x) for x in (w / "logs" / "switches.jsonl").read_text()
                    .splitlines()), key=lambda r: r["time"])
     assert [r["kind"] for r in rows] == ["switch", "rejected", "switch", "switch"], rows
-    assert refusal in rows[1]["reason"] and rows[1]["dst"] == "tp3pp1dp1"
+    assert refusal in rows[1]["reason"] and rows[1]["iteration"] is not None
+    refused = json.loads((w / f"switch.json.rejected.{rows[1]['request']}").read_text())
+    assert json.loads(refused["request"])["layout"] == "tp3pp1dp1"
     assert all(r["request"] and (w / f"switch.json.{'applied' if r['kind'] == 'switch' else 'rejected'}"
                                  f".{r['request']}").is_file() for r in rows)
     assert all(r["time_utc"].endswith("+00:00") for r in rows)

@@ -92,3 +92,59 @@ def test_records_have_wall_clock_time_and_refuse_a_planted_link(tmp_path):
     os.symlink(victim, other / "switches.jsonl")
     assert SwitchLog(str(other)).record("switch", dict(iteration=1)) is None
     assert victim.read_text() == "keep"
+
+
+def test_metrics_reach_megatron_writers_and_a_failing_sink_is_dropped(caplog):
+    from dynatrain_megatron.loop.switch_log import layout_scalars
+    from dynatrain_megatron.megatron_lm.metrics import MegatronWriters
+    from dynatrain_megatron.vps.layout import Layout
+
+    class Writer:  # TensorBoard's SummaryWriter / a W&B run, as far as we call them
+        def __init__(self):
+            self.calls = []
+
+        def add_scalar(self, tag, value, step):
+            self.calls.append(("scalar", tag, value, step))
+
+        def add_text(self, tag, value, step):
+            self.calls.append(("text", tag, value, step))
+
+        def log(self, values, step):
+            self.calls.append(("log", values, step))
+
+    tb, wb = Writer(), Writer()
+    report = SwitchLog(None)
+    report.sinks.append(MegatronWriters(tb, wb))
+    report.sinks.append(lambda it, s: 1 / 0)
+    scalars = {"dynatrain/stall_s": 0.5, "dynatrain/placement": "0,2,1,3",
+               **layout_scalars(Layout.parse("tp1pp2dp2", 4))}
+    report.metrics(7, scalars)
+    report.metrics(8, {"dynatrain/stall_s": 0.25})
+    assert ("scalar", "dynatrain/stall_s", 0.5, 7) in tb.calls
+    assert ("text", "dynatrain/placement", "0,2,1,3", 7) in tb.calls
+    assert ("scalar", "dynatrain/layout/dp", 2, 7) in tb.calls
+    assert ("scalar", "dynatrain/layout/tp", 1, 7) in tb.calls
+    assert wb.calls == [("log", scalars, 7), ("log", {"dynatrain/stall_s": 0.25}, 8)]
+    assert len(report.sinks) == 1  # the failing one was dropped, training went on
+
+
+def test_one_logger_one_prefix_rank_zero_only(capsys):
+    import logging
+
+    from dynatrain_megatron.loop.logs import configure
+
+    log = configure(rank=0)
+    logging.getLogger("dynatrain").info("dynatrain: iteration 3: switched")
+    logging.getLogger("dynatrain").info("iteration 4 done")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("r0] dynatrain: iteration 3: switched")
+    assert out[1].endswith("r0] dynatrain: iteration 4 done")
+    configure(rank=1)
+    log.info("rank 1 says nothing at INFO")
+    log.warning("nor at WARNING")
+    log.error("only errors")
+    assert capsys.readouterr().out.splitlines()[0].endswith("r1] dynatrain: only errors")
+    configure(rank=1, all_ranks=True)
+    log.info("unless asked")
+    assert "unless asked" in capsys.readouterr().out
+    configure(rank=0)

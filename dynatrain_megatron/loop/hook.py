@@ -106,6 +106,9 @@ class DynatrainHook:
         # called on a standby rank when the switch that brings it back starts (a host loop
         # restarts its iteration timer there: the standby time is no step of the job)
         self.on_return_from_standby: list[Callable[[], None]] = []
+        # the host's training clock, which stops for evaluation and checkpoint saves (they
+        # are no part of a step): B's first and steady steps are timed on it
+        self.step_clock: Callable[[], float] = time.perf_counter
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig,
@@ -145,7 +148,7 @@ class DynatrainHook:
         (rebound) trainer, or None when this rank left the layout (scale-in): it is then on
         standby and calls `standby()`."""
         self._boundary()
-        if self._meter is not None and self._meter.step(self._entered):
+        if self._meter is not None and self._meter.step():
             self._finish_stall(trainer)  # collective over B's ranks, at the same step
         try:
             return self._after_step(trainer)
@@ -356,7 +359,9 @@ class DynatrainHook:
                                           dst, dst_devices=dst_placement.devices,
                                           ranks_per_node=self.ranks_per_node,
                                           memory_budget=self.memory_budget,
-                                          timeout=self.timeout, timings=timings, **kw)
+                                          timeout=self.timeout, timings=timings,
+                                          release_a_later=released is None and "groups"
+                                          not in self._laps, **kw)
         except Exception:
             if released is not None:
                 restore_grad_buffers(released)
@@ -404,7 +409,8 @@ class DynatrainHook:
             f" as scheduled (waited {waited:.3f} s for B)" if trainer.iteration == at else
             f", {trainer.iteration - at} iteration(s) late (scheduled after iteration {at})")
         self._meter = StallMeter(trainer.iteration, dist.get_rank(), str(src), str(dst),
-                                 started=self._entered, wall_start=self._entered_wall)
+                                 started=self._entered, wall_start=self._entered_wall,
+                                 clock=self.step_clock)
         self._meter.add_all(self._laps, stall_parts(r.phases, timings))
         self._meter.resume()
         self._measured = (rec, dict(when=when, request=request, transfer_s=r.phases.get(

@@ -19,7 +19,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from ..vps.errors import DynatrainError
 
@@ -145,8 +145,10 @@ class StallMeter:
 
     `add(name, seconds)` adds to a part (repeatable); `resume()` marks the start of the
     first step at B (the training loop has its objects); `step()` is called at each later
-    step boundary with the time the hook was entered and returns True once the first step
-    and `STEADY_STEPS` steady ones are known."""
+    step boundary and returns True once the first step and `STEADY_STEPS` steady ones are
+    known; `left()` when the hook returns to the loop. Steps are timed on `clock`, the
+    host's training clock (Megatron-LM's iteration timer, which stops for evaluation and
+    checkpoint saves); the window on `time.perf_counter`."""
 
     iteration: int
     rank: int
@@ -157,6 +159,7 @@ class StallMeter:
     parts: dict[str, float] = field(default_factory=dict)
     resumed: Optional[float] = None
     steps: list[float] = field(default_factory=list)
+    clock: Callable[[], float] = time.perf_counter
     _last: Optional[float] = None
 
     def add(self, name: str, seconds: float) -> None:
@@ -172,18 +175,20 @@ class StallMeter:
     def resume(self, now: Optional[float] = None) -> None:
         """Training goes on at B from now (called again by a host loop that does more
         before its first step: the latest call counts)."""
-        self.resumed = self._last = time.perf_counter() if now is None else now
+        self.resumed = time.perf_counter() if now is None else now
+        self._last = self.clock() if now is None else now
 
-    def step(self, entered: float) -> bool:
-        """A step boundary after the switch: `entered` is when the hook was entered; the
-        step lasted from the previous boundary's return (`left`) to it."""
+    def step(self, now: Optional[float] = None) -> bool:
+        """A step boundary after the switch: the step lasted from the previous boundary's
+        return (`left`) to now, on the training clock."""
+        now = self.clock() if now is None else now
         if self._last is not None:
-            self.steps.append(entered - self._last)
+            self.steps.append(max(0.0, now - self._last))
         return len(self.steps) > STEADY_STEPS
 
     def left(self, now: Optional[float] = None) -> None:
         """The hook returns to the training loop (the next step starts)."""
-        self._last = time.perf_counter() if now is None else now
+        self._last = self.clock() if now is None else now
 
     def finish(self) -> StallBreakdown:
         resumed = self.resumed if self.resumed is not None else time.perf_counter()

@@ -27,8 +27,8 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
                    ranks_per_node: int = 8, memory_budget: Optional[int] = None,
                    move_weights: bool = False, new_groups: Optional[ParallelGroups] = None,
                    timeout: Optional[float] = None, faults: Optional[FaultPlan] = None,
-                   prepared: Optional[Prepared] = None,
-                   timings: Optional[dict] = None) -> tuple[Optional[Trainer], SwitchResult]:
+                   prepared: Optional[Prepared] = None, timings: Optional[dict] = None,
+                   release_a_later: bool = False) -> tuple[Optional[Trainer], SwitchResult]:
     """Every rank of the world calls this at the same step boundary.
 
     `prepared`: B made ready in the background (`elastic.device_manager`), which leaves
@@ -36,6 +36,8 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
 
     `timings`, when given, gets the seconds of what this adds around the switch itself:
     "scalars" (reading them), "release_a" (A's objects and groups freed), "rebind".
+    `release_a_later`: A's memory is collected in a background thread (where A and B fit
+    on the devices together), out of the stall; its groups are destroyed at once.
 
     Returns the trainer rebound to layout B (None on a rank that is not part of B) and the
     switch result; A's objects and process groups are released. If the switch aborted
@@ -81,7 +83,7 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
         return trainer, res
     t0 = time.perf_counter()
     if old is not None:
-        release(old)
+        release(old, collect_later=release_a_later)
     timings["release_a"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if res.objs is None:

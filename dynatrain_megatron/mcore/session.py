@@ -100,9 +100,12 @@ def freeze_long_lived_objects() -> None:
     _FROZEN["done"] = True
 
 
-def release(objs: TrainingObjects, broken: bool = False) -> None:
+def release(objs: TrainingObjects, broken: bool = False, collect_later: bool = False) -> None:
     """Drop a layout's objects, free their memory now, and destroy their process groups
     (`broken`: a rank died and the groups may be unusable; see ParallelGroups.destroy).
+    `collect_later`: the collection that frees the memory runs in a background thread
+    (right after a switch, where the devices hold both layouts anyway: it is then not
+    part of the stall).
 
     megatron's objects reference each other in cycles (the TransformerConfig holds bound
     methods of the DDP wrappers, which hold the config), so dropping references is not
@@ -121,12 +124,23 @@ def release(objs: TrainingObjects, broken: bool = False) -> None:
     objs.optimizer = None
     objs.scheduler = None
     _clear_module_caches()
-    gc.collect()
-    process_env.release_free_memory()  # what the allocator kept of it (see there)
+    if collect_later and not broken:
+        threading.Thread(target=_collect, name="dynatrain-release", daemon=True).start()
+    else:
+        _collect()
     if broken:
         handles.clear()  # after a death: the sockets close now, on this thread
     else:
         drop_in_background(handles)
+
+
+def _collect() -> None:
+    """Free what a released layout held: its reference cycles, and what the allocator
+    kept of their memory (process_env.release_free_memory)."""
+    import gc
+
+    gc.collect()
+    process_env.release_free_memory()
 
 
 def drop_in_background(holder: list) -> threading.Thread:

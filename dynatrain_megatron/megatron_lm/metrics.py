@@ -6,7 +6,9 @@ metrics: every switch's stall, pause, transfer, bytes and placement at its itera
 the layout's axes at every step (one scalar series per axis, `dynatrain/layout/tp`, ...).
 It also restarts Megatron-LM's iteration timer on a standby rank when the switch that
 brings it back starts: the iteration line printed by that rank (Megatron-LM prints on its
-world's last rank) then counts the switch and B's first step, not the time it stood by.
+world's last rank) then counts the switch and B's first step, not the time it stood by;
+and it times B's first and steady steps on that timer, which stops for evaluation and
+checkpoint saves, as Megatron-LM's own iteration time does.
 """
 from __future__ import annotations
 
@@ -57,12 +59,24 @@ def restart_iteration_timer() -> None:
         timers("interval-time").elapsed(reset=True, barrier=False)
 
 
+def training_clock() -> float:
+    """Seconds Megatron-LM's `interval-time` timer has run so far: its iteration clock,
+    stopped during evaluation and checkpoint saves (folds the running segment in, which
+    leaves the iteration time it will print unchanged)."""
+    from megatron.training import get_timers
+
+    timer = get_timers()("interval-time")
+    timer.elapsed(reset=False, barrier=False)
+    return timer.active_time()
+
+
 def attach(hook: Any) -> None:
-    """Give `hook` (loop.hook.DynatrainHook) Megatron-LM's writers and timer."""
+    """Give `hook` (loop.hook.DynatrainHook) Megatron-LM's writers and timers."""
     writers = megatron_writers()
     if writers is not None:
         hook.report.sinks.append(writers)
     hook.on_return_from_standby.append(restart_iteration_timer)
+    hook.step_clock = training_clock
 
 
 __all__ = ["MegatronWriters", "attach", "megatron_writers", "restart_iteration_timer"]
