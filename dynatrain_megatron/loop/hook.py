@@ -30,13 +30,15 @@ from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from ..mcore.builders import MegatronBuilder, TrainingObjects, bucket_size_of, validator_options
+from ..mcore.session import collect_released
 from .logs import configure as configure_logging
 from .memory_check import SwitchMemoryCheck, release_grad_buffers, restore_grad_buffers
 from .memory_check import from_args as memory_check_from_args
 from .auto_layout import LayoutAdvisor
 from .stall import StallMeter, stall_parts
-from .switch_log import SwitchLog, SwitchRecord, layout_scalars, share_and_report, summary
-from .switching import WorldBroken, prepared_switch_args, start_preparation, switch_trainer
+from .switch_log import (SwitchLog, SwitchRecord, landing_note, layout_scalars, share_and_report,
+                         summary)
+from .switching import is_dead_peer, prepared_switch_args, start_preparation, switch_trainer
 from ..mcore.train_config import TrainConfig
 from ..mcore.training import Trainer
 
@@ -93,21 +95,19 @@ class DynatrainHook:
         if advisor is not None:
             controller.advise = advisor.advise
             controller.auto_layout = auto_layout
-        # the stall (loop/stall.py): parts timed at the current step boundary before a
-        # switch starts, the switch being measured through B's first steps, and the
-        # finished ones (every rank's breakdown, gathered)
+        # the stall (loop/stall.py): this boundary's parts before a switch starts, the
+        # switch measured through B's first steps, the finished ones (all ranks')
         self.report = SwitchLog(log_dir)
         self._laps: dict[str, float] = {}
-        self._entered = time.perf_counter()
-        self._entered_wall = time.time()
+        self._entered, self._entered_wall = time.perf_counter(), time.time()
         self._meter: Optional[StallMeter] = None
-        self._measured: Optional[tuple[SwitchRecord, Optional[object]]] = None
+        self._measured: Optional[tuple[SwitchRecord, dict]] = None
         self.stalls: list[dict] = []
-        # called on a standby rank when the switch that brings it back starts (a host loop
-        # restarts its iteration timer there: the standby time is no step of the job)
+        self._collect_pending = False  # A's memory is to be collected (_finish_stall)
+        # a host loop's: called on a standby rank when the switch that brings it back
+        # starts (its iteration timer restarts), and its training clock, which stops for
+        # evaluation and checkpoint saves (B's first and steady steps are timed on it)
         self.on_return_from_standby: list[Callable[[], None]] = []
-        # the host's training clock, which stops for evaluation and checkpoint saves (they
-        # are no part of a step): B's first and steady steps are timed on it
         self.step_clock: Callable[[], float] = time.perf_counter
 
     @classmethod
@@ -147,9 +147,9 @@ class DynatrainHook:
         """Call after every optimizer step, on every rank of the layout. Returns the
         (rebound) trainer, or None when this rank left the layout (scale-in): it is then on
         standby and calls `standby()`."""
-        self._boundary()
         if self._meter is not None and self._meter.step():
             self._finish_stall(trainer)  # collective over B's ranks, at the same step
+        self._boundary()
         try:
             return self._after_step(trainer)
         finally:
@@ -158,8 +158,7 @@ class DynatrainHook:
 
     def _boundary(self) -> None:
         """A step boundary starts: the end of the last step, for the stall's window."""
-        self._entered, self._entered_wall = time.perf_counter(), time.time()
-        self._laps = {}
+        self._entered, self._entered_wall, self._laps = time.perf_counter(), time.time(), {}
 
     def _lap(self, name: str, since: float) -> float:
         """Add the time since `since` to this boundary's part `name`; returns now."""
@@ -188,8 +187,8 @@ class DynatrainHook:
 
     @property
     def switch_meter(self) -> Optional[StallMeter]:
-        """The stall meter of the switch this step boundary made (None otherwise): a host
-        loop adds its own parts (`add`) and calls `resume()` before B's first step."""
+        """The meter of the switch just made (else None): a host loop adds its parts to it
+        and calls `resume()` before B's first step."""
         return self._meter if self._meter is not None and not self._meter.steps else None
 
     def _switch_when_due(self, trainer: Trainer) -> Optional[Trainer]:
@@ -233,8 +232,7 @@ class DynatrainHook:
                     return trainer
 
     def _switch_from_standby(self) -> Optional[Trainer]:
-        """The switch starts now on this standby rank (every rank agreed on it just now):
-        its window starts here, and the host's timers are told."""
+        """The switch starts now on this standby rank: so does its window (and host timer)."""
         self._boundary()
         for callback in self.on_return_from_standby:
             callback()
@@ -313,14 +311,15 @@ class DynatrainHook:
                         reason: str) -> None:
         """A request's outcome other than a measured switch, in `switches.jsonl` (rank 0)."""
         if dist.get_rank() == 0:
-            self.report.record(outcome, dict(iteration=iteration, src=str(self.layout),
-                                             dst=d.target, world=d.world, source=d.source,
-                                             request=self.controller.last_request,
-                                             reason=reason))
+            self.report.record(outcome, dict(
+                iteration=iteration, src=str(self.layout), dst=d.target, world=d.world,
+                source=d.source, request=self.controller.last_request, reason=reason))
 
     def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
         if self._measured is not None:  # the last switch's stall, before this one starts
+            t0 = time.perf_counter()
             self._finish_stall(trainer)
+            self._lap("controller", t0)
         src, src_placement = self.layout, self.layout_placement
         decision = self.decision
         # A's objects whose gradient buffers this switch frees (restored if it rolls back)
@@ -334,8 +333,7 @@ class DynatrainHook:
                 release_grad_buffers(released)  # room for B (the memory plan's degraded mode)
             t1 = time.perf_counter()
             kw = dict(new_groups=build_groups(dst, dst_placement))  # B built in the pause too
-            groups_s = time.perf_counter() - t1
-            self._lap("groups", t1)
+            groups_s = self._lap("groups", t1) - t1
         else:
             dst, dst_placement = self.devices.target
             kw, error = {}, None
@@ -354,14 +352,16 @@ class DynatrainHook:
             groups_s = self.devices.build_seconds
             t0 = time.perf_counter()
         timings: dict[str, float] = {}
+        # A's memory is collected once B's first steps are measured, unless the memory plan
+        # needs it back at once (B built in the pause, or A's grads released for it)
+        defer = released is None and "groups" not in self._laps and trainer is not None
         try:
             trainer, res = switch_trainer(trainer, self.builder, src, src_placement,
                                           dst, dst_devices=dst_placement.devices,
                                           ranks_per_node=self.ranks_per_node,
                                           memory_budget=self.memory_budget,
                                           timeout=self.timeout, timings=timings,
-                                          release_a_later=released is None and "groups"
-                                          not in self._laps, **kw)
+                                          release_a_later=defer, **kw)
         except Exception:
             if released is not None:
                 restore_grad_buffers(released)
@@ -378,6 +378,7 @@ class DynatrainHook:
             log.error("switch rolled back; training continues at %s", src)
             return trainer
         self.layout, self.layout_placement = dst, res.placement
+        self._collect_pending = self._collect_pending or (defer and trainer is not None)
         pause = time.perf_counter() - t0
         t1 = time.perf_counter()
         request = self.controller.last_request if decision is not None else None
@@ -389,6 +390,8 @@ class DynatrainHook:
         if trainer is None:
             log.info("switched %s -> %s: this rank is not in the new layout; on standby",
                      src, dst)
+            if defer:  # on standby: nothing to measure first
+                collect_released()
             return None
         r = res.report
         phases = {k: round(v, 4) for k, v in r.phases.items()}
@@ -403,11 +406,8 @@ class DynatrainHook:
                            source=decision.source if decision else "signal",
                            reason=decision.note if decision else "")
         self.history.append(rec)
-        at = decision.at if decision is not None else None
-        waited, self._waited_s = self._waited_s, 0.0
-        when = "" if at is None else (
-            f" as scheduled (waited {waited:.3f} s for B)" if trainer.iteration == at else
-            f", {trainer.iteration - at} iteration(s) late (scheduled after iteration {at})")
+        when, self._waited_s = landing_note(decision.at if decision else None,
+                                            trainer.iteration, self._waited_s), 0.0
         self._meter = StallMeter(trainer.iteration, dist.get_rank(), str(src), str(dst),
                                  started=self._entered, wall_start=self._entered_wall,
                                  clock=self.step_clock)
@@ -422,9 +422,15 @@ class DynatrainHook:
         on): shared over B's ranks, logged and recorded (`switch_log.share_and_report`)."""
         meter, measured = self._meter, self._measured
         self._meter = self._measured = None
-        if meter is not None and measured is not None:
-            self.stalls.append(share_and_report(self.report, measured[0], measured[1],
-                                                meter.finish()))
+        if meter is None or measured is None:
+            return
+        mine = meter.finish()
+        t0 = time.perf_counter()
+        if self._collect_pending:  # A's memory, left until B's first steps were measured
+            self._collect_pending = False
+            collect_released()
+        measured[1]["release_a_deferred_s"] = time.perf_counter() - t0
+        self.stalls.append(share_and_report(self.report, measured[0], measured[1], mine))
 
     def _admit(self, trainer: Optional[Trainer], d: Decision) -> Optional[Trainer]:
         """Grow the world with the joiners accepted at this poll (every process calls it
@@ -524,15 +530,8 @@ class DynatrainHook:
         """Whether `error` looks like a dead peer and this job can recover from it: a
         rendezvous directory is set, the recovery budget is not spent, and the error is
         a failed communication (never a bug of ours or of the model, which would repeat)."""
-        if not self.rendezvous_dir or len(self.recoveries) >= self.max_recoveries:
-            return False
-        if isinstance(error, WorldBroken) or isinstance(error, getattr(dist, "DistError", ())):
-            return True
-        text = str(error)
-        return isinstance(error, RuntimeError) and any(
-            m in text for m in ("Connection closed by peer", "Connection reset by peer",
-                                "Broken pipe", "NCCL communicator was aborted",
-                                "NCCL error", "Timed out"))
+        return (bool(self.rendezvous_dir) and len(self.recoveries) < self.max_recoveries
+                and is_dead_peer(error))
 
     def recover(self, trainer: Optional[Trainer], error: str) -> tuple[str, Optional[Trainer]]:
         """Every survivor calls this after a failed communication (see `can_recover`).

@@ -25,7 +25,7 @@ from ..vps.errors import DynatrainError
 
 # every part a stall can have, in the order the switch runs them
 PART_NAMES = (
-    "controller",      # the poll's broadcast and filing the request's outcome
+    "controller",      # the poll's broadcast, filing the outcome, the last switch's report
     "memory_check",    # a switch whose memory plan runs at the decision step
     "wait_for_b",      # a scheduled switch waiting for B's background preparation (one vote)
     "placement",       # choosing B's placement (background unless B is built in the pause)

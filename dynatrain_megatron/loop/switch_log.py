@@ -52,6 +52,15 @@ class SwitchRecord:
 
 
 
+def landing_note(at: Optional[int], iteration: int, waited: float) -> str:
+    """How a switch landed against its schedule (`at`: the iteration it was due after)."""
+    if at is None:
+        return ""
+    if iteration == at:
+        return f" as scheduled (waited {waited:.3f} s for B)"
+    return f", {iteration - at} iteration(s) late (scheduled after iteration {at})"
+
+
 def wall_clock(epoch: Optional[float] = None) -> dict:
     """A record's timestamps: epoch seconds and the same instant in UTC, ISO 8601."""
     t = time.time() if epoch is None else epoch
@@ -130,7 +139,8 @@ def share_and_report(report: SwitchLog, rec: SwitchRecord, extra: dict,
     every rank's figures."""
     groups = extra["groups"]
     group = getattr(groups, "layout_group_cpu", None) or getattr(groups, "layout_group", None)
-    me = dict(b=mine, pause_s=rec.pause_s, transfer_s=extra["transfer_s"])
+    me = dict(b=mine, pause_s=rec.pause_s, transfer_s=extra["transfer_s"],
+              deferred_s=extra.get("release_a_deferred_s", 0.0))
     if group is None:
         everyone = [me]
     else:
@@ -142,7 +152,9 @@ def share_and_report(report: SwitchLog, rec: SwitchRecord, extra: dict,
         dict(rank=e["b"].rank, stall_s=round(e["b"].stall_s, 6),
              pause_s=round(e["pause_s"], 6), transfer_s=round(e["transfer_s"], 6),
              parts={n: round(v, 6) for n, v in e["b"].parts},
-             unaccounted_s=round(e["b"].unaccounted_s, 6)) for e in everyone])
+             unaccounted_s=round(e["b"].unaccounted_s, 6),
+             # A's memory collected after B's first steps were measured (not in the stall)
+             release_a_deferred_s=round(e["deferred_s"], 6)) for e in everyone])
     r = rec
     if dist.get_rank() == 0:
         first = ("first step at B not measured" if worst.first_step_s is None

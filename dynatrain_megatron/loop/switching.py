@@ -5,6 +5,7 @@ import logging
 import time
 from typing import Any, Callable, Optional, Sequence
 
+import torch.distributed as dist
 
 from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import ParallelGroups, build_groups, install
@@ -36,8 +37,8 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
 
     `timings`, when given, gets the seconds of what this adds around the switch itself:
     "scalars" (reading them), "release_a" (A's objects and groups freed), "rebind".
-    `release_a_later`: A's memory is collected in a background thread (where A and B fit
-    on the devices together), out of the stall; its groups are destroyed at once.
+    `release_a_later`: A's objects and groups are released, but the collection that frees
+    their memory is left to the caller (`mcore.session.collect_released`).
 
     Returns the trainer rebound to layout B (None on a rank that is not part of B) and the
     switch result; A's objects and process groups are released. If the switch aborted
@@ -104,6 +105,18 @@ class WorldBroken(DynatrainError):
     """A collective of the switch itself failed: a rank died (or its link did). The
     trainer is still at A, untouched, but A's communicators may be broken: the caller
     recovers (`loop.death_recovery.recover_after_death`) instead of training on."""
+
+
+def is_dead_peer(error: BaseException) -> bool:
+    """Whether `error` is a failed communication (a peer died, or its link), never a bug of
+    ours or of the model, which would repeat."""
+    if isinstance(error, WorldBroken) or isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        m in text for m in ("Connection closed by peer", "Connection reset by peer",
+                            "Broken pipe", "NCCL communicator was aborted", "NCCL error",
+                            "Timed out"))
 
 
 class _RngSnapshot:

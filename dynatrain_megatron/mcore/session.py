@@ -103,9 +103,11 @@ def freeze_long_lived_objects() -> None:
 def release(objs: TrainingObjects, broken: bool = False, collect_later: bool = False) -> None:
     """Drop a layout's objects, free their memory now, and destroy their process groups
     (`broken`: a rank died and the groups may be unusable; see ParallelGroups.destroy).
-    `collect_later`: the collection that frees the memory runs in a background thread
-    (right after a switch, where the devices hold both layouts anyway: it is then not
-    part of the stall).
+    `collect_later`: the caller runs the collection that frees the memory itself, later
+    (`collect_released`): a full collection holds the interpreter lock for its whole
+    length, so a thread would not take it out of the training thread's way; after a
+    switch it can wait until B's first steps are measured (the devices held both layouts
+    during the switch anyway).
 
     megatron's objects reference each other in cycles (the TransformerConfig holds bound
     methods of the DDP wrappers, which hold the config), so dropping references is not
@@ -124,17 +126,15 @@ def release(objs: TrainingObjects, broken: bool = False, collect_later: bool = F
     objs.optimizer = None
     objs.scheduler = None
     _clear_module_caches()
-    if collect_later and not broken:
-        threading.Thread(target=_collect, name="dynatrain-release", daemon=True).start()
-    else:
-        _collect()
+    if not collect_later or broken:
+        collect_released()
     if broken:
         handles.clear()  # after a death: the sockets close now, on this thread
     else:
         drop_in_background(handles)
 
 
-def _collect() -> None:
+def collect_released() -> None:
     """Free what a released layout held: its reference cycles, and what the allocator
     kept of their memory (process_env.release_free_memory)."""
     import gc
