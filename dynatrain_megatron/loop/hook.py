@@ -98,8 +98,7 @@ class DynatrainHook:
         # the stall (loop/stall.py): this boundary's parts before a switch starts, the
         # switch measured through B's first steps, the finished ones (all ranks')
         self.report = SwitchLog(log_dir)
-        self._laps: dict[str, float] = {}
-        self._entered, self._entered_wall = time.perf_counter(), time.time()
+        self._boundary()  # _entered, _entered_wall, _laps
         self._meter: Optional[StallMeter] = None
         self._measured: Optional[tuple[SwitchRecord, dict]] = None
         self.stalls: list[dict] = []
@@ -158,7 +157,8 @@ class DynatrainHook:
 
     def _boundary(self) -> None:
         """A step boundary starts: the end of the last step, for the stall's window."""
-        self._entered, self._entered_wall, self._laps = time.perf_counter(), time.time(), {}
+        self._entered, self._entered_wall = time.perf_counter(), time.time()
+        self._laps: dict[str, float] = {}
 
     def _lap(self, name: str, since: float) -> float:
         """Add the time since `since` to this boundary's part `name`; returns now."""
@@ -352,8 +352,7 @@ class DynatrainHook:
             groups_s = self.devices.build_seconds
             t0 = time.perf_counter()
         timings: dict[str, float] = {}
-        # A's memory is collected once B's first steps are measured, unless the memory plan
-        # needs it back at once (B built in the pause, or A's grads released for it)
+        # A's memory is collected after B's first steps unless the memory plan needs it now
         defer = released is None and "groups" not in self._laps and trainer is not None
         try:
             trainer, res = switch_trainer(trainer, self.builder, src, src_placement,
