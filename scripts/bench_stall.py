@@ -14,6 +14,10 @@ Printed, each from its own source:
 and the goals' ratios: stall <= 1.25x the slowest pause, pause <= 2x its transfer, stall at
 least 50x smaller than the restart's.
 
+The mock data gets a `--data-cache-path` (every job of the run shares it), as real data has
+its indices cached beside it: without one Megatron-LM rebuilds the mock indices of ~2M
+samples per split at every data-iterator build, seconds on a CPU.
+
     python scripts/bench_stall.py [--work DIR] [--iters N] [--switch-after K]
 """
 from __future__ import annotations
@@ -73,9 +77,10 @@ def main() -> int:
     from dynatrain_megatron.megatron_lm.patch_tool import patch_checkout
 
     patch_checkout(tree)
-    for d in ("saved", "logs"):
+    for d in ("saved", "logs", "data-cache"):
         shutil.rmtree(work / d, ignore_errors=True)
-    common = CPU_FLAGS + MODEL + ["--train-iters", str(n)]
+    common = CPU_FLAGS + MODEL + ["--train-iters", str(n),
+                                  "--data-cache-path", str(work / "data-cache")]
     a, b = layout_flags(2, 2), layout_flags(1, 2)
     sched = work / "schedule.yaml"
     sched.write_text(f"- {{iteration: {k}, layout: tp1pp2dp2}}\n")

@@ -157,8 +157,7 @@ class DynatrainHook:
 
     def _boundary(self) -> None:
         """A step boundary starts: the end of the last step, for the stall's window."""
-        self._entered, self._entered_wall = time.perf_counter(), time.time()
-        self._laps: dict[str, float] = {}
+        self._entered, self._entered_wall, self._laps = time.perf_counter(), time.time(), {}
 
     def _lap(self, name: str, since: float) -> float:
         """Add the time since `since` to this boundary's part `name`; returns now."""
@@ -303,9 +302,9 @@ class DynatrainHook:
 
     def _choose_placement(self, dst: Layout) -> Placement:
         """B's placement from the current layout (pure: every rank alone gets the same)."""
-        return choose_dst_placement(self.spec, self.builder, self.layout,
-                                    self.layout_placement, dst, tuple(range(dst.world_size)),
-                                    self.placement, self.ranks_per_node)
+        return choose_dst_placement(self.spec, self.builder, self.layout, self.layout_placement,
+                                    dst, tuple(range(dst.world_size)), self.placement,
+                                    self.ranks_per_node)
 
     def _record_outcome(self, outcome: str, d: Decision, iteration: Optional[int],
                         reason: str) -> None:
@@ -318,8 +317,8 @@ class DynatrainHook:
     def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
         if self._measured is not None:  # the last switch's stall, before this one starts
             t0 = time.perf_counter()
-            self._finish_stall(trainer)
-            self._lap("controller", t0)
+            self._laps["release_a"] = self._finish_stall(trainer)  # A's deferred collection
+            self._lap("controller", t0 + self._laps["release_a"])
         src, src_placement = self.layout, self.layout_placement
         decision = self.decision
         # A's objects whose gradient buffers this switch frees (restored if it rolls back)
@@ -380,7 +379,6 @@ class DynatrainHook:
         self._collect_pending = self._collect_pending or (defer and trainer is not None)
         pause = time.perf_counter() - t0
         t1 = time.perf_counter()
-        request = self.controller.last_request if decision is not None else None
         if decision is not None:
             self.controller.done(decision, "applied",
                                  f"switched at iteration {trainer.iteration}"
@@ -412,24 +410,26 @@ class DynatrainHook:
                                  clock=self.step_clock)
         self._meter.add_all(self._laps, stall_parts(r.phases, timings))
         self._meter.resume()
-        self._measured = (rec, dict(when=when, request=request, transfer_s=r.phases.get(
-            "transfer", 0.0), groups=trainer.objs.groups, dst=dst))
+        self._measured = (rec, dict(when=when, request=self.controller.last_request if decision
+                                    else None, transfer_s=r.phases.get("transfer", 0.0),
+                                    groups=trainer.objs.groups, dst=dst))
         return trainer
 
-    def _finish_stall(self, trainer: Optional[Trainer]) -> None:
-        """The last switch's stall is known (B's first and steady steps, or the job moves
-        on): shared over B's ranks, logged and recorded (`switch_log.share_and_report`)."""
+    def _finish_stall(self, trainer: Optional[Trainer]) -> float:
+        """The last switch's stall is known (or the job moves on): shared over B's ranks,
+        reported (`switch_log.share_and_report`); returns A's deferred collection's s."""
         meter, measured = self._meter, self._measured
         self._meter = self._measured = None
         if meter is None or measured is None:
-            return
+            return 0.0
         mine = meter.finish()
         t0 = time.perf_counter()
         if self._collect_pending:  # A's memory, left until B's first steps were measured
             self._collect_pending = False
             collect_released()
-        measured[1]["release_a_deferred_s"] = time.perf_counter() - t0
+        deferred = measured[1]["release_a_deferred_s"] = time.perf_counter() - t0
         self.stalls.append(share_and_report(self.report, measured[0], measured[1], mine))
+        return deferred
 
     def _admit(self, trainer: Optional[Trainer], d: Decision) -> Optional[Trainer]:
         """Grow the world with the joiners accepted at this poll (every process calls it

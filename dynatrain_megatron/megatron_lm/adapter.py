@@ -374,13 +374,14 @@ class MegatronLMSession:
         t1 = time.perf_counter()
         with stand_in_world.stand_in(_stand_in_world(o, dist.get_world_size())):
             train_it, valid_it, test_it = _rebuild_data_iterators(self.args, len(o.model))
-        meter = self.hook.switch_meter  # the stall's parts (loop/stall.py)
-        if meter is not None:
-            meter.add_all({"rebind": t1 - t0, "data_iterators": time.perf_counter() - t1})
+        # the last iterators are dropped here: their worker processes end
         self.test_data_iterator = test_it
         self.latest = LoopObjects(o.model, o.optimizer, o.scheduler, train_it, valid_it,
                                   o.config, test_it, changed=True, iteration=t.iteration,
                                   flops=flops)
+        meter = self.hook.switch_meter  # the stall's parts (loop/stall.py)
+        if meter is not None:
+            meter.add_all({"rebind": t1 - t0, "data_iterators": time.perf_counter() - t1})
         return self.latest
 
     def set_args_for(self, layout: Layout) -> None:
