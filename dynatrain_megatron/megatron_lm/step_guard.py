@@ -84,7 +84,10 @@ class StepGuard:
             self._wrap_p2p()
 
     def reset_after_failed_step(self) -> None:
-        """After a failure inside a step, before the loop runs the next one (module doc)."""
+        """After a failure inside a step, before the loop runs the next one (module doc).
+        Lets go of the broken layout's group: a gloo group's sockets close only with its
+        last reference, and a survivor blocked on this rank learns of the death then."""
+        self._group = None
         if self._rerun is not None:
             _rerun_restore(*self._rerun)
         _reset_timers_except(self._running_timers)
