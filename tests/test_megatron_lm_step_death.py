@@ -81,9 +81,13 @@ def test_survivors_recover_in_memory_from_the_last_boundary(killed):
     exits = dict(re.findall(r"\[launch\] worker (\d) exited with (-?\d+) after", text))
     assert exits == {str(r): "1" if r == killed["dead"] else "0" for r in range(4)}
     assert f"fault injection: rank {killed['dead']} dies in phase {killed['phase']}" in text
-    rosters = re.findall(r"world re-formed \(generation 1\): survivors (\[[0-9, ]*\])", text)
-    alive = str([r for r in range(4) if r != killed["dead"]])
-    assert rosters == [alive] * 3
+    # one roster for all; a survivor that noticed the death only after the others' grace
+    # period (rejoin.reform_world) is left out of it and ends with status 0
+    rosters = set(re.findall(r"world re-formed \(generation 1\): survivors \[([0-9, ]*)\]",
+                             text))
+    assert len(rosters) == 1
+    roster = [int(r) for r in rosters.pop().split(",")]
+    assert killed["dead"] not in roster and len(roster) >= 2
     assert "recovered in memory: tp1pp2doi2dp2 -> tp1pp2dp1 on 2 ranks" in text
     assert "loaded Megatron-LM's checkpoint" not in text  # nothing read from disk
     assert "UnboundLocalError" not in text and "Traceback" not in text
