@@ -35,7 +35,8 @@ iteration k (the survivors go on from k): "forward" before its first micro-batch
 forward, "backward" in its first backward, "pp_send" when it issues its first pipeline
 send (megatron-core's batched p2p), "grad_sync" as the data-parallel gradient reduction
 starts (`finalize_model_grads`), "optimizer" as the optimizer step starts (before the
-vote), "optimizer_update" after the vote, as the update starts.
+vote), "optimizer_update" after the vote, as the update starts. The plan injects one
+failure: the survivors, renumbered, drop it.
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ class StepGuard:
         Lets go of the broken layout's group: a gloo group's sockets close only with its
         last reference, and a survivor blocked on this rank learns of the death then."""
         self._group = None
+        self.faults = None  # a fault plan injects one failure: ranks renumber after it
         if self._rerun is not None:
             _rerun_restore(*self._rerun)
         _reset_timers_except(self._running_timers)
