@@ -255,9 +255,10 @@ def chunk_param_specs(spec: ModelSpec, layout: Layout, pp_rank: int,
         if s.qk_layernorm:
             b.norm(lp + "self_attention.q_layernorm", kp + "self_attention.q_layernorm", d)
             b.norm(lp + "self_attention.k_layernorm", kp + "self_attention.k_layernorm", d)
-        if not te or s.is_moe:  # TE fuses it into a dense MLP's fc1; MoE keeps a TENorm
+        moe = s.is_moe_layer(L)  # an MoE model may have dense layers (moe_layer_pattern)
+        if not te or moe:  # TE fuses it into a dense MLP's fc1; MoE keeps a TENorm
             b.norm(lp + "pre_mlp_layernorm", kp + "pre_mlp_layernorm", h)
-        if s.is_moe:
+        if moe:
             E = s.num_moe_experts
             b.add(lp + "mlp.router.weight", kp + "mlp.router.weight", (E, h), "rep")
             if s.add_bias_linear:
