@@ -231,7 +231,9 @@ def test_options_carried_by_megatron_lm_building_b_are_accepted():
                  dict(transformer_impl="transformer_engine"), dict(quick_geglu=True),
                  dict(fp16_lm_cross_entropy=True), dict(calculate_per_token_loss=True),
                  dict(num_experts=8, moe_aux_loss_coeff=[1e-2, 1e-3]),
-                 dict(num_experts=8, moe_layer_freq=[0, 1, 1, 1])):
+                 dict(num_experts=8, moe_layer_freq=[0, 1, 1, 1]),
+                 dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16,
+                      qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)):
         assert mlm.unsupported_args(megatron_args(**over)) == [], over
 
 
@@ -242,7 +244,9 @@ def test_options_carried_by_megatron_lm_building_b_are_accepted():
     (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
     (dict(optimizer="sgd"), "--optimizer sgd"),
     (dict(use_tp_pp_dp_mapping=True), "--use-tp-pp-dp-mapping"),
-    (dict(multi_latent_attention=True), "--multi-latent-attention"),
+    (dict(multi_latent_attention=True, transformer_impl="transformer_engine"),
+     "--multi-latent-attention with --transformer-impl transformer_engine"),
+    (dict(mtp_num_layers=1), "--mtp-num-layers"),
     (dict(fp8="hybrid"), "--fp8-format"),
     (dict(use_legacy_models=True), "--use-legacy-models"),
 ])
@@ -369,8 +373,8 @@ def test_unswitchable_job_is_refused_before_its_first_step():
     # the patched pretrain() registers its dataset provider before train(): the refusal
     # comes there, naming the flag, and nothing is registered
     mlm.reset_session()
-    with pytest.raises(DynatrainError, match="--multi-latent-attention"):
-        mlm.register_dataset_provider(lambda *a: None, megatron_args(multi_latent_attention=True))
+    with pytest.raises(DynatrainError, match="--mtp-num-layers"):
+        mlm.register_dataset_provider(lambda *a: None, megatron_args(mtp_num_layers=1))
     assert mlm._DATASET_PROVIDER is None
     mlm.register_dataset_provider(print, megatron_args())
     assert mlm._DATASET_PROVIDER is print
@@ -471,3 +475,10 @@ def test_rank_0_logs_the_layout_once_it_is_not_the_launch_one(monkeypatch, caplo
     assert [r.getMessage() for r in caplog.records] == [
         "dynatrain: iteration 6 done at tp1pp2dp2",
         "dynatrain: iteration 8 done at tp1pp2dp1 on 2 of 4 ranks (the others on standby)"]
+
+
+def test_docs_recipes_table_is_the_generated_one():
+    from dynatrain_megatron.megatron_lm.support import support_markdown
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
+    assert doc.endswith(support_markdown())

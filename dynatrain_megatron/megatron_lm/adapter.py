@@ -14,15 +14,13 @@ What this can do, and what it cannot (the honest part):
   Megatron-LM's groups are the ones our `Layout` computes and that the live state agrees,
   fragment for fragment, with the analytic layout (the same check the switch does). A job
   whose state we would misread is refused at that point, before anything moves.
-* The *new* layout's objects are built by our `MegatronBuilder` (megatron-core's `GPTModel`
-  with the layer spec Megatron-LM picks for the accepted options) with Megatron-LM's own
-  `TransformerConfig` for B (`transformer_config.py`), so recompute, fusions, dropout and
-  sequence parallelism carry over. Not Megatron-LM's `gpt_builder` itself: for MoE it reads
-  the pipeline rank from `parallel_state`, which is A's while B is built in the background.
-  Only jobs whose parameter shapes and schedule our builder models are accepted:
-  `unsupported_args` lists every option that would change them (grouped GEMM, MLA, MTP, a
-  custom spec, FSDP, batch-size ramp-up, ...), and the session refuses to start if any is
-  set. `--tp-comm-overlap` is off after a switch, with a warning.
+* The *new* layout's objects are built by Megatron-LM itself (`builder.MegatronLMBuilder`):
+  the script's model provider through `get_model`, its optimizer and scheduler set-up, on a
+  copy of the job's args set to B, in the background thread's own view of megatron-core's
+  `parallel_state`; so every option of the job carries over as a restart at B would carry
+  it. What the switch cannot carry is refused when the command line is parsed
+  (`support.unsupported_args`, each with its reason). `--tp-comm-overlap` is off after a
+  switch, with a warning.
 * After a switch, Megatron-LM's `args` are updated to the new layout, the micro-batch
   calculator is reconfigured, and the data iterators are rebuilt with Megatron-LM's own
   `build_train_valid_test_data_iterators` at `args.consumed_train_samples`, so the sample

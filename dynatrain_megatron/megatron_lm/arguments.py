@@ -150,6 +150,10 @@ def spec_from_megatron_args(args: Any, vocab_size: Optional[int] = None,
         attention_softmax_in_fp32=bool(arg_value(args, "attention_softmax_in_fp32", False)
                                        or arg_value(args, "apply_query_key_layer_scaling", False)),
     )
+    if arg_value(args, "multi_latent_attention", False):
+        kw.update(multi_latent_attention=True, q_lora_rank=arg_value(args, "q_lora_rank"),
+                  **{k: arg_value(args, k) for k in ("kv_lora_rank", "qk_head_dim",
+                                                     "qk_pos_emb_head_dim", "v_head_dim")})
     experts = arg_value(args, "num_experts")
     if experts:
         kw.update(

@@ -64,8 +64,9 @@ def _without_distributed_optimizer(a: Any) -> list[str]:
 
 def _layer_pattern(a: Any) -> list[str]:
     out = []
-    if _set(_v(a, "multi_latent_attention")):
-        out.append("--multi-latent-attention")
+    if (_set(_v(a, "multi_latent_attention"))
+            and _v(a, "transformer_impl", "transformer_engine") == "transformer_engine"):
+        out.append("--multi-latent-attention with --transformer-impl transformer_engine")
     if _set(_v(a, "mtp_num_layers")):
         out.append("--mtp-num-layers")
     if _set(_v(a, "num_experts")) and _set(_v(a, "moe_grouped_gemm")):
@@ -112,7 +113,8 @@ REFUSALS: tuple[Refusal, ...] = (
             _flags("use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp",
                    "use_layer_wise_distributed_optimizer", "optimizer_cpu_offload",
                    "use_precision_aware_optimizer")),
-    Refusal("--multi-latent-attention, --mtp-num-layers, --moe-grouped-gemm, --spec, "
+    Refusal("--mtp-num-layers, --moe-grouped-gemm, --multi-latent-attention with TE layers, "
+            "--spec, "
             "--heterogeneous-layers-config-path, --experimental-attention-variant, "
             "--moe-router-enable-expert-bias, --ddp-num-buckets, ...", "not_yet",
             "their parameters (or buffers, or bucket sizes) are not in the planning layout's "
@@ -159,6 +161,9 @@ SUPPORTED: tuple[tuple[str, str], ...] = (
     ("MoE: top-k routing with the aux loss, shared experts, --moe-layer-freq dense/MoE "
      "patterns, --qk-layernorm, EP and expert-TP changes",
      "tests/test_megatron_lm_recipes.py::qwen_moe"),
+    ("DeepSeek-style multi-latent attention (--multi-latent-attention with --q-lora-rank, "
+     "--kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim, --qk-layernorm), "
+     "local layers", "tests/test_megatron_lm_recipes.py::deepseek"),
     ("any option that changes no state shape (activations, dropout, fusions, recompute, "
      "attention backend, loss options, rotary variants): carried by B, built by Megatron-LM",
      "megatron_lm/builder.py"),

@@ -47,6 +47,15 @@ class ModelSpec:
     # which layers are MoE (1) and which dense (0), one entry per layer (megatron-core's
     # `moe_layer_freq` expanded); None: every layer of an MoE model is MoE
     moe_layer_pattern: Optional[tuple[int, ...]] = None
+    # multi-latent attention (megatron-core's local MLA spec) in place of linear_qkv: the
+    # query's low rank (None: a full-rank query projection), the key-value's, and the head
+    # sizes of the query-key part without / with rotary positions and of the values
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     params_dtype: str = "fp32"
     init_method_std: float = 0.02
     # built with Transformer Engine's layer spec (GPU): its fused norm+linear layers name and
