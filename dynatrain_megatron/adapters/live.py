@@ -21,6 +21,7 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
+from ..compat.parallel_state_view import view_of
 from ..vps.box import Box
 from ..vps.errors import FragmentMismatchError
 from ..vps.fragment import KINDS, OPT_KINDS
@@ -224,8 +225,11 @@ class LiveState:
             # while megatron's globals still describe A (a switch prepared in the background)
             pgc = getattr(chunk, "pg_collection", None)
             dp_cp = getattr(pgc, "dp_cp", None)
-            sd = chunk.sharded_state_dict(prefix="", metadata=None if dp_cp is None
-                                          else {"dp_cp_group": dp_cp})
+            # and in the view of megatron's parallel_state it was built in, if any (its
+            # replica ids read ranks there: B's, not A's, built by Megatron-LM in the background)
+            with view_of(chunk):
+                sd = chunk.sharded_state_dict(prefix="", metadata=None if dp_cp is None
+                                              else {"dp_cp_group": dp_cp})
             apply_factories(sd)
             for sh in nested_values(sd):
                 if not isinstance(sh, ShardedTensor) or not torch.is_tensor(sh.data):

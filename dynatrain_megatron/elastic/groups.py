@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -212,9 +212,13 @@ def forget_megatron_groups() -> None:
     ps.destroy_model_parallel()
 
 
-def install(groups: ParallelGroups) -> None:
-    """Point megatron-core's parallel_state globals at `groups` (this rank must be a member)."""
-    from megatron.core import parallel_state as ps
+def install(groups: ParallelGroups, target: Any = None) -> None:
+    """Point megatron-core's parallel_state globals at `groups` (this rank must be a member).
+    `target`: another namespace of parallel_state's to set instead (a thread's view of it,
+    `compat.parallel_state_view`)."""
+    if target is None:
+        from megatron.core import parallel_state as target
+    ps = target
 
     p, r = groups.pg_collection, groups.group_ranks
     L = groups.layout
