@@ -387,12 +387,13 @@ def _stand_in_module(name: str, source: str) -> Any:
     return mod
 
 
-def triton_stand_ins() -> list[str]:
+def triton_stand_ins(dry_run: bool = False) -> list[str]:
     """Without triton: each module of `TRITON_MODULES` that the megatron-core about to be
     imported has, and that imports triton unguarded, is replaced by a stand-in
     (`_stand_in_module`). Keyed by what the source does, not by a version: a module that
     guards its import, or that a release lacks, is left alone. triton itself is not faked,
-    so nothing else believes it is present. Returns the modules replaced."""
+    so nothing else believes it is present. Returns the modules replaced (`dry_run`: that
+    would be replaced, installing nothing)."""
     import importlib.util
     import sys
 
@@ -410,6 +411,7 @@ def triton_stand_ins() -> list[str]:
             continue
         source = path.read_text()
         if _unguarded_triton_import(source):
-            sys.modules[name] = _stand_in_module(name, source)
+            if not dry_run:
+                sys.modules[name] = _stand_in_module(name, source)
             out.append(name)
     return out

@@ -337,12 +337,16 @@ def _sha(data: bytes) -> str:
 
 
 def core_version_of(root: Path) -> Optional[str]:
-    """The version `root/megatron/core/package_info.py` states, or None."""
-    f = _read(root, "megatron/core/package_info.py")
-    if f is None:
+    """The version `root/megatron/core/package_info.py` states, or None (read to name a
+    version, never to patch: a linked megatron-core, e.g. an installed one, is fine)."""
+    info = Path(root) / "megatron" / "core" / "package_info.py"
+    try:
+        with open(info, "rb") as f:
+            data = f.read(64 * 1024)
+    except OSError:
         return None
     nums = dict(re.findall(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*['\"]?([\w.]*)['\"]?",
-                           f.data.decode("utf-8", "replace"), re.M))
+                           data.decode("utf-8", "replace"), re.M))
     if not {"MAJOR", "MINOR", "PATCH"} <= set(nums):
         return None
     return f"{nums['MAJOR']}.{nums['MINOR']}.{nums['PATCH']}{nums.get('PRE_RELEASE', '')}"
@@ -379,7 +383,7 @@ def identify(root: Path, releases: tuple[Release, ...] = RELEASES) -> PatchState
             continue
         if all(_sha(current[f].data) == h for f, h in rel.fingerprints):
             return PatchState(rel, patched=False)
-        hunks = _hunks(rel)
+        hunks = _hunks(rel) if rel.patch_path.is_file() else {}
         if all(f in hunks for f in rel.files):
             originals = {f: _apply_bytes(current[f].data, hunks[f], reverse=True)
                          for f in rel.files}
