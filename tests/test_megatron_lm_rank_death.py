@@ -26,6 +26,10 @@ from dynatrain_megatron.megatron_lm import rank_death
 from megatron_lm_runs import CPU_FLAGS, TINY_GPT, layout_flags, run_launched
 from megatron_lm_tree import copy_tree, require_snapshot
 
+# also on every older supported release (make test): the one job where a death inside
+# train_step goes through the patch's guard and the recovery's rebinding
+pytestmark = pytest.mark.every_release
+
 
 N = 6
 LINE = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*?"
