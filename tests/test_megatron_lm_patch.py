@@ -164,6 +164,23 @@ def test_a_failed_write_or_rename_leaves_the_tree_as_it_was(tree, monkeypatch):
     assert mp.patch_checkout(tree).written == FILES
 
 
+def test_a_file_size_limit_leaves_the_tree_as_it_was(tmp_path):
+    # the reproduction: `prlimit --fsize` below training.py's size
+    if shutil.which("prlimit") is None:
+        pytest.skip("prlimit is not installed")
+    tree = _small_copy(_snapshot("core_v0.16.1"), tmp_path / "t")
+    before = _bytes(tree)
+    limit = len(before["megatron/training/training.py"]) // 2
+    proc = subprocess.run(["prlimit", f"--fsize={limit}", sys.executable, "-m",
+                           "dynatrain_megatron.cli", "megatron-lm", "patch", str(tree)],
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "nothing was changed" in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1  # one line, no traceback
+    assert _bytes(tree) == before and not list(tree.rglob(".*dynatrain-*"))
+    assert main(["megatron-lm", "patch", str(tree)]) == 0  # the tool still knows the tree
+
+
 def test_a_read_only_file_is_refused_before_anything_is_written(tree):
     before = _bytes(tree)
     os.chmod(tree / "pretrain_gpt.py", 0o444)

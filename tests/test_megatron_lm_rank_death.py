@@ -65,6 +65,13 @@ def test_the_seam_hands_failures_of_train_step_to_rank_death(monkeypatch):
 
     assert loop.guard(dies)(1, iteration=5) == (None,) * 8
     assert loop.recovered == "objs" and seen == [dead, (5, "dead peer", {"ctx": 1})]
+    # a death in the very first step: the size comes from train_step's own return tuples
+    def first_dies(*a, **k):
+        if k:
+            raise dead
+        return (1, 2, 3)
+
+    assert seam.LoopSeam(SimpleNamespace(), None).guard(first_dies)(iteration=1) == (None,) * 3
     bug = ValueError("a bug")
     monkeypatch.setattr(rank_death, "failure_of", lambda e: (_ for _ in ()).throw(e))
 
