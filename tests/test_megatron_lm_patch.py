@@ -25,7 +25,6 @@ FILES = ("megatron/training/training.py", "pretrain_gpt.py")
 INFO = "megatron/core/package_info.py"
 RELEASES = [r.name for r in mp.RELEASES]
 
-pytestmark = pytest.mark.every_release
 
 
 def _snapshot(name: str) -> Path:
