@@ -14,7 +14,7 @@ from dynatrain_megatron.megatron_lm import arguments as mla
 from dynatrain_megatron.vps.errors import DynatrainError
 from dynatrain_megatron.vps.layout import Layout
 
-PATCH = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm-core_v0.16.1" / "dynatrain.patch"
+PATCHES = sorted((Path(__file__).resolve().parents[1] / "patches").glob("megatron-lm-*/dynatrain.patch"))
 
 
 def megatron_args(**over) -> argparse.Namespace:
@@ -348,8 +348,11 @@ def test_config_callbacks_as_megatron_lm_train_sets_them():
     assert new.no_sync_func is None and new.grad_sync_func is None and new.param_sync_func is None
 
 
-def test_patch_is_well_formed_and_calls_only_what_exists():
-    text = PATCH.read_text()
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.parent.name)
+def test_patch_is_well_formed_and_calls_only_what_exists(patch):
+    from dynatrain_megatron.megatron_lm import seam
+
+    text = patch.read_text()
     # every hunk's line counts agree with its body (a hand-edited patch would not apply)
     files = re.findall(r"^\+\+\+ b/(\S+)$", text, re.M)
     assert files == ["megatron/training/training.py", "pretrain_gpt.py"]
@@ -359,14 +362,24 @@ def test_patch_is_well_formed_and_calls_only_what_exists():
         old = sum(1 for ln in body if ln[:1] in (" ", "-", ""))
         new = sum(1 for ln in body if ln[:1] in (" ", "+", ""))
         assert (old, new) == (old_n, new_n), m.group(0)[:80]
-    called = set(re.findall(r"dynatrain_lm\.(\w+)\(", text))
-    assert called == {"register_dataset_provider", "dynatrain_step", "finish_training", "left_out"}
-    for name in called:
-        assert callable(getattr(mlm, name))
+    # thin: the patch calls only the seam (and the start-up and argument helpers)
+    added = "\n".join(ln[1:] for ln in text.splitlines() if ln.startswith("+") and
+                      not ln.startswith("+++"))
+    assert set(re.findall(r"dynatrain_seam\.(\w+)\(", added)) == {"start", "finish", "left_out"}
+    assert set(re.findall(r"dynatrain_loop\.(\w+)\(", added)) == {
+        "guard", "after_recovery", "at_step_end"}
+    assert set(re.findall(r"dynatrain_loop\.(\w+)\b(?!\()", added)) == {"recovered", "stop"}
+    for name in ("start", "finish", "left_out"):
+        assert callable(getattr(seam, name))
+    for name in ("guard", "after_recovery", "at_step_end"):
+        assert callable(getattr(seam.LoopSeam, name))
+    assert "try:" not in added and "except" not in added  # the handling is ours
     assert callable(mla.chain_extra_args_providers)  # pretrain_gpt.py imports it
-    # the fields the patch reads from dynatrain_step's result
-    fields = set(re.findall(r"\bdt\.(\w+)", text))
-    assert fields <= set(mlm.LoopObjects.__dataclass_fields__)
+    # what the loop rebinds: the seam's LoopValues, in its order, at both places
+    rebinds = re.findall(r"\(([^()]*?),\s*\)\s*=\s*dynatrain_loop\.\w+\(", added)
+    assert len(rebinds) == 2
+    for r in rebinds:
+        assert [x.strip() for x in r.split(",")] == list(seam.LoopValues._fields)
 
 
 def test_unswitchable_job_is_refused_before_its_first_step():

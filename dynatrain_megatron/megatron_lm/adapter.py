@@ -381,7 +381,7 @@ class MegatronLMSession:
     def set_args_for(self, layout: Layout) -> None:
         """Megatron-LM's `args` describe `layout` (its loop, logging, data loaders and
         checkpointing read them), with the job's sequence-parallel intent."""
-        for k, v in args_for_layout(layout, self.spec,
+        for k, v in args_for_layout(layout, self.spec, like=self.args,
                                     sequence_parallel=self.intents.sequence_parallel).items():
             setattr(self.args, k, v)
 

@@ -222,13 +222,24 @@ def layout_from_megatron_args(args: Any, spec: ModelSpec, world_size: int) -> La
     return layout
 
 
-def args_for_layout(layout: Layout, spec: ModelSpec, *,
-                    sequence_parallel: bool = False) -> dict[str, Any]:
+def args_for_layout(layout: Layout, spec: ModelSpec, *, sequence_parallel: bool = False,
+                    like: Any = None) -> dict[str, Any]:
     """Megatron-LM `args` values that describe `layout` (set after a switch, since
     Megatron-LM's loop, logging, data loaders and checkpointing read them).
 
     `sequence_parallel`: whether the job asked for it (`--sequence-parallel`); as Megatron-LM
-    validates it, it holds only with TP, and an MoE job with TP always has it."""
+    validates it, it holds only with TP, and an MoE job with TP always has it. `like`: the
+    job's args; the options its release derives from the layout are added where they exist
+    (`compat.megatron_lm.derived_layout_args`)."""
+    out = _args_for_layout(layout, spec, sequence_parallel)
+    if like is not None:
+        from ..compat.megatron_lm import derived_layout_args
+
+        out.update(derived_layout_args(like, out))
+    return out
+
+
+def _args_for_layout(layout: Layout, spec: ModelSpec, sequence_parallel: bool) -> dict[str, Any]:
     vpp = layout.vpp if layout.vpp > 1 else None
     per_vstage = None
     if vpp and not (layout.ppf or layout.ppl):
