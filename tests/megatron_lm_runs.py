@@ -255,7 +255,8 @@ def run_launched(tree: Path, nproc: int, flags: list[str], log: Path, *, env: di
 # ---------------------------------------------------------------- switch vs restart
 def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], layout_b: str,
                        k: int, *, before: Sequence[tuple[int, str]] = (),
-                       env: Optional[dict] = None, plain: bool = False) -> dict:
+                       env: Optional[dict] = None, plain: bool = False,
+                       switched_flags: Sequence[str] = ()) -> dict:
     """The three torchrun jobs (4 gloo ranks) that compare an in-memory switch with
     Megatron-LM's own restart, on copies of the snapshot under `w`:
 
@@ -265,7 +266,8 @@ def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], l
     * resumed: patched, without `--dynatrain`, `--load`s that at B and trains to the end.
 
     `a`/`b`: the flags of each layout; `before`: (iteration, layout) entries scheduled ahead
-    of B's, and `env` for the switched run (a fault plan that makes them fail). With `plain`,
+    of B's, `env` and `switched_flags` for the switched run only (a fault plan that makes
+    them fail; more `--dynatrain*` flags). With `plain`,
     the unpatched run goes on to the end (saving at `k` on the way) and a fourth job, the
     patched tree WITHOUT `--dynatrain`, trains A to the end: "plain". Returns the logs by
     name and `w`."""
@@ -278,7 +280,8 @@ def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], l
                              for i, lay in [*before, (k, layout_b)]))
     switched = run_megatron_lm(
         patched, 4, common + a + ["--save", str(w / "switched"), "--save-interval", "1000",
-                                  "--dynatrain", "--dynatrain-schedule", str(sched)],
+                                  "--dynatrain", "--dynatrain-schedule", str(sched),
+                                  *switched_flags],
         w / "switched.log", env=env)
     saved = run_megatron_lm(
         unpatched, 4, common + a + ["--save", str(w / "saved"), "--save-interval", str(k)]

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 import torch
 
+from ..compat.parallel_state_view import view_of
 from ..vps.box import Box
 from ..vps.errors import FragmentMismatchError
 from ..vps.fragment import KINDS, OPT_KINDS
@@ -225,7 +226,9 @@ class LiveState:
             # while megatron's globals still describe A (a switch prepared in the background)
             pgc = getattr(chunk, "pg_collection", None)
             dp_cp = getattr(pgc, "dp_cp", None)
-            with _global_dp_cp_while_unset(dp_cp):
+            # and in the view of megatron's parallel_state it was built in, if any (its
+            # replica ids read ranks there: B's, not A's, built by Megatron-LM in the background)
+            with view_of(chunk), _global_dp_cp_while_unset(dp_cp):
                 sd = chunk.sharded_state_dict(prefix="", metadata=None if dp_cp is None
                                               else {"dp_cp_group": dp_cp})
             apply_factories(sd)
