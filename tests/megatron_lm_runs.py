@@ -47,11 +47,15 @@ def layout_flags(tp: int, pp: int, **extra: int) -> list[str]:
     return out
 
 
-def job_env(tree: Path, *, patched: bool = True, extra: Optional[dict] = None) -> dict:
+def job_env(tree: Path, *, patched: bool = True, extra: Optional[dict] = None,
+            site: Optional[Path] = None) -> dict:
     """The environment of a Megatron-LM job of `tree`: this package and the tree importable
-    (an unpatched tree also gets the CPU runtime from `megatron_lm_unpatched/sitecustomize.py`),
-    one thread per rank, and what Megatron-LM asserts about CUDA connections."""
-    path = [str(ROOT), str(tree)] if patched else [str(UNPATCHED_SITE), str(ROOT), str(tree)]
+    (an unpatched tree also gets the CPU runtime from `megatron_lm_unpatched/sitecustomize.py`;
+    a patched one the `sitecustomize.py` in `site`, if given), one thread per rank, and what
+    Megatron-LM asserts about CUDA connections."""
+    path = ([str(site)] if site else []) + [str(ROOT), str(tree)]
+    if not patched:
+        path = [str(UNPATCHED_SITE), str(ROOT), str(tree)]
     return dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
                 PYTHONPATH=os.pathsep.join(path), **(extra or {}))
 
@@ -84,13 +88,15 @@ DONE = re.compile(r"\] iteration\s+(\d+)/|dynatrain: iteration (\d+) done at")
 
 
 def run_operated(tree: Path, nproc: int, flags: list[str], log: Path, signal: Path,
-                 requests: dict) -> str:
+                 requests: dict, *, env: Optional[dict] = None,
+                 site: Optional[Path] = None) -> str:
     """Run pretrain_gpt.py of `tree` under torchrun and, as each iteration shows in its log,
     write the request due after it to the signal file (as `dynatrain request` does), once
-    the job has taken the previous one (a request is never written over another)."""
+    the job has taken the previous one (a request is never written over another). `env`,
+    `site`: as `job_env`'s `extra` and `site`."""
     from dynatrain_megatron.elastic.signal_file import write_request
 
-    env = job_env(tree)
+    env = job_env(tree, extra=env, site=site)
     cmd = torchrun_cmd(tree, nproc, flags)
     print("+ torchrun --standalone --nproc-per-node", nproc, "pretrain_gpt.py",
           " ".join(f for f in flags if f.startswith("--dynatrain") or f.startswith("--t")

@@ -414,8 +414,8 @@ class _Hook:
         self.calls.append("after_step")
         return trainer
 
-    def stop_standby(self):
-        self.calls.append("stop_standby")
+    def end_job(self, trainer):
+        self.calls.append("end_job")
 
 
 def _session(monkeypatch, layout: str, world: int):
@@ -438,6 +438,7 @@ def _session(monkeypatch, layout: str, world: int):
     s.trainer = SimpleNamespace(objs=objs, iteration=0, consumed_samples=0)
     s.hook = _Hook(lay)
     s.launch_layout = lay
+    s.guard = SimpleNamespace(at_boundary=lambda iteration, objs: None)
     s.latest = mlm.LoopObjects(model, "opt", "sched", "train it", "valid it", None, "test it")
     s.test_data_iterator = "test it"
     loop = mlm.LoopObjects(model, "opt", "sched", "train it", "valid it", None)
@@ -446,8 +447,8 @@ def _session(monkeypatch, layout: str, world: int):
 
 @pytest.mark.parametrize("ending,iteration,calls", [
     (False, 8, ["after_step"]),                    # a step: poll, standby ranks wait on
-    (False, 20, ["after_step", "stop_standby"]),   # --train-iters reached
-    (True, 8, ["stop_standby"]),                   # Megatron-LM exits: no poll, no switch
+    (False, 20, ["after_step", "end_job"]),   # --train-iters reached
+    (True, 8, ["end_job"]),                   # Megatron-LM exits: no poll, no switch
 ])
 def test_standby_ranks_are_told_when_the_job_ends(monkeypatch, ending, iteration, calls):
     s, loop, worlds = _session(monkeypatch, "tp1pp2dp1", 4)
@@ -462,7 +463,8 @@ def test_standby_ranks_are_told_when_the_job_ends(monkeypatch, ending, iteration
 def test_a_job_on_every_rank_keeps_the_real_world(monkeypatch):
     s, loop, worlds = _session(monkeypatch, "tp2pp2dp1", 4)
     assert s.step(20, loop, True) is loop
-    assert s.hook.calls == [] and worlds == [None, None]
+    # the end is told to the hook all the same (a preparation pending there is cancelled)
+    assert s.hook.calls == ["end_job"] and worlds == [None, None]
 
 
 def test_a_rank_on_standby_at_the_end_leaves_pretrain(monkeypatch):

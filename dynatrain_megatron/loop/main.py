@@ -212,7 +212,7 @@ def _run(args: argparse.Namespace, spec: ModelSpec, train, trainer: Optional[Tra
                 log.warning("this process is not needed after the recovery: it ends")
                 return 0
     if hook is not None and trainer is not None:
-        hook.stop_standby()
+        hook.end_job(trainer)
         everyone = trainer.objs.layout.world_size == dist.get_world_size()
         if args.dynatrain_compare_checkpoint and not everyone:
             log.info("checkpoint-path comparison skipped: ranks on standby at the end")

@@ -42,8 +42,9 @@ What this can do, and what it cannot (the honest part):
   `--exit-duration-in-mins`, `--exit-signal-handler`, which `checkpoint_and_decide_exit`
   decides on the layout's ranks and `dynatrain_step` hears as `ending`), they leave
   `train()`, and `pretrain()` returns for them before its final save (`left_out()`).
-  Not done: a switch still being prepared in the background when such a job ends (its
-  standby ranks wait on the preparation's vote, not on the end).
+  A switch still being prepared in the background when the job ends is cancelled on every
+  rank (the standby ranks hear it through the preparation's vote) and its request filed as
+  not applied; no switch starts at the last step.
 * A rank that dies (under `dynatrain launch`, with `--dynatrain-rendezvous-dir`): the
   patched loop hands the failed collective to `rank_death`, which re-forms the world and
   comes back through `MegatronLMSession.rebind_loop` like a switch: from the survivors'
@@ -72,6 +73,7 @@ from ..mcore.train_config import TrainConfig
 from .arguments import (arg_value, args_for_layout, layout_from_megatron_args, params_dtype_of,
                         performance_differences, spec_from_megatron_args,
                         train_config_from_megatron_args, unsupported_args)
+from .step_guard import StepGuard
 from .transformer_config import JobIntents
 from ..compat import stand_in_world
 
@@ -299,6 +301,8 @@ class MegatronLMSession:
         self.test_data_iterator: Any = None
         self.latest: Optional[LoopObjects] = None
         self.launch_layout = layout  # Megatron-LM's log line does not show a later one
+        # what a rank death inside a train_step leaves behind, and its fault points
+        self.guard = StepGuard(self.hook.faults, vote=self.hook.rendezvous_dir is not None)
         log.info("dynatrain: wrapping Megatron-LM's %s job (%s); switches are polled every %d "
                  "iteration(s)", layout, self.spec.name, args.dynatrain_poll_interval)
 
@@ -312,6 +316,7 @@ class MegatronLMSession:
                                  "is every rebinding of the training.py patch applied?")
         t.iteration = iteration
         t.consumed_samples = arg_value(self.args, "consumed_train_samples", t.consumed_samples)
+        self.guard.at_boundary(iteration, t.objs)  # this rank's step completed
         old_config = t.objs.config
         before = t.objs
         if not ending:  # an exit decided by Megatron-LM: no new switch at the last step
@@ -329,12 +334,15 @@ class MegatronLMSession:
         self.trainer = t
         world = dist.get_world_size()
         out = self.hook.layout.world_size < world  # some processes are on standby
-        if out and (ending or t.iteration >= arg_value(self.args, "train_iters", t.iteration)):
-            self.hook.stop_standby()  # the last step: the ranks on standby leave train()
+        if ending or t.iteration >= arg_value(self.args, "train_iters", t.iteration):
+            # the last step: a switch still being prepared is cancelled, the ranks on
+            # standby leave train()
+            self.hook.end_job(t)
         self._log_layout(t.iteration, out, world)
         o = t.objs
         if o is not before:
             self.rebind_loop(t, old_config)
+            self.guard.at_boundary(t.iteration, o)
         if ending:  # train() exits with Megatron-LM's iterators: they go with its frames
             self.forget_iterators()
         # until the next call, Megatron-LM's code on this rank sees the layout as its world
