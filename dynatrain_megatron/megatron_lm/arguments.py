@@ -39,7 +39,7 @@ def chain_extra_args_providers(*providers: Optional[ExtraArgsProvider]) -> Extra
         for p in chain:
             out = p(parser)
             parser = out if out is not None else parser
-        return add_dynatrain_args(parser)
+        return add_dynatrain_args(parser, host="megatron-lm")
 
     return provider
 
