@@ -26,8 +26,7 @@ import pytest
 
 from dynatrain_megatron.elastic import controller as C
 from dynatrain_megatron.elastic import signal_file as sf
-from dynatrain_megatron.elastic.job_secret import (JobSecret, SecretError, establish,
-                                                   load_secret, write_secret_file)
+from dynatrain_megatron.elastic.job_secret import JobSecret, SecretError, establish, load_secret
 from dynatrain_megatron.elastic.schedule import ScheduleError, load_schedule
 from dynatrain_megatron.vps.model_spec import ModelSpec
 
@@ -143,6 +142,25 @@ def test_schedule_read_as_hostile_input(tmp_path):
         os.chown(good, OTHER_UID, OTHER_UID)
         with pytest.raises(ScheduleError, match=f"owned by uid {OTHER_UID}"):
             load_schedule(good, 20)
+
+
+def test_secret_is_never_written_into_an_unsafe_directory(tmp_path):
+    """The secret generated at launch goes to a checked directory only: not one others may
+    write to (not sticky), not a link."""
+    rdv = tmp_path / "rdv"
+    rdv.mkdir()
+    os.chmod(rdv, 0o777)
+    with pytest.raises(SecretError, match="writable by others"):
+        establish(None, str(rdv), env={})
+    link = tmp_path / "link"
+    link.symlink_to(rdv, target_is_directory=True)
+    os.chmod(rdv, 0o700)
+    with pytest.raises(SecretError, match="symbolic link"):
+        establish(None, str(link), env={})
+    assert list(rdv.iterdir()) == []
+    secret, where = establish(None, str(tmp_path / "new"), env={})
+    assert oct((tmp_path / "new").stat().st_mode & 0o777) == "0o700"
+    assert load_secret(str(tmp_path / "new" / "job_secret"), env={}) == secret
 
 
 def test_oversize_secret_file_refused(tmp_path):

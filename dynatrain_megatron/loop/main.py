@@ -115,10 +115,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ..elastic.job_secret import share_with_ranks
         from .hook import DynatrainHook
 
-        # the secret a joining process must prove it holds: generated here when none is
-        # given, handed to every rank through its environment (elastic/job_secret.py)
-        share_with_ranks(args.dynatrain_secret_file, args.dynatrain_rendezvous_dir)
-        try:  # a bad schedule or DYNATRAIN_FAULTS: a clear error before the first step
+        try:  # a bad secret, schedule or DYNATRAIN_FAULTS: a clear error before the first step
+            # the secret a joining process must prove it holds: generated here when none is
+            # given, handed to every rank through its environment (elastic/job_secret.py)
+            share_with_ranks(args.dynatrain_secret_file, args.dynatrain_rendezvous_dir)
             hook = DynatrainHook.from_args(args, spec, train)
             hook.start(trainer, layout, placement)
         except DynatrainError as e:
