@@ -175,7 +175,7 @@ def write_request(path: str | Path, layout: Optional[str],
                         requested_at=time.time())
     try:
         placed = create_new(path.parent, path.name, json.dumps(asdict(req)).encode(), 0o600)
-    except UnsafeFileError as e:
+    except (UnsafeFileError, OSError) as e:  # an unsafe directory, no permission, no space
         raise RequestError(f"signal file {path} not written: {e}") from None
     if not placed:
         raise RequestError(f"a request is already pending at {path} ({_pending(path)}): not "
