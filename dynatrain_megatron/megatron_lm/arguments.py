@@ -39,7 +39,7 @@ def chain_extra_args_providers(*providers: Optional[ExtraArgsProvider]) -> Extra
         for p in chain:
             out = p(parser)
             parser = out if out is not None else parser
-        return refuse_when_parsed(add_dynatrain_args(parser))
+        return refuse_when_parsed(add_dynatrain_args(parser, host="megatron-lm"))
 
     return provider
 
