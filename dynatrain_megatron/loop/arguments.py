@@ -7,10 +7,21 @@ entry point, `scripts/pretrain_gpt.py`.
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..mcore.train_config import TrainConfig
+
+
+def directory_path(text: str) -> str:
+    """An argparse type for a directory the job uses or creates: refused at parsing, with
+    one line, when the path exists and is not a directory (else every rank fails later)."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty path")
+    if os.path.lexists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    return text
 
 
 def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -58,7 +69,7 @@ def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="this process asks the job running in --dynatrain-rendezvous-dir to "
                         "take it in (proving the job's secret: --dynatrain-secret-file or "
                         "$DYNATRAIN_JOB_SECRET) and waits on standby for a scale-out")
-    g.add_argument("--dynatrain-rendezvous-dir", default=None,
+    g.add_argument("--dynatrain-rendezvous-dir", type=directory_path, default=None,
                    help="shared directory of the FileStore the job's processes (and processes "
                         "asking to join, `dynatrain join`) meet in; torchrun's agent store is "
                         "used instead when the job runs under torchrun with one")
