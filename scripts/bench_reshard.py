@@ -216,7 +216,7 @@ def main() -> None:
         "transfer and checkpoint-path times come from the link and storage models below, "
         "and no GPU cluster has run these switches. 'transfer' is the data movement alone: "
         "a switch's pause also holds the votes and the commit, and its preparation (B's "
-        "groups and objects) runs beside training. ",
+        "groups and objects) runs beside training. "
         "Planning time is measured cold (all caches cleared), on one core of "
         f"`{platform.processor() or platform.machine()}`, Python {platform.python_version()}; "
         "it covers both analytic layouts, the placement choice, the plans of the chosen and "
