@@ -30,7 +30,10 @@ SUBCOMMANDS = (
 
 def build_parser(modules: Sequence[str] = SUBCOMMANDS) -> argparse.ArgumentParser:
     """The parser of every subcommand in `modules` (import errors propagate)."""
-    p = Parser(prog="dynatrain", description=__doc__.split("\n\n")[0],
+    p = Parser(prog="dynatrain",
+               description="Switch the parallel layout of a running Megatron-LM job in "
+                           "memory: patch Megatron-LM, ask a job to switch, plan and choose "
+                           "layouts, launch a job whose survivors outlive a dead rank.",
                epilog="start here: dynatrain megatron-lm patch --help, dynatrain request "
                       "--help; every subcommand's --help ends with examples")
     p.add_argument("--version", action="version", version=version_line(),
