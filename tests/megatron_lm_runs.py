@@ -244,7 +244,7 @@ def run_launched(tree: Path, nproc: int, flags: list[str], log: Path, *, env: di
     """Run pretrain_gpt.py of `tree` on `nproc` gloo ranks under `dynatrain launch` (a
     worker that dies does not stop the others); returns (the launcher's status, the log)."""
     full = job_env(tree, extra=env)
-    cmd = [sys.executable, "-m", "dynatrain_megatron.cli", "launch", "--nproc", str(nproc),
+    cmd = [sys.executable, "-m", "dynatrain_megatron.cli", "launch", "--nproc-per-node", str(nproc),
            str(tree / "pretrain_gpt.py"), *flags]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=tree, env=full, stdout=f, stderr=subprocess.STDOUT,

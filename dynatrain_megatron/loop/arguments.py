@@ -57,6 +57,16 @@ def _megatron_lm_recovery_checkpoint(text: str) -> str:
         "own last --save")
 
 
+def directory_path(text: str) -> str:
+    """An argparse type for a directory the job uses or creates: refused at parsing, with
+    one line, when the path exists and is not a directory (else every rank fails later)."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty path")
+    if os.path.lexists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    return text
+
+
 def add_dynatrain_args(parser: argparse.ArgumentParser,
                        host: str = "dynatrain") -> argparse.ArgumentParser:
     """Register the `--dynatrain*` flags. `host`: whose training loop runs ("dynatrain",
@@ -111,7 +121,7 @@ def add_dynatrain_args(parser: argparse.ArgumentParser,
                    help="this process asks the job running in --dynatrain-rendezvous-dir to "
                         "take it in (proving the job's secret: --dynatrain-secret-file or "
                         "$DYNATRAIN_JOB_SECRET) and waits on standby for a scale-out")
-    g.add_argument("--dynatrain-rendezvous-dir", default=None,
+    g.add_argument("--dynatrain-rendezvous-dir", type=directory_path, default=None,
                    help="shared directory of the FileStore the job's processes (and processes "
                         "asking to join, `dynatrain join`) meet in; torchrun's agent store is "
                         "used instead when the job runs under torchrun with one")
