@@ -25,7 +25,9 @@ paths (schedules, RNG helpers, Megatron-LM's training loop) still read the globa
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -185,7 +187,8 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
         mine["intra_expt_dp"] = mine["expt_dp"]
     everyone_cpu = everyone
     if dist.get_backend() != "gloo":
-        everyone_cpu = dist.new_group(list(dev), backend="gloo")
+        with _lazy_gloo():  # world-sized: no full mesh of connections at creation
+            everyone_cpu = dist.new_group(list(dev), backend="gloo")
         created.append(everyone_cpu)
     transfer = dist.new_group(list(range(dist.get_world_size())), device_id=device)
     created.append(transfer)
@@ -241,6 +244,24 @@ def _gtp_collection_fields(pgc, add, layout: Layout, mine: dict) -> None:
     for name in ("dp_cp_ag", "expt_dp_ag"):
         if name in names:
             setattr(pgc, name, None)
+
+
+@contextlib.contextmanager
+def _lazy_gloo():
+    """Gloo groups made inside connect a pair of members at its first use, instead of
+    every member connecting to every other (and reading each one's address from the
+    store) when the group is made: torch's `TORCH_GLOO_LAZY_INIT`, read as a gloo group
+    is created. For a group over the world that is n - 1 connections and store reads per
+    rank, of which its ring collectives use two."""
+    old = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = old
 
 
 def forget_megatron_groups() -> None:
