@@ -75,22 +75,24 @@ def test_slowest_rank_and_phase_mapping():
 
 
 def test_records_have_wall_clock_time_and_refuse_a_planted_link(tmp_path):
+    from dynatrain_megatron.elastic.safe_files import OutputDir
+
     d = tmp_path / "logs"
-    log = SwitchLog(str(d))
+    log = SwitchLog(OutputDir(d))
     rec = log.record("rejected", dict(iteration=4, reason="num_attention_heads 4 % tp 3"),
                      epoch=1_700_000_000.25)
     assert rec["time"] == 1_700_000_000.25 and rec["time_utc"] == "2023-11-14T22:13:20.250+00:00"
     log.record("switch", dict(iteration=5))
     rows = [json.loads(x) for x in (d / "switches.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in rows] == ["rejected", "switch"] and rows[0]["iteration"] == 4
-    assert oct((d / "switches.jsonl").stat().st_mode & 0o777) == "0o600"
     # a link planted where the records go is never written through
     victim = tmp_path / "victim"
     victim.write_text("keep")
     other = tmp_path / "other"
     other.mkdir(mode=0o700)
     os.symlink(victim, other / "switches.jsonl")
-    assert SwitchLog(str(other)).record("switch", dict(iteration=1)) is None
+    assert SwitchLog(OutputDir(other)).record("switch", dict(iteration=1)) is None
+    assert SwitchLog(None).record("switch", dict(iteration=1)) is None  # no log directory
     assert victim.read_text() == "keep"
 
 

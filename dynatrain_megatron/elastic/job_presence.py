@@ -9,6 +9,7 @@ another host that died is found only by the waiter's timeout.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import stat
@@ -16,19 +17,27 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .private_file import write_private
+from .safe_files import ReadRules, UnsafeFileError, read_bytes, replace_file
 
-MAX_BYTES = 4096
+log = logging.getLogger("dynatrain")
+
+_RULES = ReadRules("job file", 4096)
 
 
 def job_file(signal_path: str | Path) -> Path:
     return Path(f"{signal_path}.job")
 
 
-def announce(signal_path: str | Path) -> Path:
-    """The job polls `signal_path` from now on (rank 0, at start)."""
+def announce(signal_path: str | Path) -> Optional[Path]:
+    """The job polls `signal_path` from now on (rank 0, at start). Never raises: a job
+    that cannot say so is only unknown to `request --wait` (a warning)."""
     body = dict(host=socket.gethostname(), pid=os.getpid(), started=time.time())
-    return write_private(job_file(signal_path), json.dumps(body).encode())
+    p = job_file(signal_path)
+    try:
+        return replace_file(p.parent, p.name, json.dumps(body).encode(), 0o600)
+    except (OSError, UnsafeFileError) as e:
+        log.warning("could not announce the job at %s: %s", signal_path, e)
+        return None
 
 
 def withdraw(signal_path: str | Path) -> None:
@@ -45,20 +54,11 @@ def gone(signal_path: str | Path) -> Optional[str]:
     """Why no job will answer a request at `signal_path` (None: one seems to be there)."""
     p = job_file(signal_path)
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        info = json.loads(read_bytes(p, _RULES).decode("utf-8"))
     except FileNotFoundError:
         return f"no job polls {signal_path} ({p} is absent: it ended or never started)"
-    except OSError as e:
-        return f"{p} cannot be read ({e.strerror})"
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            return f"{p} is not a regular file of this user: not a job's"
-        info = json.loads(os.read(fd, MAX_BYTES).decode("utf-8"))
-    except (OSError, ValueError) as e:
-        return f"{p} is unreadable ({e})"
-    finally:
-        os.close(fd)
+    except (OSError, UnsafeFileError, ValueError) as e:
+        return f"{p} cannot be read: {e}"
     if not isinstance(info, dict) or not isinstance(info.get("pid"), int):
         return f"{p} does not describe a job"
     if info.get("host") == socket.gethostname():

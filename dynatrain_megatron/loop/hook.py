@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -20,8 +20,10 @@ from ..elastic.controller import Controller, Decision
 from ..elastic.schedule import load_schedule
 from ..elastic.communicators import everyone_ok
 from ..elastic.device_manager import DeviceManager
+from ..elastic.standby_channel import StandbyChannel
 from ..elastic.groups import build_groups
 from ..elastic.join import open_reviewer
+from ..elastic.safe_files import OutputDir
 from ..transition.faults import FaultPlan
 from ..transition.switch import choose_dst_placement
 from ..transition.switch_types import SwitchOptions
@@ -35,9 +37,8 @@ from .logs import configure as configure_logging
 from .memory_check import SwitchMemoryCheck, release_grad_buffers, restore_grad_buffers
 from .memory_check import from_args as memory_check_from_args
 from .auto_layout import LayoutAdvisor
-from .stall import StallMeter, stall_parts
-from .switch_log import (SwitchLog, SwitchRecord, landing_note, layout_scalars, share_and_report,
-                         summary)
+from .stall_tracker import StallTracker
+from .switch_log import SwitchRecord, landing_note, layout_scalars, summary
 from .switching import is_dead_peer, prepared_switch_args, start_preparation, switch_trainer
 from ..mcore.train_config import TrainConfig
 from ..mcore.training import Trainer
@@ -66,8 +67,10 @@ class DynatrainHook:
         self.memory_budget = memory_budget
         self.placement = placement
         self.log_dir = log_dir
+        self.outputs = OutputDir(log_dir) if log_dir else None  # never raises
         self.background_groups = background_groups
         self.devices = DeviceManager()
+        self.channel = StandbyChannel()  # where standby ranks wait (elastic/standby_channel.py)
         self.decision: Optional[Decision] = None
         self.layout: Optional[Layout] = None  # the current layout, known on every process
         self.layout_placement: Optional[Placement] = None
@@ -95,19 +98,7 @@ class DynatrainHook:
         if advisor is not None:
             controller.advise = advisor.advise
             controller.auto_layout = auto_layout
-        # the stall (loop/stall.py): this boundary's parts before a switch starts, the
-        # switch measured through B's first steps, the finished ones (all ranks')
-        self.report = SwitchLog(log_dir)
-        self._boundary()  # _entered, _entered_wall, _laps
-        self._meter: Optional[StallMeter] = None
-        self._measured: Optional[tuple[SwitchRecord, dict]] = None
-        self.stalls: list[dict] = []
-        self._collect_pending = False  # A's memory is to be collected (_finish_stall)
-        # a host loop's: called on a standby rank when the switch that brings it back
-        # starts (its iteration timer restarts), and its training clock, which stops for
-        # evaluation and checkpoint saves (B's first and steady steps are timed on it)
-        self.on_return_from_standby: list[Callable[[], None]] = []
-        self.step_clock: Callable[[], float] = time.perf_counter
+        self.stall = StallTracker(self.outputs)  # loop/stall_tracker.py
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig,
@@ -137,45 +128,35 @@ class DynatrainHook:
         self.controller.check_schedule(layout.world_size)
         self.layout, self.layout_placement = layout, placement
         if self.controller.signal_path and dist.get_rank() == 0:
-            try:  # `dynatrain request --wait` tells a live job from a gone one by it
-                job_presence.announce(self.controller.signal_path)
-            except OSError as e:
-                log.warning("could not announce the job at %s: %s", self.controller.signal_path, e)
+            job_presence.announce(self.controller.signal_path)  # for `request --wait`
+        if dist.is_initialized():
+            self.channel.renew()  # collective: every process starts here
 
     def after_step(self, trainer: Trainer) -> Optional[Trainer]:
         """Call after every optimizer step, on every rank of the layout. Returns the
         (rebound) trainer, or None when this rank left the layout (scale-in): it is then on
         standby and calls `standby()`."""
-        if self._meter is not None and self._meter.step():
-            self._finish_stall(trainer)  # collective over B's ranks, at the same step
-        self._boundary()
+        self.stall.next_step_boundary()  # may report the last switch's stall (collective)
         try:
             return self._after_step(trainer)
         finally:
-            if self._meter is not None:
-                self._meter.left()
-
-    def _boundary(self) -> None:
-        """A step boundary starts: the end of the last step, for the stall's window."""
-        self._entered, self._entered_wall, self._laps = time.perf_counter(), time.time(), {}
-
-    def _lap(self, name: str, since: float) -> float:
-        """Add the time since `since` to this boundary's part `name`; returns now."""
-        now = time.perf_counter()
-        self._laps[name] = self._laps.get(name, 0.0) + now - since
-        return now
+            self.stall.left()
 
     def _after_step(self, trainer: Trainer) -> Optional[Trainer]:
         if self.layout is None:
             self.start(trainer, trainer.objs.layout, trainer.objs.groups.placement)
         if self.faults is not None:
             self.faults.fail(dist.get_rank(), "step", trainer.iteration)
-        self.report.metrics(trainer.iteration, layout_scalars(self.layout))
+        self.stall.report.metrics(trainer.iteration, layout_scalars(self.layout))
+        if trainer.iteration >= self.builder.train.train_iters:
+            return trainer  # the last step: no switch starts (`end_job` follows)
         if self.devices.pending:
             return self._switch_when_due(trainer)
+        layout_group, standby = self._groups(trainer)
         t0 = time.perf_counter()
-        d = self.controller.poll(trainer.iteration, self.layout.world_size)
-        self._lap("controller", t0)
+        d = self.controller.poll(trainer.iteration, self.layout.world_size, layout_group,
+                                 standby)
+        self.stall.lap("controller", t0)
         trainer = self._admit(trainer, d)
         self._on_decision(d, trainer.iteration, trainer.objs)
         if self._sync_target is not None:
@@ -184,28 +165,23 @@ class DynatrainHook:
             return self._switch_when_due(trainer)  # a schedule due now: no step to wait on
         return trainer
 
-    @property
-    def switch_meter(self) -> Optional[StallMeter]:
-        """The meter of the switch just made (else None): a host loop adds its parts to it
-        and calls `resume()` before B's first step."""
-        return self._meter if self._meter is not None and not self._meter.steps else None
-
     def _switch_when_due(self, trainer: Trainer) -> Optional[Trainer]:
         """A switch prepared in the background: a requested one lands at the first step
         boundary where B is ready on every rank; a scheduled one lands exactly after its
         iteration, waiting there for whatever of the preparation is left."""
         at = self.decision.at if self.decision is not None else None
+        groups = self._groups(trainer)
         t0 = time.perf_counter()
         if at is None:
-            ready = self.devices.ready()
-            self._lap("wait_for_b", t0)
+            ready = self.devices.ready(*groups)
+            self.stall.lap("wait_for_b", t0)
             return self._switch(trainer) if ready else trainer
         if trainer.iteration < at:
             return trainer
-        while not self.devices.ready():  # collective: every rank loops the same times
+        while not self.devices.ready(*groups):  # collective: every rank loops the same times
             time.sleep(0.005)
         self._waited_s = time.perf_counter() - t0
-        self._lap("wait_for_b", t0)
+        self.stall.lap("wait_for_b", t0)
         return self._switch(trainer)
 
     def standby(self) -> Optional[Trainer]:
@@ -213,13 +189,19 @@ class DynatrainHook:
         controller and the device manager until a switch brings it in (returns its trainer)
         or the job ends (returns None, `self.stopped` is set). Holds no training state."""
         while True:
+            standby = self.channel.group()  # None: the world, with its deadline
             if self.devices.pending:
-                if self.devices.ready():
+                vote = self.devices.vote(None, standby)
+                if vote == "stop":  # the job ended before the switch was ready
+                    self._cancel_preparation("the job ended before the switch was ready")
+                    self.stopped = True
+                    return None
+                if vote == "ready":
                     trainer = self._switch_from_standby()
                     if trainer is not None:
                         return trainer
                 continue
-            d = self.controller.follow()
+            d = self.controller.follow(standby)
             if d.stop:
                 self.stopped = True
                 return None
@@ -232,9 +214,7 @@ class DynatrainHook:
 
     def _switch_from_standby(self) -> Optional[Trainer]:
         """The switch starts now on this standby rank: so does its window (and host timer)."""
-        self._boundary()
-        for callback in self.on_return_from_standby:
-            callback()
+        self.stall.enter_from_standby()
         return self._switch(None)
 
     def _on_decision(self, d: Decision, iteration: Optional[int],
@@ -248,7 +228,6 @@ class DynatrainHook:
         if d.target == str(src) and d.world == src.world_size:
             log.info("already at layout %s: nothing to do", src)
             self.controller.done(d, "applied", "already at this layout")
-            self._record_outcome("applied", d, iteration, "already at this layout")
             return
         when = f"iteration {iteration}: " if iteration is not None else ""
         if d.note:
@@ -258,14 +237,12 @@ class DynatrainHook:
         in_pause = not self.background_groups
         placement: Optional[Placement] = None
         if self.memory is not None or in_pause:
-            # B's placement is needed now (the memory plan, or B built in the pause); else
-            # the background preparation chooses it
+            # needed now (the memory plan, or B built in the pause); else chosen in the background
             t0 = time.perf_counter()
             try:  # the same pure computation on every rank: all refuse alike, A untouched
                 placement = self._choose_placement(dst)
             except Exception as e:  # noqa: BLE001 - a request must never end training
-                reason = (f"no placement for {d.target} on {d.world} ranks: "
-                          f"{type(e).__name__}: {e}")
+                reason = f"no placement for {d.target} on {d.world} ranks: {type(e).__name__}: {e}"
                 log.error("switch to %s rejected: %s; training continues at %s", d.target,
                           reason, src)
                 self.rejected.append(reason)
@@ -273,12 +250,12 @@ class DynatrainHook:
                 self._record_outcome("rejected", d, iteration, reason)
                 self.decision = None
                 return
-            t0 = self._lap("placement", t0)
+            t0 = self.stall.lap("placement", t0)
         if self.memory is not None:  # collective; the same decision on every rank
             mem = self.memory.plan(self.spec, self.builder, src, self.layout_placement, dst,
                                    placement)
             (log.info if mem.mode == "background" else log.warning)("%s", mem.describe())
-            self._lap("memory_check", t0)
+            self.stall.lap("memory_check", t0)
             if not mem.fits:
                 self.rejected.append(mem.describe())
                 self.controller.done(d, "failed", mem.describe())
@@ -308,17 +285,13 @@ class DynatrainHook:
 
     def _record_outcome(self, outcome: str, d: Decision, iteration: Optional[int],
                         reason: str) -> None:
-        """A request's outcome other than a measured switch, in `switches.jsonl` (rank 0)."""
-        if dist.get_rank() == 0:
-            self.report.record(outcome, dict(
+        if dist.get_rank() == 0:  # a request's outcome other than a switch: switches.jsonl
+            self.stall.report.record(outcome, dict(
                 iteration=iteration, src=str(self.layout), dst=d.target, world=d.world,
                 source=d.source, request=self.controller.last_request, reason=reason))
 
     def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
-        if self._measured is not None:  # the last switch's stall, before this one starts
-            t0 = time.perf_counter()
-            self._laps["release_a"] = self._finish_stall(trainer)  # A's deferred collection
-            self._lap("controller", t0 + self._laps["release_a"])
+        self.stall.before_switch()  # the last switch's stall, if not reported yet
         src, src_placement = self.layout, self.layout_placement
         decision = self.decision
         # A's objects whose gradient buffers this switch frees (restored if it rolls back)
@@ -332,7 +305,7 @@ class DynatrainHook:
                 release_grad_buffers(released)  # room for B (the memory plan's degraded mode)
             t1 = time.perf_counter()
             kw = dict(new_groups=build_groups(dst, dst_placement))  # B built in the pause too
-            groups_s = self._lap("groups", t1) - t1
+            groups_s = self.stall.lap("groups", t1) - t1
         else:
             dst, dst_placement = self.devices.target
             kw, error = {}, None
@@ -341,9 +314,9 @@ class DynatrainHook:
                 kw = prepared_switch_args(self.devices)
             except Exception as e:  # noqa: BLE001 - B's groups or preparation failed
                 error = e
-            t1 = self._lap("warm_up", t1)
+            t1 = self.stall.lap("warm_up", t1)
             ok = everyone_ok(error is None)
-            self._lap("votes", t1)
+            self.stall.lap("votes", t1)
             if not ok:  # every rank gives up alike, A untouched
                 return self._preparation_failed(trainer, dst, kw, error)
             if kw.get("new_groups") is not None:
@@ -352,7 +325,7 @@ class DynatrainHook:
             t0 = time.perf_counter()
         timings: dict[str, float] = {}
         # A's memory is collected after B's first steps unless the memory plan needs it now
-        defer = released is None and "groups" not in self._laps and trainer is not None
+        defer = released is None and "groups" not in self.stall.laps and trainer is not None
         try:
             trainer, res = switch_trainer(trainer, self.builder, src, src_placement,
                                           dst, dst_devices=dst_placement.devices,
@@ -376,14 +349,13 @@ class DynatrainHook:
             log.error("switch rolled back; training continues at %s", src)
             return trainer
         self.layout, self.layout_placement = dst, res.placement
-        self._collect_pending = self._collect_pending or (defer and trainer is not None)
+        self.stall.collect_pending = self.stall.collect_pending or (defer and trainer is not None)
         pause = time.perf_counter() - t0
         t1 = time.perf_counter()
         if decision is not None:
-            self.controller.done(decision, "applied",
-                                 f"switched at iteration {trainer.iteration}"
+            self.controller.done(decision, "applied", f"switched at iteration {trainer.iteration}"
                                  if trainer is not None else "switched")
-        self._lap("controller", t1)
+        self.stall.lap("controller", t1)
         if trainer is None:
             log.info("switched %s -> %s: this rank is not in the new layout; on standby",
                      src, dst)
@@ -394,42 +366,20 @@ class DynatrainHook:
         phases = {k: round(v, 4) for k, v in r.phases.items()}
         if not self.background_groups:
             phases["groups"] = round(groups_s, 4)
-        prepared = {k: round(v, 4) for k, v in r.background.items()}
-        if r.background and self.devices.placement_seconds:
-            prepared["placement"] = round(self.devices.placement_seconds, 4)
+        prepared = {k: round(v, 4) for k, v in r.background.items()} | (
+            {"placement": round(self.devices.placement_seconds, 4)} if r.background else {})
         rec = SwitchRecord(trainer.iteration, str(src), str(dst), r.placement, r.bytes_moved,
                            r.lower_bound_bytes, pause, groups_s, phases,
-                           groups_in_pause="groups" in self._laps, prepared=prepared,
+                           groups_in_pause="groups" in self.stall.laps, prepared=prepared,
                            source=decision.source if decision else "signal",
                            reason=decision.note if decision else "")
         self.history.append(rec)
         when, self._waited_s = landing_note(decision.at if decision else None,
                                             trainer.iteration, self._waited_s), 0.0
-        self._meter = StallMeter(trainer.iteration, dist.get_rank(), str(src), str(dst),
-                                 started=self._entered, wall_start=self._entered_wall,
-                                 clock=self.step_clock)
-        self._meter.add_all(self._laps, stall_parts(r.phases, timings))
-        self._meter.resume()
-        self._measured = (rec, dict(when=when, request=self.controller.last_request if decision
-                                    else None, transfer_s=r.phases.get("transfer", 0.0),
-                                    groups=trainer.objs.groups, dst=dst))
+        self.stall.begin(rec, r.phases, timings, dict(
+            when=when, request=self.controller.last_request if decision else None,
+            transfer_s=r.phases.get("transfer", 0.0), groups=trainer.objs.groups, dst=dst))
         return trainer
-
-    def _finish_stall(self, trainer: Optional[Trainer]) -> float:
-        """The last switch's stall is known (or the job moves on): shared over B's ranks,
-        reported (`switch_log.share_and_report`); returns A's deferred collection's s."""
-        meter, measured = self._meter, self._measured
-        self._meter = self._measured = None
-        if meter is None or measured is None:
-            return 0.0
-        mine = meter.finish()
-        t0 = time.perf_counter()
-        if self._collect_pending:  # A's memory, left until B's first steps were measured
-            self._collect_pending = False
-            collect_released()
-        deferred = measured[1]["release_a_deferred_s"] = time.perf_counter() - t0
-        self.stalls.append(share_and_report(self.report, measured[0], measured[1], mine))
-        return deferred
 
     def _admit(self, trainer: Optional[Trainer], d: Decision) -> Optional[Trainer]:
         """Grow the world with the joiners accepted at this poll (every process calls it
@@ -476,12 +426,14 @@ class DynatrainHook:
             growth.announce(store, prefix, world, self.layout, self.layout_placement,
                             reviewer.secret)
         self._drop_preparation(broken=False)  # it belongs to the old world
-        if self._measured is not None and trainer is not None:
-            self._finish_stall(trainer)  # over the old world's layout, before it grows
+        if trainer is not None:
+            self.stall.finish()  # the last switch's, over the old world's layout
+        self.channel.forget()
         t0 = time.perf_counter()
         trainer = growth.grow_world(trainer, self.spec, self.builder.train, store, prefix,
                                     world, self.layout, self.layout_placement, self.timeout,
                                     builder=self.builder)
+        self.channel.renew()  # collective, as the joiners' `start`
         if reviewer is not None:  # rank 0: number the next joiners after these
             reviewer.world_size, reviewer.generation = world, generation + 1
             reviewer.accepted.clear()
@@ -513,12 +465,13 @@ class DynatrainHook:
         self.decision = None
         return trainer
 
-    def _drop_preparation(self, broken: bool) -> None:
+    def _drop_preparation(self, broken: bool, wait: Optional[float] = 10.0) -> None:
         """Free a switch being prepared in the background (groups, B's objects) and start
-        afresh: the world it was prepared for is changing."""
+        afresh: the world it was prepared for is changing, or the job ends. `wait`: how long
+        to wait for the background work (None: until it ends)."""
         from .switching import discard_prepared, free_layout
 
-        groups, prepared = self.devices.abandon()
+        groups, prepared = self.devices.abandon(wait)
         if prepared is not None:
             discard_prepared(prepared, broken=broken)
         else:
@@ -540,8 +493,9 @@ class DynatrainHook:
         from .death_recovery import recover_after_death
 
         log.error("communication failed (%s): a rank is gone; recovering", error[:200])
-        self._meter = self._measured = None  # its ranks cannot share it any more
+        self.stall.drop()  # the last switch's ranks cannot share its stall any more
         self._drop_preparation(broken=True)  # built for the old world: cannot finish
+        self.channel.forget()  # the broken world's: its sockets must close
         self._sync_target = None
         if self.decision is not None and self.decision.target is not None:
             self.controller.done(self.decision, "failed", "a rank died; the job recovered")
@@ -562,8 +516,9 @@ class DynatrainHook:
         self.recoveries.append(entry)
         if rec.world.rank is None:
             return "leave", None
+        self.channel.renew()  # collective: every member of the new world is here
         if dist.get_rank() == 0:
-            self.report.record("recovery", entry)
+            self.stall.report.record("recovery", entry)
         if rec.trainer is None:
             return "standby", None
         return "train", rec.trainer
@@ -581,19 +536,64 @@ class DynatrainHook:
             return c.layout, c.note
         return choose
 
-    def stop_standby(self) -> None:
-        """Collective with the standby ranks waiting in `standby()`: the job is over.
-        Every rank of the layout calls it once, after its last step."""
-        self.controller.stop()
+    def end_job(self, trainer: Optional[Trainer]) -> None:
+        """Every rank of the layout, once, after its last step (collective with the ranks
+        on standby, if any): a switch still being prepared is cancelled everywhere (its
+        background work ends before this returns, so nothing of it outlives the world) and
+        its request filed as not applied; the standby ranks leave `standby()`."""
+        layout_group, standby = self._groups(trainer)
+        out = self.layout is not None and self.layout.world_size < dist.get_world_size()
+        if self.devices.pending:
+            if out:  # standby ranks wait in the preparation's vote: this one says stop
+                self.devices.vote(layout_group, standby, stop=True)
+            it = trainer.iteration if trainer is not None else "?"
+            self._cancel_preparation(f"the job ended after iteration {it}, before the "
+                                     f"switch was ready")
+            return
+        if out:
+            self.controller.stop(standby)
+
+    def _groups(self, trainer: Optional[Trainer]) -> tuple:
+        """(the layout's CPU group on a rank of it, the standby channel) where ranks are on
+        standby and the channel belongs to this world; (None, None) otherwise: the
+        controller and the vote then use the world (the same answer on every process)."""
+        if self.layout is None or self.layout.world_size >= dist.get_world_size():
+            return None, None
+        standby = self.channel.group()
+        if standby is None:
+            return None, None
+        if trainer is None:
+            return None, standby
+        g = trainer.objs.groups
+        layout_group = g.layout_group_cpu or g.layout_group
+        if layout_group is None:
+            raise DynatrainError(f"rank {dist.get_rank()} of {self.layout} has no group "
+                                 f"of its layout to vote on")
+        return layout_group, standby
+
+    def _cancel_preparation(self, reason: str) -> None:
+        """The job ends with a switch still being prepared: wait for its background work
+        (its collectives run on B's groups, with peers doing the same), free it, and file
+        the request as not applied, with `reason`."""
+        target = self.devices.target[0] if self.devices.target else "?"
+        self._drop_preparation(broken=False, wait=None)
+        reason = f"not applied: {reason} (switch to {target})"
+        log.warning("%s", reason)
+        if self.decision is not None:
+            self.controller.done(self.decision, "not_applied", reason)
+            self.decision = None
 
     def finish(self, trainer: Trainer, checkpoint_seconds: Optional[float] = None) -> str:
-        """The summary table of all switches (logged on rank 0, returned). Every rank of
-        the layout calls it once, at the end (the last switch's stall is shared then)."""
-        if self._measured is not None:
-            self._finish_stall(trainer)
+        """At the end of training, on every rank holding training state: tell the launcher
+        this worker completed (`loop/launch.py`), then the summary table of all switches
+        (logged on rank 0, returned). The last switch's stall is shared here if it was not."""
+        from .launch import report_completed
+
+        self.stall.finish()
+        report_completed()
         if self.controller.signal_path and dist.get_rank() == 0:
             job_presence.withdraw(self.controller.signal_path)
-        text = summary(self.history, self.stalls, self.rejected, self.failed,
+        text = summary(self.history, self.stall.stalls, self.rejected, self.failed,
                        self.recoveries, checkpoint_seconds)
         log.info(text)
         return text

@@ -3,25 +3,21 @@ per event: applied switches with their stall, rejected and failed requests, reco
 each with wall-clock timestamps), and the metric sinks a host registers (Megatron-LM's
 TensorBoard and W&B writers: `megatron_lm/metrics.py`).
 
-Records are written by rank 0 only, each as one `write` to a descriptor opened with
-`O_APPEND | O_NOFOLLOW` after checking the directory and the file (a link or another
-user's file there is refused, with a warning, and nothing is written).
+Records are written by rank 0 only, through the job's `safe_files.OutputDir` (no link
+followed, the file checked, each line appended whole).
 """
 from __future__ import annotations
 
 import datetime
 import json
 import logging
-import os
-import stat
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ..elastic.private_file import directory_errors
+from ..elastic.safe_files import OutputDir
 from .stall import StallBreakdown, slowest
 
 log = logging.getLogger("dynatrain")
@@ -69,55 +65,21 @@ def wall_clock(epoch: Optional[float] = None) -> dict:
 
 
 class SwitchLog:
-    """Appends records to `<log_dir>/switches.jsonl` (a no-op without a log directory) and
-    hands metrics to the registered sinks."""
+    """Appends records to `switches.jsonl` in the job's log directory (rank 0; a no-op
+    without one; a write that fails is logged once and training goes on:
+    `safe_files.OutputDir`) and hands metrics to the registered sinks."""
 
-    def __init__(self, log_dir: Optional[str]) -> None:
-        self.log_dir = log_dir
+    def __init__(self, outputs: Optional[OutputDir]) -> None:
+        self.outputs = outputs
         self.sinks: list[MetricSink] = []
-        self._refused = False  # warned once about an unsafe log directory or file
 
     def record(self, kind: str, entry: dict, epoch: Optional[float] = None) -> Optional[dict]:
         """Write one record `{"kind": kind, "time": ..., "time_utc": ..., **entry}` (the
-        caller is rank 0). Returns it, or None when nothing could be written."""
-        if not self.log_dir:
+        caller is rank 0). Returns it, or None when nothing was written."""
+        if self.outputs is None:
             return None
-        rec = {"kind": kind, **wall_clock(epoch), **entry}
-        line = (json.dumps(rec, default=str) + "\n").encode()
-        try:
-            self._append(Path(self.log_dir) / RECORD_FILE, line)
-        except OSError as e:  # a report must never end training
-            if not self._refused:
-                log.warning("switch records not written to %s: %s", self.log_dir, e)
-                self._refused = True
-            return None
-        return rec
-
-    @staticmethod
-    def _append(path: Path, line: bytes) -> None:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        errs = directory_errors(path.parent)
-        if errs:
-            raise OSError("; ".join(errs))
-        flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-                 | getattr(os, "O_CLOEXEC", 0))
-        try:
-            fd = os.open(path, flags, 0o600)
-        except OSError as e:
-            raise OSError(f"{path} cannot be opened for appending ({e.strerror}; a link is "
-                          f"never followed)") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1 \
-                    or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                raise OSError(f"{path} is not a regular file of the job's user that only it "
-                              f"may write ({stat.filemode(st.st_mode)}, uid {st.st_uid}, "
-                              f"{st.st_nlink} links)")
-            n = os.write(fd, line)  # O_APPEND: one write lands whole at the end
-            if n != len(line):
-                raise OSError(f"short write to {path}: {n} of {len(line)} bytes")
-        finally:
-            os.close(fd)
+        rec = json.loads(json.dumps({"kind": kind, **wall_clock(epoch), **entry}, default=str))
+        return rec if self.outputs.append_json_line(RECORD_FILE, rec) else None
 
     def metrics(self, iteration: int, scalars: dict) -> None:
         """Hand `scalars` (tag -> number or text) to every sink; a failing sink is dropped

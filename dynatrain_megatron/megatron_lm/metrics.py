@@ -74,9 +74,9 @@ def attach(hook: Any) -> None:
     """Give `hook` (loop.hook.DynatrainHook) Megatron-LM's writers and timers."""
     writers = megatron_writers()
     if writers is not None:
-        hook.report.sinks.append(writers)
-    hook.on_return_from_standby.append(restart_iteration_timer)
-    hook.step_clock = training_clock
+        hook.stall.report.sinks.append(writers)
+    hook.stall.on_return_from_standby.append(restart_iteration_timer)
+    hook.stall.step_clock = training_clock
 
 
 __all__ = ["MegatronWriters", "attach", "megatron_writers", "restart_iteration_timer"]
