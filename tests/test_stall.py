@@ -130,23 +130,24 @@ def test_metrics_reach_megatron_writers_and_a_failing_sink_is_dropped(caplog):
     assert len(report.sinks) == 1  # the failing one was dropped, training went on
 
 
-def test_one_logger_one_prefix_rank_zero_only(capsys):
+def test_one_logger_one_prefix_once_lines_on_rank_zero(capsys):
     import logging
 
-    from dynatrain_megatron.loop.logs import configure
+    from dynatrain_megatron.loop.logs import ONCE, configure
 
     log = configure(rank=0)
-    logging.getLogger("dynatrain").info("dynatrain: iteration 3: switched")
+    logging.getLogger("dynatrain").info("dynatrain: iteration 3: switched", extra=ONCE)
     logging.getLogger("dynatrain").info("iteration 4 done")
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("r0] dynatrain: iteration 3: switched")
     assert out[1].endswith("r0] dynatrain: iteration 4 done")
     configure(rank=1)
-    log.info("rank 1 says nothing at INFO")
-    log.warning("nor at WARNING")
-    log.error("only errors")
-    assert capsys.readouterr().out.splitlines()[0].endswith("r1] dynatrain: only errors")
+    log.info("the job's line is rank 0's", extra=ONCE)
+    log.info("this rank's own state")
+    log.warning("a warning about the job", extra=ONCE)
+    assert [ln.split("] ", 1)[1] for ln in capsys.readouterr().out.splitlines()] == [
+        "dynatrain: this rank's own state", "dynatrain: a warning about the job"]
     configure(rank=1, all_ranks=True)
-    log.info("unless asked")
+    log.info("unless asked", extra=ONCE)
     assert "unless asked" in capsys.readouterr().out
     configure(rank=0)

@@ -33,7 +33,7 @@ from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from ..mcore.builders import MegatronBuilder, TrainingObjects, bucket_size_of, validator_options
 from ..mcore.session import collect_released
-from .logs import configure as configure_logging
+from .logs import ONCE, configure as configure_logging
 from .memory_check import SwitchMemoryCheck, release_grad_buffers, restore_grad_buffers
 from .memory_check import from_args as memory_check_from_args
 from .auto_layout import LayoutAdvisor
@@ -226,12 +226,12 @@ class DynatrainHook:
             return
         src = self.layout
         if d.target == str(src) and d.world == src.world_size:
-            log.info("already at layout %s: nothing to do", src)
+            log.info("already at layout %s: nothing to do", src, extra=ONCE)
             self.controller.done(d, "applied", "already at this layout")
             return
         when = f"iteration {iteration}: " if iteration is not None else ""
         if d.note:
-            log.info("%s%s", when, d.note)
+            log.info("%s%s", when, d.note, extra=ONCE)
         dst = Layout.parse(d.target, d.world)  # the controller validated it
         self.decision = d
         in_pause = not self.background_groups
@@ -254,7 +254,7 @@ class DynatrainHook:
         if self.memory is not None:  # collective; the same decision on every rank
             mem = self.memory.plan(self.spec, self.builder, src, self.layout_placement, dst,
                                    placement)
-            (log.info if mem.mode == "background" else log.warning)("%s", mem.describe())
+            (log.info if mem.mode == "background" else log.warning)("%s", mem.describe(), extra=ONCE)
             self.stall.lap("memory_check", t0)
             if not mem.fits:
                 self.rejected.append(mem.describe())
@@ -266,12 +266,12 @@ class DynatrainHook:
             self._release_a_grads = mem.mode == "release_a_grads"
         if in_pause:
             log.info("%sswitch %s (%d ranks) -> %s (%d ranks) requested; groups built inside "
-                     "the switch", when, src, src.world_size, dst, dst.world_size)
+                     "the switch", when, src, src.world_size, dst, dst.world_size, extra=ONCE)
             self._sync_target = (dst, placement)
             return
         log.info("%sswitch %s (%d ranks) -> %s (%d ranks) requested; choosing its placement, "
                  "building its groups and objects in the background while training goes on",
-                 when, src, src.world_size, dst, dst.world_size)
+                 when, src, src.world_size, dst, dst.world_size, extra=ONCE)
         start_preparation(self.devices, self.builder, src, self.layout_placement, dst,
                           dst_placement=placement, choose_placement=self._choose_placement,
                           ranks_per_node=self.ranks_per_node,
@@ -595,6 +595,6 @@ class DynatrainHook:
             job_presence.withdraw(self.controller.signal_path)
         text = summary(self.history, self.stall.stalls, self.rejected, self.failed,
                        self.recoveries, checkpoint_seconds)
-        log.info(text)
+        log.info(text, extra=ONCE)
         return text
 
