@@ -491,3 +491,255 @@ def test_released_a_grads_come_back_when_the_switch_rolls_back(monkeypatch):
     assert hook._switch(trainer) is trainer
     assert calls == ["offload", "offload", "build B", "restore", "restore", "failed"]
     assert hook._release_a_grads is False  # once: the next switch decides again
+
+
+# ----------------------------------------------------------------- issue 27, 1. vocab padding
+def _pad_plan(model: str, a: str, b: str, world: int, unavailable=()):
+    from dynatrain_megatron.configs import load_model
+    from dynatrain_megatron.transition.vocab_padding import padding_plan
+    from dynatrain_megatron.vps.fragment import KINDS
+    from dynatrain_megatron.vps.placement import Placement
+
+    spec = load_model(model)
+    la, lb = Layout.parse(a, world), Layout.parse(b, world)
+    return padding_plan((analytic_layout(spec, la), Placement.default(world)),
+                        (analytic_layout(spec, lb), Placement.default(world)), KINDS,
+                        unavailable)
+
+
+def _max_per_device(plan) -> tuple[int, int]:
+    per = plan.elements_per_device()
+    return (max((s for s, _ in per.values()), default=0),
+            max((r for _, r in per.values()), default=0))
+
+
+@pytest.mark.parametrize("a,b", [("tp2", "tp4"), ("tp4pp2", "tp2pp2"), ("tp1", "tp2")])
+def test_padding_bytes_per_device_do_not_grow_with_the_world(a, b):
+    """The same switch at 4, 8 and 1024 ranks (DP grows): the most any device sends or
+    receives stays the same; the world-wide gather it replaces grew with the world."""
+    worlds = (4, 8, 1024) if "pp2" not in a else (8, 16, 1024)
+    got = [_max_per_device(_pad_plan("tiny-gpt", a, b, w)) for w in worlds]
+    # never more than at the smallest world (finer optimizer shards send less)
+    assert got[0][1] > 0 and all(s <= got[0][0] and r <= got[0][1] for s, r in got), got
+    # what the world-wide gather gave every rank: all held padding, growing with the world
+    gathered = [sum(h.hi - h.lo for h in _pad_plan("tiny-gpt", a, b, w).held) for w in worlds]
+    assert gathered[0] < gathered[1] < gathered[2]
+    # every device that needs padding rows gets each element exactly once
+    for w in worlds[:2]:
+        plan = _pad_plan("tiny-gpt", a, b, w)
+        for n in plan.needed:
+            covered = sorted((p.lo, p.hi) for p in plan.pieces
+                             if (p.key, p.kind, p.dst) == (n.key, n.kind, n.device)
+                             and n.lo <= p.lo and p.hi <= n.hi)
+            at = n.lo
+            for lo, hi in covered:
+                assert lo == at
+                at = hi
+            assert at == n.hi, (n, covered)
+
+
+def test_padding_plan_skips_dead_holders_and_pads_nothing_without_padding():
+    plan = _pad_plan("tiny-gpt", "tp2", "tp2", 8, unavailable=(0, 2))
+    assert plan.pieces and not {p.src for p in plan.pieces} & {0, 2}
+    assert all(p.src == p.dst for p in _pad_plan("tiny-gpt", "tp2", "tp2", 8).pieces)
+    # the llama3-70b vocabulary (128256) is a multiple of 128 * 8: no padding anywhere
+    from dynatrain_megatron.configs import load_model
+
+    spec = load_model("llama3-70b")
+    if spec.padded_vocab_size(8) == spec.vocab_size:
+        assert not _pad_plan("llama3-70b", "tp8pp8", "tp4pp8", 128).pieces
+
+
+# ----------------------------------------------------------------- issue 27, 2. memory check
+class _FakeDevice:
+    """A device-memory source with settable readings (peaks since the last reset)."""
+
+    def __new__(cls, **kw):
+        from dynatrain_megatron.loop.memory_check import MemoryInfo, PeakWindow
+
+        class Fake(PeakWindow):
+            def __init__(self, total, free, allocated, reserved):
+                super().__init__()
+                self.now = dict(total=total, free=free, allocated=allocated, reserved=reserved)
+                self.peaks = [allocated, reserved]
+                self.resets = 0
+
+            def use(self, allocated, reserved, free=None):
+                """The allocator reaches these figures (peaks follow)."""
+                self.now.update(allocated=allocated, reserved=reserved)
+                if free is not None:
+                    self.now["free"] = free
+                self.peaks = [max(self.peaks[0], allocated), max(self.peaks[1], reserved)]
+
+            def _raw(self):
+                return MemoryInfo(peak_allocated=self.peaks[0], peak_reserved=self.peaks[1],
+                                  **self.now)
+
+            def _reset(self):
+                self.resets += 1
+                self.peaks = [self.now["allocated"], self.now["reserved"]]
+
+        return Fake(**kw)
+
+
+def test_memory_check_is_on_with_a_device_and_measures_it():
+    import types
+
+    from dynatrain_megatron.loop import memory_check as MC
+
+    GiB = 1 << 30
+    args = types.SimpleNamespace(dynatrain_device_memory=None, dynatrain_activation_reserve=0,
+                                 dynatrain_memory_reserve=GiB)
+    assert MC.from_args(args) is None  # the CPU, nothing configured: off
+    dev = _FakeDevice(total=80 * GiB, free=30 * GiB, allocated=40 * GiB, reserved=48 * GiB)
+    check = MC.from_args(args, source=dev)
+    assert check is not None and check.device_memory_bytes is None  # on, by default
+    lb = Layout.parse("tp4pp4dp8", 128)
+    total, pool, reserve = check.inputs(lb)
+    # total from mem_get_info; A's pool = reserved - allocated (cached blocks B's side
+    # stream cannot use); outside torch = total - free - reserved (context, A's NCCL)
+    assert total == 80 * GiB and pool == 8 * GiB
+    comms = MC.new_communicators(lb)
+    from dynatrain_megatron.vps.layout import GROUP_AXES
+
+    assert 2 < comms <= len(GROUP_AXES) + 2
+    assert MC.new_communicators(Layout.parse("tp1", 1)) == 1  # one rank: its own group only
+    assert reserve == GiB + 2 * GiB + comms * MC.DEFAULT_NCCL_COMM_BYTES
+
+
+def test_memory_peaks_are_per_step_and_forgotten_after_a_switch():
+    from dynatrain_megatron.loop import memory_check as MC
+
+    GiB = 1 << 30
+    dev = _FakeDevice(total=80 * GiB, free=40 * GiB, allocated=30 * GiB, reserved=30 * GiB)
+    check = MC.SwitchMemoryCheck(source=dev)
+    lb = Layout.parse("tp2", 2)
+    dev.use(allocated=50 * GiB, reserved=52 * GiB)  # a step: 20 GiB of activations
+    dev.use(allocated=30 * GiB, reserved=52 * GiB)
+    check.step_boundary()
+    assert check.inputs(lb)[1] == 22 * GiB  # the last step's peak minus what is live
+    dev.use(allocated=90 * GiB, reserved=90 * GiB, free=0)  # a switch: A and B together
+    dev.use(allocated=35 * GiB, reserved=40 * GiB, free=40 * GiB)  # A released
+    check.forget_peaks()
+    check.step_boundary()
+    assert check.inputs(lb)[1] == 5 * GiB  # never the switch's 90 GiB peak
+    dev.use(allocated=55 * GiB, reserved=60 * GiB)
+    dev.use(allocated=35 * GiB, reserved=60 * GiB)
+    check.step_boundary()
+    check.step_boundary()  # two boundaries: the window is the last step only
+    assert check.inputs(lb)[1] == 25 * GiB
+    with pytest.raises(Exception, match="device memory"):
+        MC.SwitchMemoryCheck()  # neither a size nor a device
+
+
+def test_switch_that_does_not_fit_the_measured_device_is_refused_before_b_exists(monkeypatch):
+    """The hook's decision with a measured device (GPU fake): NCCL buffers of B's new
+    communicators and memory outside torch make a switch that fits by state alone fail;
+    nothing of B is built (no groups, no preparation)."""
+    from dynatrain_megatron.elastic.controller import Decision
+    from dynatrain_megatron.loop import hook as H
+    from dynatrain_megatron.loop import memory_check as MC
+    from dynatrain_megatron.mcore.train_config import TrainConfig
+    from dynatrain_megatron.vps.memory import switch_memory_plan
+    from dynatrain_megatron.vps.placement import Placement
+
+    GiB = 1 << 30
+    spec = ModelSpec.from_yaml(ROOT / "configs/models/llama3-70b.yaml").replace(params_dtype="bf16")
+    src, dst = Layout.parse("tp8pp4dp4", 128), Layout.parse("tp4pp4dp8", 128)
+    dev = tuple(range(128))
+    bare = switch_memory_plan(spec, src, dev, dst, dev, device_memory_bytes=80 * GiB,
+                              activation_bytes=0)
+    need = dict((m, b) for m, b, _ in bare.need_bytes)
+    # leave room for A's state only: B fits by state (the bare plan) but not with NCCL
+    used = need["release_a_grads"] - 1 * GiB
+    fake = _FakeDevice(total=80 * GiB, free=80 * GiB - used - 3 * GiB, allocated=used,
+                       reserved=used)
+    monkeypatch.setattr(MC, "agree_on_max", lambda v: v)
+    monkeypatch.setattr(H, "choose_dst_placement", lambda *a: Placement(dev))
+    built = []
+    monkeypatch.setattr(H, "start_preparation", lambda *a, **k: built.append("prepare"))
+    monkeypatch.setattr(H, "build_groups", lambda *a: built.append("groups"))
+
+    class Ctl:
+        done_with: list = []
+
+        def done(self, d, outcome, reason=""):
+            self.done_with.append((outcome, reason))
+
+    hook = H.DynatrainHook(spec, TrainConfig(), Ctl(), memory=MC.SwitchMemoryCheck(source=fake))
+    assert bare.mode is not None  # by the state alone it would have gone ahead
+    hook.layout, hook.layout_placement = src, Placement(dev)
+    hook._on_decision(Decision("tp4pp4dp8", 128, "signal"), 10)
+    assert built == [] and hook.decision is None and hook._sync_target is None
+    assert hook.controller.done_with[-1][0] == "failed" and "do not fit" in hook.rejected[-1]
+
+
+# ----------------------------------------------------------------- issue 27, 3. B's RNG use
+def _dropout_masks_while_b_forks(isolate: bool, concurrent: bool) -> list:
+    """A draws dropout masks under the model-parallel tracker while B's thread sits inside
+    a tracker fork (as Transformer Engine's reset_parameters does at construction)."""
+    import threading
+
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    from dynatrain_megatron.compat import prepare_runtime
+    from dynatrain_megatron.mcore.rng_isolation import isolated_rng
+
+    prepare_runtime()
+    torch.manual_seed(7)
+    model_parallel_cuda_manual_seed(11, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
+    inside, drawn = threading.Event(), threading.Event()
+
+    def b_build():
+        ctx = isolated_rng() if isolate else __import__("contextlib").nullcontext()
+        with ctx:
+            with get_cuda_rng_tracker().fork():  # TE's init_fn inside is a no-op for B
+                inside.set()
+                drawn.wait(10)
+
+    t = threading.Thread(target=b_build)
+    if concurrent:
+        t.start()
+        inside.wait(10)
+    x = torch.ones(64)
+    masks = []
+    for _ in range(3):
+        with get_cuda_rng_tracker().fork():
+            masks.append(torch.nn.functional.dropout(x, 0.1).eq(0))
+        masks.append(torch.nn.functional.dropout(x, 0.1).eq(0))  # the default generator
+    drawn.set()
+    if concurrent:
+        t.join()
+    for _ in range(2):  # after B's fork ended: the generators must have moved on as A's
+        with get_cuda_rng_tracker().fork():
+            masks.append(torch.nn.functional.dropout(x, 0.1).eq(0))
+        masks.append(torch.nn.functional.dropout(x, 0.1).eq(0))
+    return masks
+
+
+def test_b_construction_leaves_a_dropout_masks_unchanged():
+    import torch
+
+    ref = _dropout_masks_while_b_forks(isolate=True, concurrent=False)
+    iso = _dropout_masks_while_b_forks(isolate=True, concurrent=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, iso))
+    # the control: without the isolation B's fork changes A's masks
+    raw = _dropout_masks_while_b_forks(isolate=False, concurrent=True)
+    assert not all(torch.equal(a, b) for a, b in zip(ref, raw))
+
+
+def test_isolated_tracker_keeps_megatron_isinstance_and_restores_the_global():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from dynatrain_megatron.compat import prepare_runtime
+    from dynatrain_megatron.mcore.rng_isolation import InertTracker, isolated_rng
+
+    prepare_runtime()
+    real = mrandom.get_cuda_rng_tracker()
+    with isolated_rng() as inert:
+        assert isinstance(inert, InertTracker)
+        assert mrandom.get_cuda_rng_tracker().is_initialized() is False  # this thread
+        assert isinstance(mrandom._CUDA_RNG_STATE_TRACKER, type(real))  # checkpoint code
+        assert mrandom.get_cuda_rng_tracker().get_states() == {}
+    assert mrandom._CUDA_RNG_STATE_TRACKER is real

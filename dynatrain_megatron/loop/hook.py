@@ -148,6 +148,8 @@ class DynatrainHook:
             self.start(trainer, trainer.objs.layout, trainer.objs.groups.placement)
         if self.faults is not None:
             self.faults.fail(dist.get_rank(), "step", trainer.iteration)
+        if self.memory is not None:
+            self.memory.step_boundary()  # the memory figures are the last step's
         if self.devices.pending:
             return self._switch_when_due(trainer)
         d = self.controller.poll(trainer.iteration, self.layout.world_size)
@@ -284,6 +286,8 @@ class DynatrainHook:
             raise
         if released is not None and res.aborted:
             restore_grad_buffers(released)  # A trains on
+        if self.memory is not None:
+            self.memory.forget_peaks()  # this step's peak held A and B together
         if res.aborted:
             self.failed.append(res.aborted)
             self.controller.done(self.decision, "failed", res.aborted)

@@ -38,7 +38,7 @@ from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
-from .vocab_padding import carry_vocab_padding
+from .vocab_padding import carry_vocab_padding, padding_plan
 from .executor import PACK_ALIGN, Executor
 from .faults import FaultPlan
 from .switch_types import (Builder, LayoutGroups, Prepared, Scalars, SwitchOptions,
@@ -359,9 +359,15 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                   checksums=options.checksums, faults=faults)
     errors = list(ex.run(prepared.local_pieces, prepared.round_pieces))
     try:
-        # a collective: every rank calls it; after a death any surviving replica serves
-        carry_vocab_padding(old_live, new_live, kinds, main_only=not unavailable,
-                            src_padded=spec.padded_vocab_size(src.tp) > spec.vocab_size)
+        # only the holders of A's padding rows and the needers of B's exchange (pure plan,
+        # the same on every rank); after a death any surviving replica serves
+        pad_plan = padding_plan(
+            (analytic_layout(spec, src, builder.bucket_size(src)), src_placement),
+            (analytic_layout(spec, dst, builder.bucket_size(dst)), dst_placement), kinds,
+            unavailable)
+        _, pad_errors = carry_vocab_padding(pad_plan, me, old_live, new_live, ex.transport,
+                                            tag=attempt, timeout=options.timeout)
+        errors += pad_errors
         faults.fail(me, "commit", dst=str(dst))
     except Exception as e:  # noqa: BLE001
         errors.append(f"rank {me}: commit: {type(e).__name__}: {e}")
