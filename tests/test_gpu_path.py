@@ -743,3 +743,177 @@ def test_isolated_tracker_keeps_megatron_isinstance_and_restores_the_global():
         assert isinstance(mrandom._CUDA_RNG_STATE_TRACKER, type(real))  # checkpoint code
         assert mrandom.get_cuda_rng_tracker().get_states() == {}
     assert mrandom._CUDA_RNG_STATE_TRACKER is real
+
+
+# ----------------------------------------------------------------- issue 27, 4. votes, aborts
+def _vote_case(deadline: float) -> dict:
+    """On gloo ranks: votes that agree, a vote with one rank's error, a vote with a hung
+    peer and one with a dead peer (each on a fresh CPU group, as a broken one is gone)."""
+    import os
+    import time
+    import types
+
+    import torch.distributed as dist
+
+    from dynatrain_megatron.transition import switch as S
+
+    me, out = dist.get_rank(), {}
+    groups = [dist.new_group(backend="gloo") for _ in range(3)]
+    S.control_group = lambda: groups[0]
+    out["ok"] = S._agree([], deadline)
+    out["one"] = S._agree(["rank 1: boom"] if me == 1 else [], deadline)
+    aborted = []
+    S.abort_group = lambda g: aborted.append(g) or True
+    released = []
+    fake = types.SimpleNamespace(transfer="transfer", release_transfer=lambda: released.append(1))
+    if out["one"]:  # what the switch does after a failed commit vote: on every rank
+        S._release_transfer(fake, abort=True)
+    out["aborted"], out["released"] = aborted, released
+    for name, g in (("hung", groups[1]), ("dead", groups[2])):
+        S.control_group = lambda g=g: g
+        if me == 3:
+            if name == "dead":
+                os._exit(0)  # gone: its sockets close
+            time.sleep(deadline * 2.5)  # hung past everyone's deadline
+            out[name] = "skipped"
+            continue
+        t0 = time.monotonic()
+        try:
+            S._agree([], deadline)
+            out[name] = "result"
+        except S.VoteFailed as e:
+            out[name] = "VoteFailed"
+            out[name + "_msg"] = str(e)
+        out[name + "_s"] = time.monotonic() - t0
+    return out
+
+
+def test_votes_agree_and_a_dead_or_hung_peer_fails_every_vote_alike():
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    res = run_on_ranks(_vote_case, 4, 2.0, timeout=300)
+    live = res[:3]
+    assert res[3] is None  # the dead rank
+    assert all(r["ok"] == [] for r in live)
+    assert all(r["one"] == ["rank 1: boom"] for r in live)  # everyone sees rank 1's reason
+    # the failed vote's outcome is everyone's: every rank aborts and releases the transfer
+    assert all(r["aborted"] == ["transfer"] and r["released"] == [1] for r in live)
+    # a hung peer: every live rank's vote fails at its deadline, none gets a result
+    assert [r["hung"] for r in live] == ["VoteFailed"] * 3
+    assert all(1.5 < r["hung_s"] < 10 for r in live), [r["hung_s"] for r in live]
+    assert [r["dead"] for r in live] == ["VoteFailed"] * 3
+
+
+def test_votes_run_on_the_cpu_group_with_a_deadline(monkeypatch):
+    """Never on an NCCL communicator (whose abort hands a rank its own value back)."""
+    from dynatrain_megatron.transition import switch as S
+
+    cpu_group, seen = object(), []
+
+    class Work:
+        def wait(self, timeout=None):
+            seen.append(timeout.total_seconds())
+            raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
+
+    monkeypatch.setattr(S, "control_group", lambda: cpu_group)
+    monkeypatch.setattr(S.dist, "all_reduce", lambda t, op=None, group=None, async_op=False:
+                        seen.append((t.device.type, group is cpu_group, async_op)) or Work())
+    with pytest.raises(S.VoteFailed, match="within 7 s"):
+        S._agree([], 7.0)
+    assert seen == [("cpu", True, True), 7.0]
+    assert S.vote_deadline(None) == S.VOTE_TIMEOUT_S and S.vote_deadline(1000.0) == 4000.0
+
+
+def test_nccl_error_handling_is_set_before_megatron_lm_makes_its_groups(monkeypatch):
+    """Plain torchrun + the patched pretrain_gpt.py: our argument provider (run by
+    Megatron-LM's parse_args, before torch.distributed exists) sets it; a user's value
+    is kept."""
+    import argparse
+
+    from dynatrain_megatron.megatron_lm.arguments import chain_extra_args_providers
+
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    chain_extra_args_providers(None)(argparse.ArgumentParser())
+    import os
+
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    chain_extra_args_providers(None)(argparse.ArgumentParser())
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+# ----------------------------------------------------------------- issue 27, 7. preparation deadline
+def _prepare_deadline_case(mode: str) -> dict:
+    """Rank 2's background preparation fails at once while its peers stay blocked (as in
+    an NCCL communicator's set-up that it never joins), or rank 2 stays blocked while
+    the others finish: every rank's ready vote gives up alike, in bounded time."""
+    import time
+
+    import torch.distributed as dist
+
+    from dynatrain_megatron.elastic import device_manager as DM
+    from dynatrain_megatron.vps.placement import Placement
+
+    me = dist.get_rank()
+
+    def build(layout, placement):
+        if mode == "fail" and me == 2:
+            raise RuntimeError("communicator set-up failed")
+        if (mode == "fail") or (mode == "hang" and me == 2):
+            time.sleep(30)  # blocked
+        return None
+
+    DM.build_groups = build
+    dm = DM.DeviceManager(deadline_s=2.0)
+    dm.prepare(Layout.parse("tp1", 4), Placement.default(4))
+    t0, polls = time.monotonic(), 0
+    while not dm.ready():
+        time.sleep(0.05)
+        polls += 1
+        if time.monotonic() - t0 > 20:
+            return dict(out="spun", s=time.monotonic() - t0)
+    waited = time.monotonic() - t0
+    try:
+        dm.take()
+        out = "took"
+    except RuntimeError as e:
+        out = str(e)
+    t1 = time.monotonic()
+    dm.abandon()
+    return dict(out=out, s=waited, abandon_s=time.monotonic() - t1)
+
+
+@pytest.mark.parametrize("mode", ["fail", "hang"])
+def test_background_preparation_has_a_deadline(mode):
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    res = run_on_ranks(_prepare_deadline_case, 4, mode, timeout=300)
+    assert all("failed on some rank" in r["out"] if mode == "fail" else
+               "passed its deadline of 2 s" in r["out"] for r in res), res
+    bound = 1.5 if mode == "fail" else 8.0  # a failure is seen at once; a hang at 2 s
+    assert all(r["s"] < bound and r["abandon_s"] < 1.0 for r in res), res
+    if mode == "hang":
+        assert all(r["s"] > 1.9 for r in res), res
+
+
+# ----------------------------------------------------------------- issue 27, 8. gloo groups
+def test_no_world_sized_gloo_group_per_switch_under_nccl(monkeypatch):
+    """B's CPU twin under NCCL: the control group where B spans the world, one group per
+    other device set for the life of the world; none is made again at the next switch."""
+    from dynatrain_megatron.elastic import communicators as cm
+
+    made, control = [], object()
+    worlds = [object()]
+    monkeypatch.setattr(cm, "is_nccl", lambda group=None: True)
+    monkeypatch.setattr(cm, "control_group", lambda: control)
+    monkeypatch.setattr(cm.dist, "get_world_size", lambda group=None: 8)
+    monkeypatch.setattr(cm.dist.distributed_c10d, "_get_default_group", lambda: worlds[-1])
+    monkeypatch.setattr(cm.dist, "new_group", lambda ranks=None, backend=None, **k:
+                        made.append((tuple(ranks), backend)) or object())
+    for _ in range(3):  # three switches among layouts on the whole world
+        assert cm.cpu_group_for((3, 1, 0, 2, 4, 5, 7, 6)) is control
+    first = [cm.cpu_group_for((0, 1, 2, 3)) for _ in range(3)]  # scale-in, and back, ...
+    assert made == [((0, 1, 2, 3), "gloo")] and first[0] is first[1] is first[2]
+    worlds.append(object())  # a new world (after a death): made again, once
+    cm.cpu_group_for((0, 1, 2, 3))
+    assert len(made) == 2

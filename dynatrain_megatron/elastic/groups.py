@@ -31,10 +31,11 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from ..compat.torch_features import new_group
 from ..transition.transport import abort_group
 from ..vps.layout import GROUP_AXES, Layout
 from ..vps.placement import Placement
-from .communicators import group_device
+from .communicators import cpu_group_for, group_device
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class ParallelGroups:
     layout_group: object = None
     # a gloo twin of layout_group where the backend is NCCL (else layout_group itself):
     # megatron's construction-time object gathers, made while another layout trains, run
-    # on the CPU and never on the device's streams (elastic.communicators)
+    # on the CPU and never on the device's streams (elastic.communicators). Shared by
+    # every layout on the same devices and not destroyed with the layout
     layout_group_cpu: object = None
     # the layout's devices in global-rank order, where they are the job's first ranks and
     # others are left on standby: the default group Megatron-LM's code is given meanwhile
@@ -89,6 +91,16 @@ class ParallelGroups:
                     if not broken:
                         raise
         self.created.clear()
+
+    def release_transfer(self) -> None:
+        """Destroy the transfer group now (it serves only the switch into this layout).
+        Every rank of the world calls it at the same point (after the switch's last
+        vote): its members destroy it together, as NCCL wants."""
+        g, self.transfer = self.transfer, None
+        if g is None or g == dist.GroupMember.NON_GROUP_MEMBER:
+            return
+        self.created = [x for x in self.created if x is not g]
+        dist.destroy_process_group(g)
 
     def take_handles(self) -> list:
         """Move this object's references to its process-group handles out (after
@@ -145,8 +157,7 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
         if key not in cache:
             # group rank = position; an ascending list keeps torch's default call (the
             # only one TorchComms' split path takes: transition.switch checks that)
-            g = dist.new_group(list(key), device_id=device,
-                               sort_ranks=list(key) == sorted(key))
+            g = new_group(key, device=device, keep_order=list(key) != sorted(key))
             cache[key] = g
             created.append(g)
         return cache[key]
@@ -182,11 +193,10 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
         pgc.intra_expt_dp = pgc.expt_dp
         mine["intra_dp_cp"] = mine["dp_cp"]
         mine["intra_expt_dp"] = mine["expt_dp"]
-    everyone_cpu = everyone
-    if dist.get_backend() != "gloo":
-        everyone_cpu = dist.new_group(list(dev), backend="gloo")
-        created.append(everyone_cpu)
-    transfer = dist.new_group(list(range(dist.get_world_size())), device_id=device)
+    # under NCCL the layout's CPU twin: one per device set for the life of the world
+    # (communicators.cpu_group_for), not a new world-sized gloo group per switch
+    everyone_cpu = cpu_group_for(dev) if dist.get_backend() != "gloo" else everyone
+    transfer = new_group(range(dist.get_world_size()), device=device)
     created.append(transfer)
     log.debug("built %d groups for %s", len(created), layout)
     return ParallelGroups(layout=layout, placement=placement, rank=rank, pg_collection=pgc,

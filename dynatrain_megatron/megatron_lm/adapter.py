@@ -260,7 +260,10 @@ class MegatronLMSession:
         from ..loop.hook import DynatrainHook
         from ..mcore.training import Trainer
 
+        from ..elastic.communicators import ensure_control_group
+
         check_switchable(args)
+        ensure_control_group()  # the votes' CPU group (every rank starts its session here)
         for note in performance_differences(args):
             log.warning("dynatrain: %s", note)
         self.args = args

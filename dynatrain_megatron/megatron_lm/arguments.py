@@ -36,6 +36,11 @@ def chain_extra_args_providers(*providers: Optional[ExtraArgsProvider]) -> Extra
     chain = [p for p in providers if p is not None]
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        # Megatron-LM parses its arguments before it makes the process groups: NCCL's
+        # error handling must be in the environment by then (plain torchrun sets none)
+        from .. import process_env
+
+        process_env.apply()
         for p in chain:
             out = p(parser)
             parser = out if out is not None else parser
