@@ -956,3 +956,94 @@ def test_no_world_sized_gloo_group_per_switch_under_nccl(monkeypatch):
     worlds.append(object())  # a new world (after a death): made again, once
     cm.cpu_group_for((0, 1, 2, 3))
     assert len(made) == 2
+
+
+# ----------------------------------------------------------------- issue 27, 9. B's options
+def test_b_ddp_config_is_the_jobs_field_for_field(monkeypatch):
+    """A Megatron-LM job's DDP config (made by Megatron-LM from its args) is B's, but for
+    the bucket size (re-resolved for B's DP) and the optimizer instances (B's)."""
+    import dataclasses
+    import types
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from dynatrain_megatron.mcore import builders as B
+    from dynatrain_megatron.mcore.train_config import TrainConfig
+    from dynatrain_megatron.vps.distopt import resolve_bucket_size
+
+    job = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=False, overlap_grad_reduce=True, overlap_param_gather=True,
+        use_distributed_optimizer=True, check_for_nan_in_grad=True, check_for_large_grads=True,
+        average_in_collective=True, bucket_size=resolve_bucket_size(None, True, 2),
+        num_distributed_optimizer_instances=1, reduce_scatter_with_fp32_accumulation=True)
+    train = TrainConfig(overlap_grad_reduce=True, overlap_param_gather=True)
+    lb = Layout.parse("tp1pp1doi2dp64", 64)
+    got = []
+    monkeypatch.setattr("megatron.core.distributed.DistributedDataParallel",
+                        lambda config, ddp_config, module, **k: got.append(ddp_config))
+    B.wrap_ddp([object()], None, train, types.SimpleNamespace(layout=lb, pg_collection=None), job)
+    b = got[0]
+    for f in dataclasses.fields(job):
+        if f.name == "bucket_size":
+            assert b.bucket_size == resolve_bucket_size(None, True, 64) != job.bucket_size
+        elif f.name == "num_distributed_optimizer_instances":
+            assert b.num_distributed_optimizer_instances == 2
+        else:
+            assert getattr(b, f.name) == getattr(job, f.name), f.name
+    # no template (our stand-in job): its own config, as its first layout had
+    assert B.ddp_config_for(lb, train).grad_reduce_in_fp32 is True
+
+
+def test_b_groups_get_the_jobs_nccl_options(monkeypatch, tmp_path):
+    """Megatron-LM's --nccl-communicator-config-path and --high-priority-stream-groups:
+    each of B's NCCL groups so named is made with megatron's own options for that name
+    (as far as the CPU can tell: the options object is megatron-core's get_nccl_options's),
+    the others with torch's defaults."""
+    import types
+
+    import megatron.core.parallel_state as ps
+
+    from dynatrain_megatron.elastic import groups as G
+
+    cfg = tmp_path / "nccl.yaml"
+    cfg.write_text("tp: {max_ctas: 8}\ndp_cp: {net_name: IB, min_ctas: 2}\n")
+    args = types.SimpleNamespace(nccl_communicator_config_path=str(cfg),
+                                 high_priority_stream_groups=["pp"])
+    opts = G.GroupOptions.from_megatron_args(args)
+    assert opts.config() == {"tp": {"max_ctas": 8}, "dp_cp": {"net_name": "IB", "min_ctas": 2},
+                             "pp": {"is_high_priority_stream": True}}
+    made = []
+    monkeypatch.setattr(ps, "get_nccl_options", lambda name, c: ("megatron", name, str(c[name])))
+    monkeypatch.setattr(G, "is_nccl", lambda group=None: True)
+    monkeypatch.setattr(G, "group_device", lambda: None)
+    monkeypatch.setattr(G, "cpu_group_for", lambda dev: "cpu")
+    monkeypatch.setattr(G.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(G.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(G.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(G, "new_group", lambda ranks, **k: made.append((tuple(ranks), k)) or
+                        object())
+    G.set_group_options(opts)
+    try:
+        G.build_groups(Layout.parse("tp2pp2", 4))
+    finally:
+        G.set_group_options(G.GroupOptions())
+    with_opts = {k["pg_options"][1]: k["pg_options"] for _, k in made if k.get("pg_options")}
+    assert set(with_opts) == {"tp", "pp", "dp_cp"}
+    assert with_opts["pp"] == ("megatron", "pp", "{'is_high_priority_stream': True}")
+    # dp_cp has the same members as dp (cp 1) but its own group, with its options
+    dp_like = [r for r, k in made if r == (0,)]
+    assert len(dp_like) >= 2
+
+
+def test_options_we_cannot_honour_are_refused_at_start():
+    import types
+
+    from dynatrain_megatron.megatron_lm.arguments import unsupported_args
+
+    base = dict(transformer_impl="local", use_distributed_optimizer=True, seq_length=32)
+    assert not any("pad-buckets" in x or "sharp" in x
+                   for x in unsupported_args(types.SimpleNamespace(**base), te_available=False))
+    bad = unsupported_args(types.SimpleNamespace(**base, ddp_pad_buckets_for_high_nccl_busbw=True,
+                                                 use_sharp=True), te_available=False)
+    assert any("--ddp-pad-buckets-for-high-nccl-busbw" in x for x in bad)
+    assert any("--use-sharp" in x for x in bad)

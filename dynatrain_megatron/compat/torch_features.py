@@ -56,13 +56,17 @@ def use_torchcomms() -> bool:
 
 
 def new_group(ranks: Sequence[int], *, backend: Optional[str] = None,
-              device: Optional[torch.device] = None, keep_order: bool = False):
+              device: Optional[torch.device] = None, keep_order: bool = False,
+              pg_options=None):
     """`dist.new_group(ranks)` with the member order kept where asked and supported
-    (`keep_order`; callers check `ordered_groups()` before choosing an unsorted order)
-    and the communicator made eagerly on `device` where supported."""
+    (`keep_order`; callers check `ordered_groups()` before choosing an unsorted order),
+    the communicator made eagerly on `device` where supported, and `pg_options` (NCCL's
+    per-group options) where given."""
     kw: dict = {}
     if backend is not None:
         kw["backend"] = backend
+    if pg_options is not None:
+        kw["pg_options"] = pg_options
     params = _new_group_params()
     if device is not None and "device_id" in params:
         kw["device_id"] = device

@@ -261,9 +261,12 @@ class MegatronLMSession:
         from ..mcore.training import Trainer
 
         from ..elastic.communicators import ensure_control_group
+        from ..elastic.groups import GroupOptions, set_group_options
 
         check_switchable(args)
         ensure_control_group()  # the votes' CPU group (every rank starts its session here)
+        # B's groups with the job's per-group NCCL options (elastic.groups.GroupOptions)
+        set_group_options(GroupOptions.from_megatron_args(args))
         for note in performance_differences(args):
             log.warning("dynatrain: %s", note)
         self.args = args
@@ -288,7 +291,7 @@ class MegatronLMSession:
         self.hook = DynatrainHook.from_args(
             args, self.spec, self.train,
             builder=MegatronBuilder(self.spec, self.train, config_factory=megatron_lm_config_factory(
-                args, self.spec, self.intents)))
+                args, self.spec, self.intents), ddp_template=model[0].ddp_config))
         self.test_data_iterator: Any = None
         self.latest: Optional[LoopObjects] = None
         self.launch_layout = layout  # Megatron-LM's log line does not show a later one

@@ -272,6 +272,12 @@ def unsupported_args(args: Any, *, te_available: bool) -> list[str]:
                  "use_precision_aware_optimizer"):
         refuse(arg_value(args, flag, False), f"--{flag.replace('_', '-')}")
     refuse(arg_value(args, "ddp_num_buckets") is not None, "--ddp-num-buckets (use --ddp-bucket-size)")
+    # the switch plans with the analytic buffer layout, which does not model this padding
+    refuse(arg_value(args, "ddp_pad_buckets_for_high_nccl_busbw", False),
+           "--ddp-pad-buckets-for-high-nccl-busbw")
+    # megatron enables SHARP through the environment while it makes its data-parallel
+    # groups; B's groups are made later, in the background, without it
+    refuse(arg_value(args, "use_sharp", False), "--use-sharp (B's groups would not get SHARP)")
     refuse(arg_value(args, "fp16", False) and arg_value(args, "loss_scale") is not None,
            "--loss-scale (static fp16 loss scale)")
     refuse(_is_set(arg_value(args, "fp8")), "--fp8-format")
@@ -310,8 +316,6 @@ def performance_differences(args: Any) -> list[str]:
     if arg_value(args, "tp_comm_overlap", False):
         out.append("--tp-comm-overlap is off after a switch (its user buffers are set up for "
                    "the first layout's TP size)")
-    if arg_value(args, "check_for_nan_in_loss_and_grad", False):
-        out.append("the DDP NaN check on gradients is off after a switch")
     dropout = [f"--{n.replace('_', '-')} {arg_value(args, n)}" for n in
                ("hidden_dropout", "attention_dropout") if _is_set(arg_value(args, n, 0.0))]
     if dropout:
