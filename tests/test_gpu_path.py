@@ -1047,3 +1047,42 @@ def test_options_we_cannot_honour_are_refused_at_start():
                                                  use_sharp=True), te_available=False)
     assert any("--ddp-pad-buckets-for-high-nccl-busbw" in x for x in bad)
     assert any("--use-sharp" in x for x in bad)
+
+
+# ----------------------------------------------------------------- issue 27, 5. scale-in destroy
+def _transfer_release_case() -> dict:
+    import torch.distributed as dist
+
+    from dynatrain_megatron.elastic import groups as G
+    from dynatrain_megatron.vps.placement import Placement
+
+    b = G.build_groups(Layout.parse("tp2", 2), Placement((0, 1)))  # scale-in: B on 0, 1
+    transfer, log = b.transfer, []
+    real = dist.destroy_process_group
+
+    def record(g=None):
+        log.append("transfer" if g is transfer else
+                   "member" if g != dist.GroupMember.NON_GROUP_MEMBER else "non-member")
+        real(g)
+
+    dist.destroy_process_group = record
+    try:
+        b.release_transfer()  # every rank, after the switch's last vote
+        at_release = list(log)
+        b.release_transfer()  # idempotent
+        b.destroy()  # later, with B's objects: only B's members hold communicators
+    finally:
+        dist.destroy_process_group = real
+    return dict(at_release=at_release, later=log[len(at_release):],
+                transfer_kept=any(g is transfer for g in b.created))
+
+
+def test_transfer_group_destroyed_by_every_rank_together_on_scale_in():
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    res = run_on_ranks(_transfer_release_case, 4, timeout=300)
+    assert [r["at_release"] for r in res] == [["transfer"]] * 4  # the leaving ranks too
+    assert not any(r["transfer_kept"] for r in res)
+    assert all("transfer" not in r["later"] and "non-member" not in r["later"] for r in res)
+    assert res[2]["later"] == res[3]["later"] == []  # nothing of B's on the leaving ranks
+    assert res[0]["later"] == res[1]["later"] and res[0]["later"]  # members, one order
