@@ -855,6 +855,8 @@ def test_votes_run_on_the_cpu_group_with_a_deadline(monkeypatch):
             raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
 
     monkeypatch.setattr(S, "control_group", lambda: cpu_group)
+    monkeypatch.setattr(S, "collective_device", lambda g=None: torch.device(
+        "cpu" if g is cpu_group else "cuda"))
     monkeypatch.setattr(S.dist, "all_reduce", lambda t, op=None, group=None, async_op=False:
                         seen.append((t.device.type, group is cpu_group, async_op)) or Work())
     with pytest.raises(S.VoteFailed, match="within 7 s"):

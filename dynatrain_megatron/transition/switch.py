@@ -199,7 +199,8 @@ def _agree(errors: list[str], deadline: float = VOTE_TIMEOUT_S) -> list[str]:
     rank raise `VoteFailed` (no rank can complete the reduction without it), never some
     ranks commit while others roll back."""
     group = control_group()
-    flag = torch.tensor([1 if errors else 0], dtype=torch.int32)
+    device = collective_device(group)  # the CPU, unless a world without its CPU group
+    flag = torch.tensor([1 if errors else 0], dtype=torch.int32, device=device)
     _wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True), deadline,
           "the switch's vote")
     if not int(flag.item()):
@@ -207,12 +208,13 @@ def _agree(errors: list[str], deadline: float = VOTE_TIMEOUT_S) -> list[str]:
     data = "\n".join(errors).encode()[:_VOTE_MESSAGE_BYTES]
     mine = torch.zeros(_VOTE_MESSAGE_BYTES, dtype=torch.uint8)
     mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    mine = mine.to(device)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     _wait(dist.all_gather(everyone, mine, group=group, async_op=True), deadline,
           "the switch's vote (reasons)")
     out = []
     for t in everyone:
-        text = bytes(t.tolist()).rstrip(b"\0").decode(errors="replace")
+        text = bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
         out += [line for line in text.split("\n") if line]
     return out
 
