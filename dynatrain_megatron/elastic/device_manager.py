@@ -31,10 +31,23 @@ import torch.distributed as dist
 from ..compat import runtime_in_this_thread
 from ..vps.layout import Layout
 from ..vps.placement import Placement
+from ..transition.transport import collective_device
 from .communicators import control_group, device_context, rank_device, warm_up_groups
 from .groups import ParallelGroups, build_groups
 
 log = logging.getLogger(__name__)
+
+# the least vote wins: a rank whose preparation passed its deadline, or failed, makes every
+# rank give up on it (unless the job stops anyway)
+_STOP, _LATE, _FAILED, _WAIT, _READY = 0, 1, 2, 3, 4
+_VOTES = {_STOP: "stop", _LATE: "late", _FAILED: "failed", _WAIT: "wait", _READY: "ready"}
+
+
+def _least(value: int, group: Any) -> int:
+    """Collective over `group` (None: the world): the least of every rank's `value`."""
+    flag = torch.tensor([value], dtype=torch.int32, device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return int(flag.item())
 
 
 PREPARE_TIMEOUT_S = 900.0  # the background preparation's deadline by default
@@ -108,31 +121,49 @@ class DeviceManager:
         else:
             work()
 
-    def ready(self) -> bool:
+    def ready(self, layout_group: Any = None, standby: Any = None) -> bool:
         """Collective: True when the groups (and the preparation) are done on every rank,
-        or when some rank failed or passed the deadline (then `given_up` holds why, on
-        every rank, and `take()` raises). Runs at every step while a preparation is
-        pending: on the CPU control group, so it costs no device synchronisation
-        (communicators.control_group)."""
+        or when the preparation was given up on every rank (`vote`; `take()` then raises)."""
+        return self.vote(layout_group, standby) == "ready"
+
+    def vote(self, layout_group: Any = None, standby: Any = None, stop: bool = False) -> str:
+        """Collective, at every step while a preparation is pending: "ready" when the
+        groups (and the preparation) are done on every rank, "stop" when a rank of the
+        layout says the job ends (the preparation is then cancelled everywhere), else
+        "wait". Without `standby`, one vote over the world on the CPU control group (no
+        device synchronisation: communicators.control_group). With ranks on standby, the
+        layout's ranks vote among themselves on `layout_group` (a CPU group, with the job's
+        deadline; None on a standby rank), then with the standby ranks on their channel,
+        where those wait as long as the job lives (`standby_channel.py`)."""
         if self.given_up is not None:
-            return True
+            return "ready"  # agreed at an earlier vote; `take()` raises
         working = self._thread is not None and self._thread.is_alive()
         late = working and time.monotonic() - self._started > self.deadline_s
-        failed = (not working and self._error is not None) or late
-        flags = torch.tensor([int(failed), int(late), int(working)], dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control_group())
-        any_failed, any_late, any_working = (int(x) for x in flags.tolist())
-        if any_failed:
+        if stop:
+            mine = _STOP
+        elif late:
+            mine = _LATE
+        elif not working and self._error is not None:
+            mine = _FAILED
+        else:
+            mine = _WAIT if working else _READY
+        if standby is None:
+            agreed = _least(mine, control_group())
+        else:
+            if layout_group is not None:
+                mine = _least(mine, layout_group)
+            agreed = _least(mine, standby)
+        if agreed in (_LATE, _FAILED):
             what = self.target[0] if self.target else "?"
             self.given_up = (f"preparing {what} passed its deadline of {self.deadline_s:.0f} s "
-                             f"on some rank" if any_late else f"preparing {what} failed on "
-                             f"some rank")
+                             f"on some rank" if agreed == _LATE else
+                             f"preparing {what} failed on some rank")
             if late:
                 log.error("rank %d: the background preparation of %s is still running after "
                           "%.0f s; giving up (the thread is left behind)", dist.get_rank(),
                           what, self.deadline_s)
-            return True
-        return not any_working
+            return "ready"  # every rank goes to the switch, whose `take()` raises alike
+        return _VOTES[agreed]
 
     def take(self) -> ParallelGroups:
         """The groups built; the preparation, if one was asked for, is `take_prepared()`."""
@@ -160,10 +191,11 @@ class DeviceManager:
         prepared, self._prepared = self._prepared, None
         return prepared
 
-    def abandon(self, timeout: float = 10.0) -> tuple[Optional[ParallelGroups], Any]:
-        """Give up the pending target (the world changed under it): wait up to `timeout` s
-        for the background work, then hand back what it built, (groups, prepared), for the
-        caller to free. A thread still blocked on a dead peer is left behind (daemon)."""
+    def abandon(self, timeout: Optional[float] = 10.0) -> tuple[Optional[ParallelGroups], Any]:
+        """Give up the pending target (the world changed under it, or the job ends): wait
+        up to `timeout` s (None: until it ends) for the background work, then hand back what
+        it built, (groups, prepared), for the caller to free. A thread still blocked on a
+        dead peer is left behind (daemon)."""
         if self._thread is not None:
             self._thread.join(0 if self.given_up is not None else timeout)
             if self._thread.is_alive():

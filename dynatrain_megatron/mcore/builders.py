@@ -7,8 +7,6 @@ callable and never imports this module.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import functools
 import logging
 from dataclasses import dataclass
@@ -220,34 +218,19 @@ def restore_tensor_parallel_attributes(chunks: list[torch.nn.Module], spec: Mode
                 mark(m.weight, 1, 1)
 
 
-def ddp_config_for(layout: Layout, train: TrainConfig, template: Any = None):
-    """The DDP config of `layout`. With `template` (a Megatron-LM job: its first layout's
-    config, which Megatron-LM made from the job's args) every field is the job's, except
-    the two that depend on the layout: the bucket size (the job's `--ddp-bucket-size`, or
-    Megatron-LM's default for B's data-parallel size) and the number of distributed-
-    optimizer instances. Without one, our stand-in job's config."""
-    from megatron.core.distributed import DistributedDataParallelConfig
+def wrap_ddp(chunks: list[torch.nn.Module], config, train: TrainConfig, groups: ParallelGroups):
+    """DDP per chunk. Like Megatron-LM, only chunk 0 is bucketed (others: one bucket)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    if template is not None:
-        return dataclasses.replace(template, bucket_size=bucket_size_of(train, layout),
-                                   num_distributed_optimizer_instances=layout.doi)
-    return DistributedDataParallelConfig(
+    ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=train.overlap_grad_reduce,
         overlap_param_gather=train.overlap_param_gather,
         use_distributed_optimizer=True,
-        num_distributed_optimizer_instances=layout.doi,
+        num_distributed_optimizer_instances=groups.layout.doi,
         check_for_nan_in_grad=False,
         bucket_size=train.ddp_bucket_size,
     )
-
-
-def wrap_ddp(chunks: list[torch.nn.Module], config, train: TrainConfig, groups: ParallelGroups,
-             ddp_template: Any = None):
-    """DDP per chunk. Like Megatron-LM, only chunk 0 is bucketed (others: one bucket)."""
-    from megatron.core.distributed import DistributedDataParallel
-
-    ddp_config = ddp_config_for(groups.layout, train, ddp_template)
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m,
                                     disable_bucketing=(i > 0), pg_collection=groups.pg_collection)
             for i, m in enumerate(chunks)]
@@ -300,8 +283,7 @@ ConfigFactory = Callable[[Layout, bool], Any]
 
 def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGroups,
                            train: TrainConfig, init_weights: bool = True,
-                           config_factory: Optional[ConfigFactory] = None,
-                           ddp_template: Any = None) -> TrainingObjects:
+                           config_factory: Optional[ConfigFactory] = None) -> TrainingObjects:
     """Model chunks, DDP, optimizer and scheduler for `layout` on `groups` (a member rank).
 
     `config_factory(layout, init_weights)` gives the TransformerConfig (default:
@@ -321,7 +303,7 @@ def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGrou
     chunks = build_model_chunks(spec, layout, groups, config, init_weights=init_weights)
     if not init_weights:
         restore_tensor_parallel_attributes(chunks, spec)
-    model = wrap_ddp(chunks, config, train, groups, ddp_template)
+    model = wrap_ddp(chunks, config, train, groups)
     optimizer = build_optimizer(model, spec, train, groups)
     scheduler = build_scheduler(optimizer, train)
     config.finalize_model_grads_func = finalize_model_grads
@@ -344,9 +326,6 @@ class MegatronBuilder:
     spec: ModelSpec
     train: TrainConfig
     config_factory: Optional[ConfigFactory] = None  # see build_training_objects
-    # a Megatron-LM job's DDP config (its first layout's): B's is the same, field for
-    # field, but for the layout's own fields (`ddp_config_for`)
-    ddp_template: Any = None
 
     def bucket_size(self, layout: Layout) -> Optional[int]:
         return bucket_size_of(self.train, layout)
@@ -361,23 +340,21 @@ class MegatronBuilder:
         seed_rngs(self.train.seed, groups)  # the weights draw from them
         return build_training_objects(self.spec, layout, groups, self.train,
                                       init_weights=init_weights,
-                                      config_factory=self.config_factory,
-                                      ddp_template=self.ddp_template)
+                                      config_factory=self.config_factory)
 
     def build_detached(self, layout: Layout, groups: ParallelGroups) -> TrainingObjects:
         """Layout B's objects for a switch (no weight initialisation), without touching what
         layout A trains with: megatron's parallel_state globals and the RNGs stay A's (every
         megatron-core 0.16.1 constructor we use takes its groups from `pg_collection`), so
         this may run in a background thread while A trains. `activate` makes them current
-        at the commit. B's thread sees a model-parallel RNG tracker of its own that draws
-        nothing (`rng_isolation`): Transformer Engine's construction would otherwise fork
-        the process-wide tracker while A's dropout draws from it."""
-        from .rng_isolation import isolated_rng
+        at the commit. B's thread draws from no generator of the process and forks no RNG
+        tracker state (`compat.private_rng`): Transformer Engine's construction would
+        otherwise fork the process-wide tracker while A's dropout draws from it."""
+        from ..compat.private_rng import private_rng
 
-        with isolated_rng():
+        with private_rng():
             return build_training_objects(self.spec, layout, groups, self.train,
-                                          init_weights=False, config_factory=self.config_factory,
-                                          ddp_template=self.ddp_template)
+                                          init_weights=False, config_factory=self.config_factory)
 
     def activate(self, objs: TrainingObjects) -> None:
         """Make `objs` the current layout: megatron's globals point at its groups and the
