@@ -689,10 +689,14 @@ def test_switch_that_does_not_fit_the_measured_device_is_refused_before_b_exists
     bare = switch_memory_plan(spec, src, dev, dst, dev, device_memory_bytes=80 * GiB,
                               activation_bytes=0)
     need = dict((m, b) for m, b, _ in bare.need_bytes)
-    # leave room for A's state only: B fits by state (the bare plan) but not with NCCL
-    used = need["release_a_grads"] - 1 * GiB
-    fake = _FakeDevice(total=80 * GiB, free=80 * GiB - used - 3 * GiB, allocated=used,
-                       reserved=used)
+    # memory outside torch (context, A's NCCL, another process) leaves room for the
+    # state of A and B, but not for B's new NCCL communicators too
+    nccl = MC.new_communicators(dst) * MC.DEFAULT_NCCL_COMM_BYTES
+    outside = 80 * GiB - need["release_a_grads"] - nccl + GiB
+    a_state = 20 * GiB
+    fake = _FakeDevice(total=80 * GiB, free=80 * GiB - a_state - outside, allocated=a_state,
+                       reserved=a_state)
+    assert nccl > GiB  # without it the switch would fit, degraded
     monkeypatch.setattr(MC, "agree_on_max", lambda v: v)
     monkeypatch.setattr(H, "choose_dst_placement", lambda *a: Placement(dev))
     built = []
@@ -931,8 +935,11 @@ def test_no_world_sized_gloo_group_per_switch_under_nccl(monkeypatch):
     other device set for the life of the world; none is made again at the next switch."""
     from dynatrain_megatron.elastic import communicators as cm
 
+    class World:  # a default group stand-in (weakly referenced)
+        pass
+
     made, control = [], object()
-    worlds = [object()]
+    worlds = [World()]
     monkeypatch.setattr(cm, "is_nccl", lambda group=None: True)
     monkeypatch.setattr(cm, "control_group", lambda: control)
     monkeypatch.setattr(cm.dist, "get_world_size", lambda group=None: 8)
@@ -943,7 +950,7 @@ def test_no_world_sized_gloo_group_per_switch_under_nccl(monkeypatch):
         assert cm.cpu_group_for((3, 1, 0, 2, 4, 5, 7, 6)) is control
     first = [cm.cpu_group_for((0, 1, 2, 3)) for _ in range(3)]  # scale-in, and back, ...
     assert made == [((0, 1, 2, 3), "gloo")] and first[0] is first[1] is first[2]
-    worlds.append(object())  # a new world (after a death): made again, once
+    worlds.append(World())  # a new world (after a death): made again, once
     cm.cpu_group_for((0, 1, 2, 3))
     assert len(made) == 2
 
@@ -993,13 +1000,13 @@ def test_b_groups_get_the_jobs_nccl_options(monkeypatch, tmp_path):
 def test_options_we_cannot_honour_are_refused_at_start():
     import types
 
-    from dynatrain_megatron.megatron_lm.arguments import unsupported_args
+    from dynatrain_megatron.megatron_lm.support import unsupported_args
 
     base = dict(transformer_impl="local", use_distributed_optimizer=True, seq_length=32)
     assert not any("pad-buckets" in x or "sharp" in x
-                   for x in unsupported_args(types.SimpleNamespace(**base), te_available=False))
+                   for x in unsupported_args(types.SimpleNamespace(**base)))
     bad = unsupported_args(types.SimpleNamespace(**base, ddp_pad_buckets_for_high_nccl_busbw=True,
-                                                 use_sharp=True), te_available=False)
+                                                 use_sharp=True))
     assert any("--ddp-pad-buckets-for-high-nccl-busbw" in x for x in bad)
     assert any("--use-sharp" in x for x in bad)
 
