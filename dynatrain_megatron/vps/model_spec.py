@@ -48,6 +48,18 @@ class ModelSpec:
     moe_token_dispatcher_type: str = "alltoall"
     moe_aux_loss_coeff: float = 0.0
     moe_shared_expert_intermediate_size: Optional[int] = None
+    # which layers are MoE (1) and which dense (0), one entry per layer (megatron-core's
+    # `moe_layer_freq` expanded); None: every layer of an MoE model is MoE
+    moe_layer_pattern: Optional[tuple[int, ...]] = None
+    # multi-latent attention (megatron-core's local MLA spec) in place of linear_qkv: the
+    # query's low rank (None: a full-rank query projection), the key-value's, and the head
+    # sizes of the query-key part without / with rotary positions and of the values
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     params_dtype: str = "fp32"
     init_method_std: float = 0.02
     # built with Transformer Engine's layer spec (GPU): its fused norm+linear layers name and
@@ -88,6 +100,14 @@ class ModelSpec:
                 raise ModelSpecError(f"model {self.name!r}: num_moe_experts must be positive")
             if self.moe_ffn_hidden_size is None:
                 object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+            pat = self.moe_layer_pattern
+            if pat is not None:
+                object.__setattr__(self, "moe_layer_pattern", tuple(int(x) for x in pat))
+                if (len(self.moe_layer_pattern) != self.num_layers
+                        or set(self.moe_layer_pattern) - {0, 1}):
+                    raise ModelSpecError(
+                        f"model {self.name!r}: moe_layer_pattern {list(pat)} must have one 0 "
+                        f"(dense) or 1 (MoE) per layer ({self.num_layers})")
             if not 0 < self.moe_router_topk <= self.num_moe_experts:
                 raise ModelSpecError(
                     f"model {self.name!r}: moe_router_topk {self.moe_router_topk} must be in "
@@ -130,6 +150,12 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_moe_experts is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` has experts (`moe_layer_pattern`)."""
+        if not self.is_moe:
+            return False
+        return self.moe_layer_pattern is None or self.moe_layer_pattern[layer] == 1
 
     @property
     def tied(self) -> bool:
