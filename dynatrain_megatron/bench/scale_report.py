@@ -51,7 +51,7 @@ def budget_table(rows: list[dict]) -> str:
 def counts_table(rows: list[dict]) -> str:
     h = ("| scenario | world | new_group calls (non-member) | groups joined | NCCL "
          "communicators | gloo connections at creation | store ops | collectives (world) | "
-         "padding gather per rank (GB) | P2P peers / messages | sampled ranks |")
+         "padding gather per rank (GB) | P2P peers / messages | sampled ranks | emulation (s) |")
     out = [h, "|" + "---|" * (h.count("|") - 1)]
     for r in rows:
         c = r["control_plane"]
@@ -64,7 +64,7 @@ def counts_table(rows: list[dict]) -> str:
             f"{c['switch_store_sets'] + c['switch_store_gets']} | "
             f"{sum(c['switch_collectives'].values())} ({world_colls} kinds) | "
             f"{pad / 1e9:,.2f} | {c['p2p_peers']} / {c['p2p_messages_sent']} | "
-            f"{c['sampled_ranks']} |")
+            f"{c['sampled_ranks']} | {c['emulation_seconds']:.0f} |")
     return "\n".join(out)
 
 
@@ -162,7 +162,9 @@ def write_scale(rows: list[dict], out: Path) -> list[str]:
         "group (the NCCL id written by group rank 0, read by the others). The world-sized "
         "gloo twin of an NCCL job connects lazily (no full mesh). The vocab-padding gather "
         "(`all_gather_object`, world x largest object to every rank; its object size is "
-        "modelled) is the one collective whose bytes grow with the world.",
+        "modelled) is the one collective whose bytes grow with the world. 'emulation (s)': "
+        "the wall time of the scenario's whole emulation (placement, every sampled rank; "
+        "the first scenario also imports megatron-core) on this shared 2-core machine.",
         "",
         counts_table(rows),
         "",
