@@ -47,11 +47,15 @@ def layout_flags(tp: int, pp: int, **extra: int) -> list[str]:
     return out
 
 
-def job_env(tree: Path, *, patched: bool = True, extra: Optional[dict] = None) -> dict:
+def job_env(tree: Path, *, patched: bool = True, extra: Optional[dict] = None,
+            site: Optional[Path] = None) -> dict:
     """The environment of a Megatron-LM job of `tree`: this package and the tree importable
-    (an unpatched tree also gets the CPU runtime from `megatron_lm_unpatched/sitecustomize.py`),
-    one thread per rank, and what Megatron-LM asserts about CUDA connections."""
-    path = [str(ROOT), str(tree)] if patched else [str(UNPATCHED_SITE), str(ROOT), str(tree)]
+    (an unpatched tree also gets the CPU runtime from `megatron_lm_unpatched/sitecustomize.py`;
+    a patched one the `sitecustomize.py` in `site`, if given), one thread per rank, and what
+    Megatron-LM asserts about CUDA connections."""
+    path = ([str(site)] if site else []) + [str(ROOT), str(tree)]
+    if not patched:
+        path = [str(UNPATCHED_SITE), str(ROOT), str(tree)]
     return dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
                 PYTHONPATH=os.pathsep.join(path), **(extra or {}))
 
@@ -84,13 +88,15 @@ DONE = re.compile(r"\] iteration\s+(\d+)/|dynatrain: iteration (\d+) done at")
 
 
 def run_operated(tree: Path, nproc: int, flags: list[str], log: Path, signal: Path,
-                 requests: dict) -> str:
+                 requests: dict, *, env: Optional[dict] = None,
+                 site: Optional[Path] = None) -> str:
     """Run pretrain_gpt.py of `tree` under torchrun and, as each iteration shows in its log,
     write the request due after it to the signal file (as `dynatrain request` does), once
-    the job has taken the previous one (a request is never written over another)."""
+    the job has taken the previous one (a request is never written over another). `env`,
+    `site`: as `job_env`'s `extra` and `site`."""
     from dynatrain_megatron.elastic.signal_file import write_request
 
-    env = job_env(tree)
+    env = job_env(tree, extra=env, site=site)
     cmd = torchrun_cmd(tree, nproc, flags)
     print("+ torchrun --standalone --nproc-per-node", nproc, "pretrain_gpt.py",
           " ".join(f for f in flags if f.startswith("--dynatrain") or f.startswith("--t")
@@ -238,7 +244,7 @@ def run_launched(tree: Path, nproc: int, flags: list[str], log: Path, *, env: di
     """Run pretrain_gpt.py of `tree` on `nproc` gloo ranks under `dynatrain launch` (a
     worker that dies does not stop the others); returns (the launcher's status, the log)."""
     full = job_env(tree, extra=env)
-    cmd = [sys.executable, "-m", "dynatrain_megatron.cli", "launch", "--nproc", str(nproc),
+    cmd = [sys.executable, "-m", "dynatrain_megatron.cli", "launch", "--nproc-per-node", str(nproc),
            str(tree / "pretrain_gpt.py"), *flags]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=tree, env=full, stdout=f, stderr=subprocess.STDOUT,
@@ -249,7 +255,8 @@ def run_launched(tree: Path, nproc: int, flags: list[str], log: Path, *, env: di
 # ---------------------------------------------------------------- switch vs restart
 def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], layout_b: str,
                        k: int, *, before: Sequence[tuple[int, str]] = (),
-                       env: Optional[dict] = None, plain: bool = False) -> dict:
+                       env: Optional[dict] = None, plain: bool = False,
+                       switched_flags: Sequence[str] = ()) -> dict:
     """The three torchrun jobs (4 gloo ranks) that compare an in-memory switch with
     Megatron-LM's own restart, on copies of the snapshot under `w`:
 
@@ -259,7 +266,8 @@ def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], l
     * resumed: patched, without `--dynatrain`, `--load`s that at B and trains to the end.
 
     `a`/`b`: the flags of each layout; `before`: (iteration, layout) entries scheduled ahead
-    of B's, and `env` for the switched run (a fault plan that makes them fail). With `plain`,
+    of B's, `env` and `switched_flags` for the switched run only (a fault plan that makes
+    them fail; more `--dynatrain*` flags). With `plain`,
     the unpatched run goes on to the end (saving at `k` on the way) and a fourth job, the
     patched tree WITHOUT `--dynatrain`, trains A to the end: "plain". Returns the logs by
     name and `w`."""
@@ -272,7 +280,8 @@ def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], l
                              for i, lay in [*before, (k, layout_b)]))
     switched = run_megatron_lm(
         patched, 4, common + a + ["--save", str(w / "switched"), "--save-interval", "1000",
-                                  "--dynatrain", "--dynatrain-schedule", str(sched)],
+                                  "--dynatrain", "--dynatrain-schedule", str(sched),
+                                  *switched_flags],
         w / "switched.log", env=env)
     saved = run_megatron_lm(
         unpatched, 4, common + a + ["--save", str(w / "saved"), "--save-interval", str(k)]

@@ -476,7 +476,7 @@ def _hook_scale(s, train, builder, la, lb, signal_dir: str, steps: int = 9) -> d
             write_request(signal, *writes[tr.iteration])
         tr = hook.after_step(tr)
     if tr is not None:
-        hook.stop_standby()
+        hook.end_job(tr)
         release(tr.objs)
     box = [losses]
     dist.broadcast_object_list(box, src=0)

@@ -14,7 +14,7 @@ from dynatrain_megatron.megatron_lm import arguments as mla
 from dynatrain_megatron.vps.errors import DynatrainError
 from dynatrain_megatron.vps.layout import Layout
 
-PATCH = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm-core_v0.16.1" / "dynatrain.patch"
+PATCHES = sorted((Path(__file__).resolve().parents[1] / "patches").glob("megatron-lm-*/dynatrain.patch"))
 
 
 def megatron_args(**over) -> argparse.Namespace:
@@ -86,8 +86,9 @@ def test_moe_spec():
     s = mlm.spec_from_megatron_args(a)
     assert s.is_moe and s.num_moe_experts == 8 and s.moe_ffn_hidden_size == 32
     assert s.moe_aux_loss_coeff == 0.01 and s.moe_token_dispatcher_type == "alltoall"
-    with pytest.raises(DynatrainError, match="2 values"):
-        mlm.spec_from_megatron_args(megatron_args(num_experts=8, moe_aux_loss_coeff=[0.01, 0.1]))
+    # several coefficients (one per load-balancing type): numerics B's own config carries
+    assert mlm.spec_from_megatron_args(megatron_args(
+        num_experts=8, moe_aux_loss_coeff=[0.01, 0.1])).moe_aux_loss_coeff == 0.01
 
 
 def test_train_config():
@@ -134,7 +135,7 @@ def test_args_for_layout_round_trip(text, world, doi_before):
 def test_optimizer_instances_are_accepted_and_read():
     a = megatron_args(tensor_model_parallel_size=1, expert_tensor_parallel_size=1,
                       pipeline_model_parallel_size=1, num_distributed_optimizer_instances=2)
-    assert mlm.unsupported_args(a, te_available=False) == []
+    assert mlm.unsupported_args(a) == []
     lay = mlm.layout_from_megatron_args(a, mlm.spec_from_megatron_args(a), 4)
     assert str(lay) == "tp1pp1doi2dp4" and lay.dense_shards == 2
     with pytest.raises(DynatrainError, match="doi4"):  # megatron-core refuses it too
@@ -203,18 +204,17 @@ def test_megatron_core_groups_are_wrapped_rank_for_rank(monkeypatch, text, world
 
 
 def test_supported_job_has_no_objection():
-    assert mlm.unsupported_args(megatron_args(), te_available=False) == []
-    assert mlm.unsupported_args(megatron_args(transformer_impl="transformer_engine"),
-                                te_available=True) == []
+    assert mlm.unsupported_args(megatron_args()) == []
+    assert mlm.unsupported_args(megatron_args(transformer_impl="transformer_engine")) == []
 
 
 def test_megatron_lm_defaults_are_refused_with_reasons():
     a = megatron_args(hidden_dropout=0.1, attention_dropout=0.1, use_distributed_optimizer=False,
-                      transformer_impl="transformer_engine", rampup_batch_size=["16", "16", "1000"],
-                      lr_decay_style="WSD", cuda_graph_impl="local")
-    why = "\n".join(mlm.unsupported_args(a, te_available=False))
-    for s in ("--transformer-impl transformer_engine", "--use-distributed-optimizer",
-              "--rampup-batch-size", "WSD", "--cuda-graph-impl local"):
+                      rampup_batch_size=["16", "16", "1000"], cuda_graph_impl="local",
+                      optimizer="sgd")
+    why = "\n".join(mlm.unsupported_args(a))
+    for s in ("--use-distributed-optimizer", "--rampup-batch-size", "--cuda-graph-impl local",
+              "--optimizer sgd"):
         assert s in why
     # Megatron-LM's default dropout is carried by B's config: accepted, with a warning
     assert "dropout" not in why
@@ -222,33 +222,64 @@ def test_megatron_lm_defaults_are_refused_with_reasons():
                for n in mlm.performance_differences(a))
 
 
-def test_config_carried_options_are_accepted():
-    # B's TransformerConfig is Megatron-LM's own: these no longer stop a job
+def test_options_carried_by_megatron_lm_building_b_are_accepted():
+    # B is built by Megatron-LM from the job's args: what changes no state shape carries
     for over in (dict(norm_epsilon=1e-6), dict(apply_layernorm_1p=True), dict(squared_relu=True),
-                 dict(openai_gelu=True)):
-        assert mlm.unsupported_args(megatron_args(**over), te_available=False) == [], over
+                 dict(openai_gelu=True), dict(rotary_base=500000, use_rope_scaling=True),
+                 dict(rotary_percent=0.5), dict(position_embedding_type="yarn"),
+                 dict(lr_decay_style="WSD", lr_wsd_decay_iters=10), dict(lr_warmup_init=1e-6),
+                 dict(transformer_impl="transformer_engine"), dict(quick_geglu=True),
+                 dict(fp16_lm_cross_entropy=True), dict(calculate_per_token_loss=True),
+                 dict(num_experts=8, moe_aux_loss_coeff=[1e-2, 1e-3]),
+                 dict(num_experts=8, moe_layer_freq=[0, 1, 1, 1]),
+                 dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16,
+                      qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)):
+        assert mlm.unsupported_args(megatron_args(**over)) == [], over
 
 
 @pytest.mark.parametrize("over,needle", [
-    (dict(rotary_base=500000), "--rotary-base"),
     (dict(position_embedding_type="learned_absolute", max_position_embeddings=64),
      "--max-position-embeddings"),
     (dict(num_experts=8, moe_grouped_gemm=True), "--moe-grouped-gemm"),
-    (dict(num_experts=8, moe_layer_freq=[0, 1, 1, 1]), "--moe-layer-freq"),
     (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
     (dict(optimizer="sgd"), "--optimizer sgd"),
-    (dict(use_tp_pp_dp_mapping=True), "rank order"),
-    (dict(multi_latent_attention=True), "--multi-latent-attention"),
-    (dict(lr_warmup_init=1e-6), "--lr-warmup-init"),
-    (dict(quick_geglu=True), "--quick-geglu"),
+    (dict(use_tp_pp_dp_mapping=True), "--use-tp-pp-dp-mapping"),
+    (dict(multi_latent_attention=True, transformer_impl="transformer_engine"),
+     "--multi-latent-attention with --transformer-impl transformer_engine"),
+    (dict(mtp_num_layers=1), "--mtp-num-layers"),
+    (dict(fp8="hybrid"), "--fp8-format"),
+    (dict(use_legacy_models=True), "--use-legacy-models"),
 ])
-def test_each_unreproducible_option_is_named(over, needle):
-    assert any(needle in w for w in mlm.unsupported_args(megatron_args(**over), te_available=False))
+def test_each_unreproducible_option_is_named_with_its_reason(over, needle):
+    lines = [w for w in mlm.unsupported_args(megatron_args(**over)) if w.startswith(needle)]
+    assert len(lines) == 1 and len(lines[0]) > len(needle) + 20, lines
 
 
-def test_moe_layer_freq_all_moe_is_fine():
-    a = megatron_args(num_experts=8, moe_layer_freq=[1, 1, 1, 1], moe_grouped_gemm=False)
-    assert mlm.unsupported_args(a, te_available=False) == []
+def test_the_refusal_list_is_short_and_every_row_says_why():
+    from dynatrain_megatron.megatron_lm import support
+
+    assert len(support.REFUSALS) <= 10
+    rows = mla.support_matrix()
+    assert all(r["why"] for r in rows) and {r["status"] for r in rows} >= {
+        "switches in memory", "refused (Megatron-LM's restart cannot either)"}
+    assert support.support_markdown().count("\n") == len(rows) + 2
+
+
+def test_refused_options_end_the_parse_with_one_line_each(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    provider = mla.chain_extra_args_providers(None)
+    parser = provider(argparse.ArgumentParser())
+    parser.add_argument("--optimizer", default="adam")
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    assert parser.parse_args(["--optimizer", "sgd"]).optimizer == "sgd"  # no --dynatrain
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--dynatrain", "--optimizer", "sgd", "--use-distributed-optimizer"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dynatrain: cannot switch this job: "
+                                               "--optimizer sgd: ")
+    ns, _ = parser.parse_known_args(["--dynatrain", "--use-distributed-optimizer", "--x"])
+    assert ns.dynatrain
 
 
 def test_performance_only_differences_are_warnings():
@@ -260,7 +291,7 @@ def test_performance_only_differences_are_warnings():
     a = megatron_args(tp_comm_overlap=True, check_for_nan_in_loss_and_grad=True)
     notes = mlm.performance_differences(a)
     assert any("--tp-comm-overlap" in n for n in notes) and any("NaN" in n for n in notes)
-    assert mlm.unsupported_args(a, te_available=False) == []
+    assert mlm.unsupported_args(a) == []
 
 
 def test_sequence_parallel_follows_the_job_and_the_layout():
@@ -317,8 +348,11 @@ def test_config_callbacks_as_megatron_lm_train_sets_them():
     assert new.no_sync_func is None and new.grad_sync_func is None and new.param_sync_func is None
 
 
-def test_patch_is_well_formed_and_calls_only_what_exists():
-    text = PATCH.read_text()
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.parent.name)
+def test_patch_is_well_formed_and_calls_only_what_exists(patch):
+    from dynatrain_megatron.megatron_lm import seam
+
+    text = patch.read_text()
     # every hunk's line counts agree with its body (a hand-edited patch would not apply)
     files = re.findall(r"^\+\+\+ b/(\S+)$", text, re.M)
     assert files == ["megatron/training/training.py", "pretrain_gpt.py"]
@@ -328,22 +362,32 @@ def test_patch_is_well_formed_and_calls_only_what_exists():
         old = sum(1 for ln in body if ln[:1] in (" ", "-", ""))
         new = sum(1 for ln in body if ln[:1] in (" ", "+", ""))
         assert (old, new) == (old_n, new_n), m.group(0)[:80]
-    called = set(re.findall(r"dynatrain_lm\.(\w+)\(", text))
-    assert called == {"register_dataset_provider", "dynatrain_step", "finish_training", "left_out"}
-    for name in called:
-        assert callable(getattr(mlm, name))
+    # thin: the patch calls only the seam (and the start-up and argument helpers)
+    added = "\n".join(ln[1:] for ln in text.splitlines() if ln.startswith("+") and
+                      not ln.startswith("+++"))
+    assert set(re.findall(r"dynatrain_seam\.(\w+)\(", added)) == {"start", "finish", "left_out"}
+    assert set(re.findall(r"dynatrain_loop\.(\w+)\(", added)) == {
+        "guard", "after_recovery", "at_step_end"}
+    assert set(re.findall(r"dynatrain_loop\.(\w+)\b(?!\()", added)) == {"recovered", "stop"}
+    for name in ("start", "finish", "left_out"):
+        assert callable(getattr(seam, name))
+    for name in ("guard", "after_recovery", "at_step_end"):
+        assert callable(getattr(seam.LoopSeam, name))
+    assert "try:" not in added and "except" not in added  # the handling is ours
     assert callable(mla.chain_extra_args_providers)  # pretrain_gpt.py imports it
-    # the fields the patch reads from dynatrain_step's result
-    fields = set(re.findall(r"\bdt\.(\w+)", text))
-    assert fields <= set(mlm.LoopObjects.__dataclass_fields__)
+    # what the loop rebinds: the seam's LoopValues, in its order, at both places
+    rebinds = re.findall(r"\(([^()]*?),\s*\)\s*=\s*dynatrain_loop\.\w+\(", added)
+    assert len(rebinds) == 2
+    for r in rebinds:
+        assert [x.strip() for x in r.split(",")] == list(seam.LoopValues._fields)
 
 
 def test_unswitchable_job_is_refused_before_its_first_step():
     # the patched pretrain() registers its dataset provider before train(): the refusal
     # comes there, naming the flag, and nothing is registered
     mlm.reset_session()
-    with pytest.raises(DynatrainError, match="--rotary-base"):
-        mlm.register_dataset_provider(lambda *a: None, megatron_args(rotary_base=500000))
+    with pytest.raises(DynatrainError, match="--mtp-num-layers"):
+        mlm.register_dataset_provider(lambda *a: None, megatron_args(mtp_num_layers=1))
     assert mlm._DATASET_PROVIDER is None
     mlm.register_dataset_provider(print, megatron_args())
     assert mlm._DATASET_PROVIDER is print
@@ -370,8 +414,8 @@ class _Hook:
         self.calls.append("after_step")
         return trainer
 
-    def stop_standby(self):
-        self.calls.append("stop_standby")
+    def end_job(self, trainer):
+        self.calls.append("end_job")
 
 
 def _session(monkeypatch, layout: str, world: int):
@@ -394,6 +438,7 @@ def _session(monkeypatch, layout: str, world: int):
     s.trainer = SimpleNamespace(objs=objs, iteration=0, consumed_samples=0)
     s.hook = _Hook(lay)
     s.launch_layout = lay
+    s.guard = SimpleNamespace(at_boundary=lambda iteration, objs: None)
     s.latest = mlm.LoopObjects(model, "opt", "sched", "train it", "valid it", None, "test it")
     s.test_data_iterator = "test it"
     loop = mlm.LoopObjects(model, "opt", "sched", "train it", "valid it", None)
@@ -402,8 +447,8 @@ def _session(monkeypatch, layout: str, world: int):
 
 @pytest.mark.parametrize("ending,iteration,calls", [
     (False, 8, ["after_step"]),                    # a step: poll, standby ranks wait on
-    (False, 20, ["after_step", "stop_standby"]),   # --train-iters reached
-    (True, 8, ["stop_standby"]),                   # Megatron-LM exits: no poll, no switch
+    (False, 20, ["after_step", "end_job"]),   # --train-iters reached
+    (True, 8, ["end_job"]),                   # Megatron-LM exits: no poll, no switch
 ])
 def test_standby_ranks_are_told_when_the_job_ends(monkeypatch, ending, iteration, calls):
     s, loop, worlds = _session(monkeypatch, "tp1pp2dp1", 4)
@@ -418,7 +463,8 @@ def test_standby_ranks_are_told_when_the_job_ends(monkeypatch, ending, iteration
 def test_a_job_on_every_rank_keeps_the_real_world(monkeypatch):
     s, loop, worlds = _session(monkeypatch, "tp2pp2dp1", 4)
     assert s.step(20, loop, True) is loop
-    assert s.hook.calls == [] and worlds == [None, None]
+    # the end is told to the hook all the same (a preparation pending there is cancelled)
+    assert s.hook.calls == ["end_job"] and worlds == [None, None]
 
 
 def test_a_rank_on_standby_at_the_end_leaves_pretrain(monkeypatch):
@@ -444,3 +490,10 @@ def test_rank_0_logs_the_layout_once_it_is_not_the_launch_one(monkeypatch, caplo
     assert [r.getMessage() for r in caplog.records] == [
         "dynatrain: iteration 6 done at tp1pp2dp2",
         "dynatrain: iteration 8 done at tp1pp2dp1 on 2 of 4 ranks (the others on standby)"]
+
+
+def test_docs_recipes_table_is_the_generated_one():
+    from dynatrain_megatron.megatron_lm.support import support_markdown
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
+    assert doc.endswith(support_markdown())

@@ -29,6 +29,14 @@ correct, so these are applied on every device:
 And one of MoE without Transformer Engine (on a GPU as much as on the CPU): the router's
 `moe_utils` references `te_general_gemm`, which is only imported when TE is installed, so
 the router's forward raises NameError; defined as None it takes its torch path.
+
+And one of multi-latent attention without Transformer Engine: MLA builds its core
+attention with `k_channels` / `v_channels` (query-key and value head sizes differ), which
+TE's attention takes and megatron's own `DotProductAttention` does not (TypeError). Its
+only use of a head size besides the softmax scale (which MLA passes) is the shape of its
+output, `heads * v_channels` per partition: we take the two keywords and set that. MLA's
+module also believes TE is there when its extension module imports without TE (its
+`TELinear` is then no class, and `isinstance` raises): it is told the truth.
 """
 from __future__ import annotations
 
@@ -42,6 +50,33 @@ def _define_te_general_gemm() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _dot_product_attention_head_sizes() -> None:
+    import inspect
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention as DPA
+
+    original = DPA.__init__
+    if "v_channels" in inspect.signature(original).parameters or getattr(
+            original, "_dynatrain_head_sizes", False):
+        return  # a release whose attention takes them
+
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        original(self, *args, **kwargs)
+        if v_channels is not None:
+            heads = self.hidden_size_per_partition // self.hidden_size_per_attention_head
+            self.hidden_size_per_attention_head = v_channels
+            self.hidden_size_per_partition = heads * v_channels
+
+    __init__._dynatrain_head_sizes = True  # type: ignore[attr-defined]
+    DPA.__init__ = __init__
+    try:
+        from megatron.core.transformer import multi_latent_attention as mla
+    except ImportError:
+        return
+    if getattr(mla, "HAVE_TE", False) and not isinstance(getattr(mla, "TELinear", None), type):
+        mla.HAVE_TE = False
 
 
 def _at_bucket_offsets(buffers, state):
@@ -67,6 +102,7 @@ def apply() -> None:
     if _state["applied"]:
         return
     _define_te_general_gemm()
+    _dot_product_attention_head_sizes()
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DO
 
     original_ssd = DO.sharded_state_dict

@@ -25,15 +25,26 @@ import time
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..compat import runtime_in_this_thread
 from ..vps.layout import Layout
 from ..vps.placement import Placement
-from .communicators import (control_group, device_context, everyone_ok, rank_device,
-                             warm_up_groups)
+from ..transition.transport import collective_device
+from .communicators import control_group, device_context, rank_device, warm_up_groups
 from .groups import ParallelGroups, build_groups
 
 log = logging.getLogger(__name__)
+
+_STOP, _WAIT, _READY = 0, 1, 2  # the least vote wins
+_VOTES = {_STOP: "stop", _WAIT: "wait", _READY: "ready"}
+
+
+def _least(value: int, group: Any) -> int:
+    """Collective over `group` (None: the world): the least of every rank's `value`."""
+    flag = torch.tensor([value], dtype=torch.int32, device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return int(flag.item())
 
 
 class DeviceManager:
@@ -87,12 +98,29 @@ class DeviceManager:
         else:
             work()
 
-    def ready(self) -> bool:
-        """Collective: True when the groups (and the preparation) are done on every rank.
-        Runs at every step while a preparation is pending: on the CPU control group, so
-        it costs no device synchronisation (communicators.control_group)."""
+    def ready(self, layout_group: Any = None, standby: Any = None) -> bool:
+        """Collective: True when the groups (and the preparation) are done on every rank
+        (`vote`)."""
+        return self.vote(layout_group, standby) == "ready"
+
+    def vote(self, layout_group: Any = None, standby: Any = None, stop: bool = False) -> str:
+        """Collective, at every step while a preparation is pending: "ready" when the
+        groups (and the preparation) are done on every rank, "stop" when a rank of the
+        layout says the job ends (the preparation is then cancelled everywhere), else
+        "wait". Without `standby`, one vote over the world on the CPU control group (no
+        device synchronisation: communicators.control_group). With ranks on standby, the
+        layout's ranks vote among themselves on `layout_group` (a CPU group, with the job's
+        deadline; None on a standby rank), then with the standby ranks on their channel,
+        where those wait as long as the job lives (`standby_channel.py`)."""
         done = self._thread is None or not self._thread.is_alive()
-        return everyone_ok(done, control_group())
+        mine = _STOP if stop else (_READY if done else _WAIT)
+        if standby is None:
+            agreed = _least(mine, control_group())
+        else:
+            if layout_group is not None:
+                mine = _least(mine, layout_group)
+            agreed = _least(mine, standby)
+        return _VOTES[agreed]
 
     def take(self) -> ParallelGroups:
         """The groups built; the preparation, if one was asked for, is `take_prepared()`."""
@@ -115,10 +143,11 @@ class DeviceManager:
         prepared, self._prepared = self._prepared, None
         return prepared
 
-    def abandon(self, timeout: float = 10.0) -> tuple[Optional[ParallelGroups], Any]:
-        """Give up the pending target (the world changed under it): wait up to `timeout` s
-        for the background work, then hand back what it built, (groups, prepared), for the
-        caller to free. A thread still blocked on a dead peer is left behind (daemon)."""
+    def abandon(self, timeout: Optional[float] = 10.0) -> tuple[Optional[ParallelGroups], Any]:
+        """Give up the pending target (the world changed under it, or the job ends): wait
+        up to `timeout` s (None: until it ends) for the background work, then hand back what
+        it built, (groups, prepared), for the caller to free. A thread still blocked on a
+        dead peer is left behind (daemon)."""
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -171,6 +171,7 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
     add("pos_embd", [[g[0]] for g in pp_groups])
     for name, groups_virtual in optimizer_instance_groups(layout).items():
         add(name, groups_virtual)
+    _gtp_collection_fields(pgc, add, layout, mine)
     everyone = make(list(dev))  # the same group as intra_dist_opt when doi == 1
     # with processes left out, the world Megatron-LM sees: possible only where the layout's
     # devices are the first ranks (a member's rank in it must be its global rank)
@@ -197,6 +198,52 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
                           layout_group=everyone if rank in dev else None,
                           layout_group_cpu=everyone_cpu if rank in dev else None,
                           stand_in_world=stand_in if rank in dev else None)
+
+
+def _install_gtp_globals(ps, p, r: dict) -> None:
+    """megatron-core 0.19+ (keyed by its `_GTP_WEIGHT_REMAT_GROUP` global): the
+    generalized-TP weight-remat groups and the "with GTP remat" data-parallel groups. We
+    run with a GTP size of 1 only (larger is refused at start-up), where megatron-core makes
+    the remat groups single ranks and the "with GTP remat" groups the plain ones: so here."""
+    if not hasattr(ps, "_GTP_WEIGHT_REMAT_GROUP"):
+        return
+    ps._GTP_WEIGHT_REMAT_GROUP = getattr(p, "gtp_remat", None)
+    ps._GTP_WEIGHT_REMAT_GLOBAL_RANKS = r.get("gtp_remat")
+    ps._EXPERT_GTP_WEIGHT_REMAT_GROUP = getattr(p, "expt_gtp_remat", None)
+    ps._EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS = r.get("expt_gtp_remat")
+    ps._DATA_PARALLEL_GROUP_WITH_GTP_REMAT = ps._DATA_PARALLEL_GROUP
+    ps._DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT = ps._DATA_PARALLEL_GROUP_WITH_CP
+    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT = (
+        ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP)
+    ps._EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT = ps._EXPERT_DATA_PARALLEL_GROUP
+    ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT = (
+        ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP)
+    ps._EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP = (
+        ps._EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP)
+
+
+def _gtp_collection_fields(pgc, add, layout: Layout, mine: dict) -> None:
+    """megatron-core 0.19+ (keyed by the `gtp_remat` field of `ProcessGroupCollection`):
+    the GTP fields of a layout without GTP, as megatron-core's own collection has them: the
+    remat groups are single ranks (the same groups as any other single-rank axis, so no new
+    group where one exists), the "with GTP remat" groups are the plain ones, and the
+    all-gather groups it leaves unset are None."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(type(pgc))}
+    if "gtp_remat" not in names:
+        return
+    single = [[v] for v in range(layout.world_size)]
+    add("gtp_remat", single)
+    add("expt_gtp_remat", single)
+    for new, plain in (("dp_cp_gtp_remat", "dp_cp"), ("expt_dp_gtp_remat", "expt_dp"),
+                       ("tp_ep_pp_with_egtp_remat", "tp_ep_pp")):
+        if new in names and hasattr(pgc, plain):
+            setattr(pgc, new, getattr(pgc, plain))
+            mine[new] = mine[plain]
+    for name in ("dp_cp_ag", "expt_dp_ag"):
+        if name in names:
+            setattr(pgc, name, None)
 
 
 @contextlib.contextmanager
@@ -233,9 +280,13 @@ def forget_megatron_groups() -> None:
     ps.destroy_model_parallel()
 
 
-def install(groups: ParallelGroups) -> None:
-    """Point megatron-core's parallel_state globals at `groups` (this rank must be a member)."""
-    from megatron.core import parallel_state as ps
+def install(groups: ParallelGroups, target: Any = None) -> None:
+    """Point megatron-core's parallel_state globals at `groups` (this rank must be a member).
+    `target`: another namespace of parallel_state's to set instead (a thread's view of it,
+    `compat.parallel_state_view`)."""
+    if target is None:
+        from megatron.core import parallel_state as target
+    ps = target
 
     p, r = groups.pg_collection, groups.group_ranks
     L = groups.layout
@@ -284,6 +335,7 @@ def install(groups: ParallelGroups) -> None:
                                                          if gloo else None)
     ps._INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP = getattr(p, "inter_dist_opt", None)
     ps._INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP = getattr(p, "intra_dist_opt", None)
+    _install_gtp_globals(ps, p, r)
     ps._set_global_memory_buffer()
     if L.vpp > 1:
         ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = L.vpp

@@ -14,15 +14,13 @@ What this can do, and what it cannot (the honest part):
   Megatron-LM's groups are the ones our `Layout` computes and that the live state agrees,
   fragment for fragment, with the analytic layout (the same check the switch does). A job
   whose state we would misread is refused at that point, before anything moves.
-* The *new* layout's objects are built by our `MegatronBuilder` (megatron-core's `GPTModel`
-  with the layer spec Megatron-LM picks for the accepted options) with Megatron-LM's own
-  `TransformerConfig` for B (`transformer_config.py`), so recompute, fusions, dropout and
-  sequence parallelism carry over. Not Megatron-LM's `gpt_builder` itself: for MoE it reads
-  the pipeline rank from `parallel_state`, which is A's while B is built in the background.
-  Only jobs whose parameter shapes and schedule our builder models are accepted:
-  `unsupported_args` lists every option that would change them (grouped GEMM, MLA, MTP, a
-  custom spec, FSDP, batch-size ramp-up, ...), and the session refuses to start if any is
-  set. `--tp-comm-overlap` is off after a switch, with a warning.
+* The *new* layout's objects are built by Megatron-LM itself (`builder.MegatronLMBuilder`):
+  the script's model provider through `get_model`, its optimizer and scheduler set-up, on a
+  copy of the job's args set to B, in the background thread's own view of megatron-core's
+  `parallel_state`; so every option of the job carries over as a restart at B would carry
+  it. What the switch cannot carry is refused when the command line is parsed
+  (`support.unsupported_args`, each with its reason). `--tp-comm-overlap` is off after a
+  switch, with a warning.
 * After a switch, Megatron-LM's `args` are updated to the new layout, the micro-batch
   calculator is reconfigured, and the data iterators are rebuilt with Megatron-LM's own
   `build_train_valid_test_data_iterators` at `args.consumed_train_samples`, so the sample
@@ -44,8 +42,9 @@ What this can do, and what it cannot (the honest part):
   `--exit-duration-in-mins`, `--exit-signal-handler`, which `checkpoint_and_decide_exit`
   decides on the layout's ranks and `dynatrain_step` hears as `ending`), they leave
   `train()`, and `pretrain()` returns for them before its final save (`left_out()`).
-  Not done: a switch still being prepared in the background when such a job ends (its
-  standby ranks wait on the preparation's vote, not on the end).
+  A switch still being prepared in the background when the job ends is cancelled on every
+  rank (the standby ranks hear it through the preparation's vote) and its request filed as
+  not applied; no switch starts at the last step.
 * A rank that dies (under `dynatrain launch`, with `--dynatrain-rendezvous-dir`): the
   patched loop hands the failed collective to `rank_death`, which re-forms the world and
   comes back through `MegatronLMSession.rebind_loop` like a switch: from the survivors'
@@ -60,6 +59,7 @@ Importing this module needs megatron-core and this package only; Megatron-LM
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -73,7 +73,8 @@ from ..mcore.train_config import TrainConfig
 from .arguments import (arg_value, args_for_layout, layout_from_megatron_args, params_dtype_of,
                         performance_differences, spec_from_megatron_args,
                         train_config_from_megatron_args, unsupported_args)
-from .transformer_config import JobIntents, megatron_lm_config_factory
+from .step_guard import StepGuard
+from .transformer_config import JobIntents
 from ..compat import stand_in_world
 
 log = logging.getLogger("dynatrain")
@@ -97,36 +98,46 @@ class LoopObjects:
 
 
 _DATASET_PROVIDER: Optional[Callable] = None
+_MODEL_PROVIDER: Optional[Callable] = None
 _SESSION: Optional["MegatronLMSession"] = None
 
 
-def register_dataset_provider(provider: Callable, args: Any = None) -> None:
+def register_dataset_provider(provider: Callable, args: Any = None,
+                              model_provider: Optional[Callable] = None) -> None:
     """Called by the patched `pretrain()` before `train()`: the provider rebuilds the data
     iterators when a switch changes the data-parallel size or the pipeline stages that read
     data. It is also where a job we could not switch is refused: at start-up, before its
-    first step, naming every flag (`args`: Megatron-LM's global args when not given)."""
-    global _DATASET_PROVIDER
+    first step, naming every flag (`args`: Megatron-LM's global args when not given).
+    `model_provider`: what `pretrain()` was given (default: the script's own
+    `model_provider` bound to its `gpt_builder`, `builder.script_model_provider`)."""
+    global _DATASET_PROVIDER, _MODEL_PROVIDER
     if args is None:
         from megatron.training import get_args
 
         args = get_args()
     check_switchable(args)
     _DATASET_PROVIDER = provider
+    _MODEL_PROVIDER = model_provider
+
+
+def _model_provider() -> Callable:
+    """The model provider B is built with (`register_dataset_provider`)."""
+    from .builder import script_model_provider
+
+    provider = _MODEL_PROVIDER or script_model_provider()
+    if provider is None:
+        raise DynatrainError("cannot find the script's model provider: pass model_provider= "
+                             "to register_dataset_provider, or run pretrain_gpt.py")
+    return provider
 
 
 def check_switchable(args: Any) -> None:
-    """Raise naming every Megatron-LM flag after which our builder would not rebuild the
-    job at another layout (`unsupported_args`)."""
-    problems = unsupported_args(args, te_available=_transformer_engine_available())
+    """Raise naming every Megatron-LM flag a switch cannot carry (`unsupported_args`; the
+    patched script's parser refuses them already, `arguments.refuse_when_parsed`)."""
+    problems = unsupported_args(args)
     if problems:
-        raise DynatrainError("--dynatrain cannot switch this Megatron-LM job, because after "
-                             "a switch our builder would not reproduce: " + "; ".join(problems))
-
-
-def _transformer_engine_available() -> bool:
-    from ..mcore.builders import transformer_engine_available
-
-    return transformer_engine_available()
+        raise DynatrainError("--dynatrain cannot switch this Megatron-LM job: "
+                             + "; ".join(problems))
 
 
 def _tokenizer_vocab_size() -> Optional[int]:
@@ -256,7 +267,8 @@ class MegatronLMSession:
                  config: Any) -> None:
         import torch.distributed as dist
 
-        from ..mcore.builders import MegatronBuilder, TrainingObjects, with_layer_implementation
+        from ..mcore.builders import TrainingObjects
+        from .builder import MegatronLMBuilder
         from ..loop.hook import DynatrainHook
         from ..mcore.training import Trainer
 
@@ -270,9 +282,9 @@ class MegatronLMSession:
             log.warning("dynatrain: %s; treating all %s rows as vocabulary", e,
                         arg_value(args, "padded_vocab_size"))
             self.spec = spec_from_megatron_args(args)
-        # TE layers exactly where our builder uses them (`unsupported_args` checked that
-        # Megatron-LM built the first layout the same way): the analytic names follow
-        self.spec = with_layer_implementation(self.spec)
+        # the analytic names follow the layers Megatron-LM builds (TE's or the local ones)
+        self.spec = self.spec.replace(transformer_engine=arg_value(
+            args, "transformer_impl", "transformer_engine") == "transformer_engine")
         self.train = train_config_from_megatron_args(args)
         layout = layout_from_megatron_args(args, self.spec, dist.get_world_size())
         objs = TrainingObjects(layout=layout, groups=wrap_megatron_groups(layout), config=config,
@@ -280,15 +292,17 @@ class MegatronLMSession:
         _check_live_state(self.spec, self.train, objs)
         self.trainer = Trainer(self.spec, self.train, objs,
                                consumed_samples=arg_value(args, "consumed_train_samples", 0))
-        # B's config is Megatron-LM's own for B (transformer_config.py)
+        # B is built by Megatron-LM itself, from a copy of these args set to B (builder.py)
         self.intents = JobIntents.from_args(args)
         self.hook = DynatrainHook.from_args(
             args, self.spec, self.train,
-            builder=MegatronBuilder(self.spec, self.train, config_factory=megatron_lm_config_factory(
-                args, self.spec, self.intents)))
+            builder=MegatronLMBuilder(self.spec, self.train, args=copy.copy(args),
+                                      intents=self.intents, model_provider=_model_provider()))
         self.test_data_iterator: Any = None
         self.latest: Optional[LoopObjects] = None
         self.launch_layout = layout  # Megatron-LM's log line does not show a later one
+        # what a rank death inside a train_step leaves behind, and its fault points
+        self.guard = StepGuard(self.hook.faults, vote=self.hook.rendezvous_dir is not None)
         log.info("dynatrain: wrapping Megatron-LM's %s job (%s); switches are polled every %d "
                  "iteration(s)", layout, self.spec.name, args.dynatrain_poll_interval)
 
@@ -302,6 +316,7 @@ class MegatronLMSession:
                                  "is every rebinding of the training.py patch applied?")
         t.iteration = iteration
         t.consumed_samples = arg_value(self.args, "consumed_train_samples", t.consumed_samples)
+        self.guard.at_boundary(iteration, t.objs)  # this rank's step completed
         old_config = t.objs.config
         before = t.objs
         if not ending:  # an exit decided by Megatron-LM: no new switch at the last step
@@ -319,12 +334,15 @@ class MegatronLMSession:
         self.trainer = t
         world = dist.get_world_size()
         out = self.hook.layout.world_size < world  # some processes are on standby
-        if out and (ending or t.iteration >= arg_value(self.args, "train_iters", t.iteration)):
-            self.hook.stop_standby()  # the last step: the ranks on standby leave train()
+        if ending or t.iteration >= arg_value(self.args, "train_iters", t.iteration):
+            # the last step: a switch still being prepared is cancelled, the ranks on
+            # standby leave train()
+            self.hook.end_job(t)
         self._log_layout(t.iteration, out, world)
         o = t.objs
         if o is not before:
             self.rebind_loop(t, old_config)
+            self.guard.at_boundary(t.iteration, o)
         if ending:  # train() exits with Megatron-LM's iterators: they go with its frames
             self.forget_iterators()
         # until the next call, Megatron-LM's code on this rank sees the layout as its world
@@ -371,7 +389,7 @@ class MegatronLMSession:
     def set_args_for(self, layout: Layout) -> None:
         """Megatron-LM's `args` describe `layout` (its loop, logging, data loaders and
         checkpointing read them), with the job's sequence-parallel intent."""
-        for k, v in args_for_layout(layout, self.spec,
+        for k, v in args_for_layout(layout, self.spec, like=self.args,
                                     sequence_parallel=self.intents.sequence_parallel).items():
             setattr(self.args, k, v)
 
@@ -471,10 +489,11 @@ def current_session() -> Optional["MegatronLMSession"]:
 
 def reset_session() -> None:
     """Forget the session and the dataset provider (tests, in-process restarts)."""
-    global _SESSION, _DATASET_PROVIDER
+    global _SESSION, _DATASET_PROVIDER, _MODEL_PROVIDER
     stand_in_world.use(None)
     _SESSION = None
     _DATASET_PROVIDER = None
+    _MODEL_PROVIDER = None
 
 
 __all__: Iterable[str] = (

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 from typing import Any, Callable, Optional
 
 from ..loop.arguments import add_dynatrain_args
@@ -17,11 +19,9 @@ from ..mcore.train_config import TrainConfig
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
+from .support import support_matrix, unsupported_args
 
 log = logging.getLogger("dynatrain")
-
-# Megatron-LM's default rotary base, the one GPTModel argument of ours it could differ in
-_ROTARY_BASE = 10000
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -39,9 +39,33 @@ def chain_extra_args_providers(*providers: Optional[ExtraArgsProvider]) -> Extra
         for p in chain:
             out = p(parser)
             parser = out if out is not None else parser
-        return add_dynatrain_args(parser)
+        return refuse_when_parsed(add_dynatrain_args(parser, host="megatron-lm"))
 
     return provider
+
+
+def refuse_when_parsed(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`parser`, whose parse of a `--dynatrain` command line ends the process (status 2,
+    one line per refused option on stderr, from the first rank only) when an option is set
+    that a switch cannot carry (`support.unsupported_args`): at start-up, before Megatron-LM
+    initialises anything, rather than as a traceback on every rank once the model is built."""
+    for method in ("parse_args", "parse_known_args"):
+        parse = getattr(parser, method)
+
+        def checked(*a: Any, _parse: Callable = parse, **k: Any) -> Any:
+            out = _parse(*a, **k)
+            ns = out[0] if isinstance(out, tuple) else out
+            if getattr(ns, "dynatrain", False):
+                problems = unsupported_args(ns)
+                if problems:
+                    if os.environ.get("RANK", "0") == "0":
+                        for p in problems:
+                            sys.stderr.write(f"dynatrain: cannot switch this job: {p}\n")
+                    sys.exit(2)
+            return out
+
+        setattr(parser, method, checked)
+    return parser
 
 
 def arg_value(args: Any, name: str, default: Any = None) -> Any:
@@ -49,14 +73,32 @@ def arg_value(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
-def _single(value: Any, name: str) -> Any:
-    """Megatron-LM turned some MoE coefficients into lists (one per load-balancing type)."""
+def _first(value: Any) -> Any:
+    """Megatron-LM turned some MoE coefficients into lists (one per load-balancing type);
+    the spec keeps the first (numerics only: B is built by Megatron-LM from the args)."""
     if isinstance(value, (list, tuple)):
-        if len(value) != 1:
-            raise DynatrainError(f"--{name.replace('_', '-')} with {len(value)} values is not "
-                                 f"supported (our builder has one)")
-        return value[0]
+        return value[0] if value else 0.0
     return value
+
+
+def _moe_layer_pattern(args: Any) -> Optional[tuple[int, ...]]:
+    """`--moe-layer-freq` as megatron-core expands it (an int N: every N-th layer from the
+    first is MoE; a list: one 0/1 per layer); None when every layer is MoE."""
+    freq = arg_value(args, "moe_layer_freq", 1)
+    if isinstance(freq, int):
+        pattern = tuple(1 if i % freq == 0 else 0 for i in range(args.num_layers))
+    elif isinstance(freq, (list, tuple)):
+        pattern = tuple(int(x) for x in freq)
+    else:
+        raise DynatrainError(f"--moe-layer-freq {freq!r}: expected an int or a list")
+    return None if all(pattern) else pattern
+
+
+def _position_embedding(args: Any) -> str:
+    """The spec's position embedding: the learned table (a parameter) or none; every rotary
+    variant (rope, yarn, mrope) holds no state."""
+    kind = arg_value(args, "position_embedding_type", "learned_absolute")
+    return kind if kind in ("learned_absolute", "none") else "rope"
 
 
 def params_dtype_of(args: Any) -> str:
@@ -94,8 +136,9 @@ def spec_from_megatron_args(args: Any, vocab_size: Optional[int] = None,
         num_query_groups=(arg_value(args, "num_query_groups") or heads) if gqa else heads,
         kv_channels=arg_value(args, "kv_channels"),
         make_vocab_size_divisible_by=arg_value(args, "make_vocab_size_divisible_by", 128),
-        swiglu=bool(arg_value(args, "swiglu", False)),
-        position_embedding_type=arg_value(args, "position_embedding_type", "learned_absolute"),
+        # gated linear units double fc1 (SwiGLU, quick-GeGLU)
+        swiglu=bool(arg_value(args, "swiglu", False) or arg_value(args, "quick_geglu", False)),
+        position_embedding_type=_position_embedding(args),
         untie_embeddings_and_output_weights=bool(
             arg_value(args, "untie_embeddings_and_output_weights", False)),
         normalization=arg_value(args, "normalization", "LayerNorm"),
@@ -107,6 +150,10 @@ def spec_from_megatron_args(args: Any, vocab_size: Optional[int] = None,
         attention_softmax_in_fp32=bool(arg_value(args, "attention_softmax_in_fp32", False)
                                        or arg_value(args, "apply_query_key_layer_scaling", False)),
     )
+    if arg_value(args, "multi_latent_attention", False):
+        kw.update(multi_latent_attention=True, q_lora_rank=arg_value(args, "q_lora_rank"),
+                  **{k: arg_value(args, k) for k in ("kv_lora_rank", "qk_head_dim",
+                                                     "qk_pos_emb_head_dim", "v_head_dim")})
     experts = arg_value(args, "num_experts")
     if experts:
         kw.update(
@@ -114,9 +161,9 @@ def spec_from_megatron_args(args: Any, vocab_size: Optional[int] = None,
             moe_ffn_hidden_size=arg_value(args, "moe_ffn_hidden_size"),
             moe_router_topk=arg_value(args, "moe_router_topk", 2),
             moe_token_dispatcher_type=arg_value(args, "moe_token_dispatcher_type", "allgather"),
-            moe_aux_loss_coeff=float(_single(arg_value(args, "moe_aux_loss_coeff", 0.0),
-                                             "moe_aux_loss_coeff")),
+            moe_aux_loss_coeff=float(_first(arg_value(args, "moe_aux_loss_coeff", 0.0))),
             moe_shared_expert_intermediate_size=arg_value(args, "moe_shared_expert_intermediate_size"),
+            moe_layer_pattern=_moe_layer_pattern(args),
         )
     spec = ModelSpec(**kw)
     padded = arg_value(args, "padded_vocab_size")
@@ -175,13 +222,24 @@ def layout_from_megatron_args(args: Any, spec: ModelSpec, world_size: int) -> La
     return layout
 
 
-def args_for_layout(layout: Layout, spec: ModelSpec, *,
-                    sequence_parallel: bool = False) -> dict[str, Any]:
+def args_for_layout(layout: Layout, spec: ModelSpec, *, sequence_parallel: bool = False,
+                    like: Any = None) -> dict[str, Any]:
     """Megatron-LM `args` values that describe `layout` (set after a switch, since
     Megatron-LM's loop, logging, data loaders and checkpointing read them).
 
     `sequence_parallel`: whether the job asked for it (`--sequence-parallel`); as Megatron-LM
-    validates it, it holds only with TP, and an MoE job with TP always has it."""
+    validates it, it holds only with TP, and an MoE job with TP always has it. `like`: the
+    job's args; the options its release derives from the layout are added where they exist
+    (`compat.megatron_lm.derived_layout_args`)."""
+    out = _args_for_layout(layout, spec, sequence_parallel)
+    if like is not None:
+        from ..compat.megatron_lm import derived_layout_args
+
+        out.update(derived_layout_args(like, out))
+    return out
+
+
+def _args_for_layout(layout: Layout, spec: ModelSpec, sequence_parallel: bool) -> dict[str, Any]:
     vpp = layout.vpp if layout.vpp > 1 else None
     per_vstage = None
     if vpp and not (layout.ppf or layout.ppl):
@@ -207,95 +265,6 @@ def _is_set(value: Any) -> bool:
     return value not in (None, False, 0, 0.0, "", [], ())
 
 
-def unsupported_args(args: Any, *, te_available: bool) -> list[str]:
-    """Megatron-LM options our builder would not reproduce after a switch (one line each).
-
-    Each changes the model's function, the optimizer's state layout, or how the loop
-    counts batches, so a layout built without it would silently train a different job.
-    `te_available`: whether our builder will use Transformer Engine layers (it does when
-    TE imports and CUDA is present), which must match `--transformer-impl`.
-    """
-    out: list[str] = []
-
-    def refuse(cond: bool, what: str) -> None:
-        if cond:
-            out.append(what)
-
-    impl = arg_value(args, "transformer_impl", "transformer_engine")
-    want = "transformer_engine" if te_available else "local"
-    refuse(impl != want, f"--transformer-impl {impl}: after a switch our builder uses {want} "
-                         f"layers (Transformer Engine {'is' if te_available else 'is not'} usable here)")
-    refuse(arg_value(args, "use_legacy_models", False), "--use-legacy-models")
-    refuse(arg_value(args, "spec") is not None, "--spec (a custom layer spec)")
-    refuse(arg_value(args, "heterogeneous_layers_config_path") is not None,
-           "--heterogeneous-layers-config-path")
-    refuse(arg_value(args, "multi_latent_attention", False), "--multi-latent-attention")
-    refuse(_is_set(arg_value(args, "mtp_num_layers")), "--mtp-num-layers")
-    refuse(arg_value(args, "position_embedding_type", "learned_absolute")
-           not in ("rope", "learned_absolute", "none"),
-           f"--position-embedding-type {arg_value(args, 'position_embedding_type')}")
-    refuse(arg_value(args, "position_embedding_type") == "learned_absolute"
-           and arg_value(args, "max_position_embeddings", args.seq_length) != args.seq_length,
-           "--max-position-embeddings != --seq-length with learned absolute positions "
-           "(the table would change shape)")
-    refuse(arg_value(args, "rotary_base", _ROTARY_BASE) != _ROTARY_BASE, "--rotary-base other than 10000")
-    refuse(arg_value(args, "rotary_percent", 1.0) != 1.0, "--rotary-percent other than 1.0")
-    refuse(arg_value(args, "use_rope_scaling", False), "--use-rope-scaling")
-    refuse(arg_value(args, "rotary_seq_len_interpolation_factor") is not None,
-           "--rotary-seq-len-interpolation-factor")
-    refuse(arg_value(args, "add_qkv_bias", False) and not arg_value(args, "add_bias_linear", True),
-           "--add-qkv-bias without linear biases")
-    # gated: fc1's shape follows, which our ModelSpec does not describe
-    for flag in ("quick_geglu", "onnx_safe"):
-        refuse(arg_value(args, flag, False), f"--{flag.replace('_', '-')} (activation)")
-    refuse(arg_value(args, "fp16_lm_cross_entropy", False), "--fp16-lm-cross-entropy")
-    refuse(arg_value(args, "calculate_per_token_loss", False), "--calculate-per-token-loss")
-    if arg_value(args, "num_experts"):
-        freq = arg_value(args, "moe_layer_freq", 1)
-        refuse(not (freq == 1 or (isinstance(freq, (list, tuple)) and all(f == 1 for f in freq))),
-               "--moe-layer-freq (our builder makes every layer MoE)")
-        refuse(arg_value(args, "moe_grouped_gemm", False), "--moe-grouped-gemm")
-        coeff = arg_value(args, "moe_aux_loss_coeff", 0.0)
-        refuse(isinstance(coeff, (list, tuple)) and len(coeff) != 1,
-               "--moe-aux-loss-coeff with several values")
-    # optimizer and data parallelism: the switch moves DistributedOptimizer shards of Adam
-    refuse(not arg_value(args, "use_distributed_optimizer", False),
-           "no --use-distributed-optimizer (the switch moves DistributedOptimizer shards)")
-    refuse(arg_value(args, "optimizer", "adam") != "adam", f"--optimizer {arg_value(args, 'optimizer')}")
-    for flag in ("use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp",
-                 "use_layer_wise_distributed_optimizer", "optimizer_cpu_offload",
-                 "use_precision_aware_optimizer"):
-        refuse(arg_value(args, flag, False), f"--{flag.replace('_', '-')}")
-    refuse(arg_value(args, "ddp_num_buckets") is not None, "--ddp-num-buckets (use --ddp-bucket-size)")
-    refuse(arg_value(args, "fp16", False) and arg_value(args, "loss_scale") is not None,
-           "--loss-scale (static fp16 loss scale)")
-    refuse(_is_set(arg_value(args, "fp8")), "--fp8-format")
-    refuse(_is_set(arg_value(args, "fp4")), "--fp4-format")
-    # schedule and batch accounting the switch cannot carry
-    refuse(arg_value(args, "rampup_batch_size") is not None, "--rampup-batch-size")
-    refuse(arg_value(args, "decrease_batch_size_if_needed", False), "--decrease-batch-size-if-needed")
-    refuse(arg_value(args, "lr_decay_style", "linear") == "WSD",
-           "--lr-decay-style WSD (its decay steps are not in the scheduler's state dict)")
-    refuse(_is_set(arg_value(args, "lr_warmup_init", 0.0)),
-           "--lr-warmup-init (not in the scheduler's state dict)")
-    # rank order and pipeline split: our Layout must describe Megatron-LM's groups
-    refuse(arg_value(args, "use_tp_pp_dp_mapping", False), "--use-tp-pp-dp-mapping (rank order)")
-    refuse(arg_value(args, "pipeline_model_parallel_layout") is not None,
-           "--pipeline-model-parallel-layout")
-    refuse(arg_value(args, "account_for_embedding_in_pipeline_split", False),
-           "--account-for-embedding-in-pipeline-split")
-    refuse(arg_value(args, "account_for_loss_in_pipeline_split", False),
-           "--account-for-loss-in-pipeline-split")
-    refuse(arg_value(args, "hierarchical_context_parallel_sizes") is not None,
-           "--hierarchical-context-parallel-sizes")
-    refuse(arg_value(args, "hybrid_context_parallel", False), "--hybrid-context-parallel")
-    # loop features that hold on to the first layout's objects
-    refuse(arg_value(args, "cuda_graph_impl", "none") not in (None, "none"),
-           f"--cuda-graph-impl {arg_value(args, 'cuda_graph_impl')}")
-    refuse(arg_value(args, "perform_rl_step", False), "--perform-rl-step")
-    return out
-
-
 def performance_differences(args: Any) -> list[str]:
     """Options accepted but not reproduced after a switch: same training, other speed or
     memory. Logged as a warning when the session starts. (B's TransformerConfig is
@@ -318,5 +287,6 @@ def performance_differences(args: Any) -> list[str]:
 
 
 __all__ = ("args_for_layout", "chain_extra_args_providers", "layout_from_megatron_args",
-           "params_dtype_of", "performance_differences", "spec_from_megatron_args",
-           "train_config_from_megatron_args", "unsupported_args")
+           "params_dtype_of", "performance_differences", "refuse_when_parsed",
+           "spec_from_megatron_args", "support_matrix", "train_config_from_megatron_args",
+           "unsupported_args")

@@ -111,6 +111,7 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
             _bind_source(prep, spec, builder, src_objs, verify)
         prep.phases["bind_src"] = t() - t0
         (faults or _NO_FAULTS).fail(me, "prepare", dst=str(dst))
+        (faults or _NO_FAULTS).delay_preparation(me, str(dst))
     except Exception as e:  # noqa: BLE001 - every rank learns it at the switch's first vote
         prep.error = f"rank {me}: prepare: {type(e).__name__}: {e}"
         log.error("rank %d: preparing the switch %s -> %s failed (nothing has moved): %s",

@@ -15,7 +15,11 @@ import yaml
 
 from .errors import ModelSpecError
 
-_DTYPES = ("fp32", "bf16", "fp16")
+# the values a model config may name (the README's support matrix is generated from them)
+PARAMS_DTYPES = ("fp32", "bf16", "fp16")
+POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+_DTYPES = PARAMS_DTYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,18 @@ class ModelSpec:
     moe_token_dispatcher_type: str = "alltoall"
     moe_aux_loss_coeff: float = 0.0
     moe_shared_expert_intermediate_size: Optional[int] = None
+    # which layers are MoE (1) and which dense (0), one entry per layer (megatron-core's
+    # `moe_layer_freq` expanded); None: every layer of an MoE model is MoE
+    moe_layer_pattern: Optional[tuple[int, ...]] = None
+    # multi-latent attention (megatron-core's local MLA spec) in place of linear_qkv: the
+    # query's low rank (None: a full-rank query projection), the key-value's, and the head
+    # sizes of the query-key part without / with rotary positions and of the values
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     params_dtype: str = "fp32"
     init_method_std: float = 0.02
     # built with Transformer Engine's layer spec (GPU): its fused norm+linear layers name and
@@ -73,17 +89,25 @@ class ModelSpec:
                 f"divisible by num_query_groups {self.num_query_groups}")
         if self.params_dtype not in _DTYPES:
             raise ModelSpecError(f"model {self.name!r}: params_dtype must be one of {_DTYPES}")
-        if self.position_embedding_type not in ("rope", "learned_absolute", "none"):
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ModelSpecError(
                 f"model {self.name!r}: unknown position_embedding_type "
                 f"{self.position_embedding_type!r}")
-        if self.normalization not in ("RMSNorm", "LayerNorm"):
+        if self.normalization not in NORMALIZATIONS:
             raise ModelSpecError(f"model {self.name!r}: unknown normalization {self.normalization!r}")
         if self.num_moe_experts is not None:
             if self.num_moe_experts <= 0:
                 raise ModelSpecError(f"model {self.name!r}: num_moe_experts must be positive")
             if self.moe_ffn_hidden_size is None:
                 object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+            pat = self.moe_layer_pattern
+            if pat is not None:
+                object.__setattr__(self, "moe_layer_pattern", tuple(int(x) for x in pat))
+                if (len(self.moe_layer_pattern) != self.num_layers
+                        or set(self.moe_layer_pattern) - {0, 1}):
+                    raise ModelSpecError(
+                        f"model {self.name!r}: moe_layer_pattern {list(pat)} must have one 0 "
+                        f"(dense) or 1 (MoE) per layer ({self.num_layers})")
             if not 0 < self.moe_router_topk <= self.num_moe_experts:
                 raise ModelSpecError(
                     f"model {self.name!r}: moe_router_topk {self.moe_router_topk} must be in "
@@ -96,17 +120,24 @@ class ModelSpec:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ModelSpecError(f"model config has unknown keys {unknown}; known: {sorted(known)}")
-        try:
-            return cls(**d)
-        except TypeError as e:  # missing required key
-            raise ModelSpecError(f"model config incomplete: {e}") from None
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in d
+                         and f.default is dataclasses.MISSING)
+        if missing:
+            raise ModelSpecError(f"model config incomplete: missing keys {missing}")
+        for key, value in d.items():
+            _check_type(key, value, _FIELD_TYPES[key])
+        return cls(**d)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ModelSpec":
         p = Path(path)
         if not p.is_file():
             raise ModelSpecError(f"model config {str(p)!r} not found")
-        data = yaml.safe_load(p.read_text())
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelSpecError(f"model config {str(p)!r} is not readable YAML: {first}") from None
         if not isinstance(data, dict):
             raise ModelSpecError(f"model config {str(p)!r} is not a mapping")
         data.setdefault("name", p.stem)
@@ -119,6 +150,12 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_moe_experts is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` has experts (`moe_layer_pattern`)."""
+        if not self.is_moe:
+            return False
+        return self.moe_layer_pattern is None or self.moe_layer_pattern[layer] == 1
 
     @property
     def tied(self) -> bool:
@@ -144,3 +181,23 @@ class ModelSpec:
         if self.moe_ffn_hidden_size is None:
             raise ModelSpecError(f"model {self.name!r} has no moe_ffn_hidden_size")
         return self.moe_ffn_hidden_size * (2 if self.swiglu else 1)
+
+
+# the annotated type of each field, as written (annotations are strings here)
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(ModelSpec)}
+
+
+def _check_type(key: str, value: Any, annotation: str) -> None:
+    """A config value of the field's own type (YAML reads `four` as a string, `1e3` as a
+    string, `yes` as a bool): refused with the key, so no arithmetic fails later on it."""
+    optional = annotation.startswith("Optional[")
+    base = annotation[len("Optional["):-1] if optional else annotation
+    if value is None and optional:
+        return
+    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+          "bool": isinstance(value, bool),
+          "str": isinstance(value, str)}.get(base, True)
+    if not ok:
+        raise ModelSpecError(f"model config key {key!r} must be {'null or ' if optional else ''}"
+                             f"a {base}, got {value!r}")

@@ -200,6 +200,56 @@ class _ChunkBuilder:
                      axis, **kw)
 
 
+    def layer_mlp(self, lp: str, kp: str, moe: bool, te: bool) -> None:
+        """A layer's MLP: the router, experts and shared experts of an MoE layer, or the
+        dense MLP (TE: with the pre-MLP norm fused into its fc1)."""
+        s = self.spec
+        if moe:
+            E = s.num_moe_experts
+            h = s.hidden_size
+            self.add(lp + "mlp.router.weight", kp + "mlp.router.weight", (E, h), "rep")
+            if s.add_bias_linear:
+                self.add(lp + "mlp.router.bias", kp + "mlp.router.bias", (E,), "rep")
+            nl = E // self.layout.ep
+            for i in range(nl):
+                self.mlp(lp + f"mlp.experts.local_experts.{i}", kp + "mlp.experts.{e}",
+                         s.moe_ffn_hidden_size, "etp", is_expert=True, local_expert=i,
+                         num_local_experts=nl)
+            if s.moe_shared_expert_intermediate_size:
+                self.mlp(lp + "mlp.shared_experts", kp + "mlp.shared_experts",
+                         s.moe_shared_expert_intermediate_size, "tp")
+        else:
+            if te:
+                self.fused_norm(lp, kp, "pre_mlp_layernorm", s.hidden_size)
+            self.mlp(lp + "mlp", kp + "mlp", s.ffn_hidden_size, "tp")
+
+    def mla(self, local: str, key: str) -> None:
+        """Multi-latent attention as megatron-core's local spec builds it (0.16.1): the
+        output projection (row-parallel), then the column-parallel query (low-rank down and
+        up, or one projection) and key-value (down, up) projections, then the query and
+        key-value norms over the low ranks (with --qk-layernorm)."""
+        s = self.spec
+        h, heads = s.hidden_size, s.num_attention_heads
+        q_head = s.qk_head_dim + s.qk_pos_emb_head_dim
+
+        def linear(name: str, shape: tuple[int, ...], rule: str) -> None:
+            self.add(local + name + ".weight", key + name + ".weight", shape, rule)
+
+        linear("linear_proj", (h, heads * s.v_head_dim), "cols")
+        if s.q_lora_rank is None:
+            linear("linear_q_proj", (heads * q_head, h), "rows")
+        else:
+            linear("linear_q_down_proj", (s.q_lora_rank, h), "rows")
+            linear("linear_q_up_proj", (heads * q_head, s.q_lora_rank), "rows")
+        linear("linear_kv_down_proj", (s.kv_lora_rank + s.qk_pos_emb_head_dim, h), "rows")
+        linear("linear_kv_up_proj", (heads * (s.qk_head_dim + s.v_head_dim), s.kv_lora_rank),
+               "rows")
+        if s.qk_layernorm:
+            if s.q_lora_rank is not None:
+                self.norm(local + "q_layernorm", key + "q_layernorm", s.q_lora_rank)
+            self.norm(local + "kv_layernorm", key + "kv_layernorm", s.kv_lora_rank)
+
+
 def _check_divisible(spec: ModelSpec, layout: Layout) -> None:
     errs = layout.model_errors(spec)
     sh = spec.moe_shared_expert_intermediate_size
@@ -236,8 +286,15 @@ def chunk_param_specs(spec: ModelSpec, layout: Layout, pp_rank: int,
     te = s.transformer_engine
     for j, L in enumerate(layout.stage_layers(s.num_layers, pp_rank, chunk)):
         lp, kp = f"decoder.layers.{j}.", f"decoder.layers.{L}."
+        moe = s.is_moe_layer(L)  # an MoE model may have dense layers (moe_layer_pattern)
         if not te:
             b.norm(lp + "input_layernorm", kp + "input_layernorm", h)
+        if s.multi_latent_attention:
+            b.mla(lp + "self_attention.", kp + "self_attention.")
+            if not te or moe:
+                b.norm(lp + "pre_mlp_layernorm", kp + "pre_mlp_layernorm", h)
+            b.layer_mlp(lp, kp, moe, te)
+            continue
         # SelfAttention registers linear_qkv first, but named_parameters() yields
         # linear_proj first: megatron builds linear_proj before linear_qkv (checked on 0.16.1)
         b.add(lp + "self_attention.linear_proj.weight", kp + "self_attention.linear_proj.weight",
@@ -255,25 +312,9 @@ def chunk_param_specs(spec: ModelSpec, layout: Layout, pp_rank: int,
         if s.qk_layernorm:
             b.norm(lp + "self_attention.q_layernorm", kp + "self_attention.q_layernorm", d)
             b.norm(lp + "self_attention.k_layernorm", kp + "self_attention.k_layernorm", d)
-        if not te or s.is_moe:  # TE fuses it into a dense MLP's fc1; MoE keeps a TENorm
+        if not te or moe:  # TE fuses it into a dense MLP's fc1; MoE keeps a TENorm
             b.norm(lp + "pre_mlp_layernorm", kp + "pre_mlp_layernorm", h)
-        if s.is_moe:
-            E = s.num_moe_experts
-            b.add(lp + "mlp.router.weight", kp + "mlp.router.weight", (E, h), "rep")
-            if s.add_bias_linear:
-                b.add(lp + "mlp.router.bias", kp + "mlp.router.bias", (E,), "rep")
-            nl = E // layout.ep
-            for i in range(nl):
-                b.mlp(lp + f"mlp.experts.local_experts.{i}", kp + "mlp.experts.{e}",
-                      s.moe_ffn_hidden_size, "etp", is_expert=True, local_expert=i,
-                      num_local_experts=nl)
-            if s.moe_shared_expert_intermediate_size:
-                b.mlp(lp + "mlp.shared_experts", kp + "mlp.shared_experts",
-                      s.moe_shared_expert_intermediate_size, "tp")
-        else:
-            if te:
-                b.fused_norm(lp, kp, "pre_mlp_layernorm", h)
-            b.mlp(lp + "mlp", kp + "mlp", s.ffn_hidden_size, "tp")
+        b.layer_mlp(lp, kp, moe, te)
     if post:
         b.norm("decoder.final_layernorm", "decoder.final_layernorm", h)
         if not s.tied:

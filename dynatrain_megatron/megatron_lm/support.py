@@ -1,0 +1,194 @@
+"""What a Megatron-LM job may use with `--dynatrain`, and why the rest is refused.
+
+Layout B is built by Megatron-LM itself (`builder.py`), so an option that only changes what
+the model computes or how the loop trains (rotary base and scaling, activations, dropout,
+fused kernels, recompute, the LR schedule, loss options, ...) carries over with nothing of
+ours. What stays refused is listed in `REFUSALS`, one row per reason, each with its class:
+
+* `restart`: Megatron-LM's own restart (`--save` at A, `--load` at B) cannot do it either;
+* `hardware`: it needs hardware this project cannot test on (handled by design, unverified);
+* `not_yet`: Megatron-LM's restart can, but the switch cannot yet: mostly state the planning
+  layout (`vps/`, the analytic description of every rank's state that plans are made
+  from) does not describe yet.
+
+`unsupported_args(args)` reads only flags (no derived values), so it runs on the parsed
+command line, before Megatron-LM builds anything; `support_matrix()` gives the rows the
+README's and `docs/recipes.md`'s tables are generated from.
+
+Pure argument handling: no megatron import.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+CLASSES = ("restart", "hardware", "not_yet")
+
+
+def _v(args: Any, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+def _set(value: Any) -> bool:
+    return value not in (None, False, 0, 0.0, "", [], ())
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Options refused for one reason. `flags`: as a user types them; `test(args)`: the
+    offending flags of `args` (empty: none set); `why`: the reason, one line."""
+
+    flags: str
+    cls: str
+    why: str
+    test: Callable[[Any], list[str]]
+
+    def __post_init__(self) -> None:
+        if self.cls not in CLASSES:
+            raise ValueError(f"refusal {self.flags!r}: class {self.cls!r} not in {CLASSES}")
+
+
+def _flags(*names: str) -> Callable[[Any], list[str]]:
+    """A test naming each of `names` (attribute names) that is set."""
+    return lambda a: ["--" + n.replace("_", "-") for n in names if _set(_v(a, n))]
+
+
+def _optimizer(a: Any) -> list[str]:
+    opt = _v(a, "optimizer", "adam")
+    return [] if opt == "adam" else [f"--optimizer {opt}"]
+
+
+def _without_distributed_optimizer(a: Any) -> list[str]:
+    return [] if _v(a, "use_distributed_optimizer", True) else ["no --use-distributed-optimizer"]
+
+
+def _layer_pattern(a: Any) -> list[str]:
+    out = []
+    if (_set(_v(a, "multi_latent_attention"))
+            and _v(a, "transformer_impl", "transformer_engine") == "transformer_engine"):
+        out.append("--multi-latent-attention with --transformer-impl transformer_engine")
+    if _set(_v(a, "mtp_num_layers")):
+        out.append("--mtp-num-layers")
+    if _set(_v(a, "num_experts")) and _set(_v(a, "moe_grouped_gemm")):
+        out.append("--moe-grouped-gemm")
+    for n in ("heterogeneous_layers_config_path", "spec", "experimental_attention_variant"):
+        if _v(a, n) is not None:
+            out.append("--" + n.replace("_", "-"))
+    if _set(_v(a, "moe_router_enable_expert_bias")):
+        out.append("--moe-router-enable-expert-bias")
+    if _v(a, "add_qkv_bias", False) and not _v(a, "add_bias_linear", True):
+        out.append("--add-qkv-bias without --add-bias-linear")
+    if (_v(a, "position_embedding_type", "learned_absolute") == "learned_absolute"
+            and _v(a, "max_position_embeddings") not in (None, _v(a, "seq_length"))):
+        out.append("--max-position-embeddings other than --seq-length (learned positions)")
+    if _v(a, "ddp_num_buckets") is not None:
+        out.append("--ddp-num-buckets")
+    return out
+
+
+def _fp8(a: Any) -> list[str]:
+    out = [f for f, n in (("--fp8-format", "fp8"), ("--fp4-format", "fp4")) if _set(_v(a, n))]
+    impl = _v(a, "cuda_graph_impl", "none")
+    if impl not in (None, "none"):
+        out.append(f"--cuda-graph-impl {impl}")
+    return out
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal("--use-legacy-models", "restart",
+            "the legacy models have no sharded metadata: dist_checkpointing cannot reshard "
+            "them", _flags("use_legacy_models")),
+    Refusal("--optimizer sgd / muon / other than adam", "restart",
+            "Megatron-LM's own --load at another layout fails for SGD (no optimizer state is "
+            "created before the load, core_v0.16.1: found by issue 23's probe); the Muon "
+            "optimizers are layer-wise, with state the switch does not read", _optimizer),
+    Refusal("no --use-distributed-optimizer", "not_yet",
+            "the planning layout describes the distributed optimizer's shards; the plain "
+            "optimizer's replicated state is not described yet", _without_distributed_optimizer),
+    Refusal("--use-torch-fsdp2, --use-megatron-fsdp, --use-custom-fsdp, "
+            "--use-layer-wise-distributed-optimizer, --optimizer-cpu-offload, "
+            "--use-precision-aware-optimizer", "not_yet",
+            "the optimizer state lives elsewhere (FSDP shards, host copies, reduced-precision "
+            "moments) than in the distributed optimizer's buffers the switch reads",
+            _flags("use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp",
+                   "use_layer_wise_distributed_optimizer", "optimizer_cpu_offload",
+                   "use_precision_aware_optimizer")),
+    Refusal("--mtp-num-layers, --moe-grouped-gemm, --multi-latent-attention with TE layers, "
+            "--spec, "
+            "--heterogeneous-layers-config-path, --experimental-attention-variant, "
+            "--moe-router-enable-expert-bias, --ddp-num-buckets, ...", "not_yet",
+            "their parameters (or buffers, or bucket sizes) are not in the planning layout's "
+            "naming table yet (vps/naming.py); B itself would be built right by Megatron-LM",
+            _layer_pattern),
+    Refusal("--use-tp-pp-dp-mapping, --pipeline-model-parallel-layout, "
+            "--account-for-embedding-in-pipeline-split, --account-for-loss-in-pipeline-split, "
+            "--hierarchical-context-parallel-sizes, --hybrid-context-parallel", "not_yet",
+            "a rank order or a pipeline split the switch's Layout does not describe",
+            _flags("use_tp_pp_dp_mapping", "pipeline_model_parallel_layout",
+                   "account_for_embedding_in_pipeline_split",
+                   "account_for_loss_in_pipeline_split",
+                   "hierarchical_context_parallel_sizes", "hybrid_context_parallel")),
+    Refusal("--rampup-batch-size, --decrease-batch-size-if-needed", "not_yet",
+            "the batch-size ramp's position is not carried by a switch",
+            _flags("rampup_batch_size", "decrease_batch_size_if_needed")),
+    Refusal("--fp8-format, --fp4-format, --cuda-graph-impl", "hardware",
+            "needs Hopper/Blackwell kernels or CUDA graphs: B would be built by Megatron-LM "
+            "(TE's FP8 _extra_state is metadata like any other), but no switch has run there",
+            _fp8),
+    Refusal("--perform-rl-step", "not_yet",
+            "the RL loop holds the first layout's inference objects", _flags("perform_rl_step")),
+)
+
+
+def unsupported_args(args: Any) -> list[str]:
+    """One line per refused option of `args`: the flag and the reason (module doc)."""
+    out = []
+    for r in REFUSALS:
+        for flag in r.test(args):
+            out.append(f"{flag}: {r.why}")
+    return out
+
+
+# what the switch is checked to carry inside real Megatron-LM (tests named), beside what it
+# refuses: the rows of the README's support matrix
+SUPPORTED: tuple[tuple[str, str], ...] = (
+    ("dense GPT, TP/PP/VPP/DP/CP changes, fp32 and bf16, tied or untied embeddings, "
+     "LayerNorm or RMSNorm, GQA, SwiGLU, biases or none",
+     "tests/test_megatron_lm_train.py"),
+    ("Llama-3.1 recipe: --rotary-base 500000 --use-rope-scaling, GQA, SwiGLU, RMSNorm, "
+     "untied, no biases, bf16; --lr-decay-style WSD, --lr-warmup-init",
+     "tests/test_megatron_lm_recipes.py::llama"),
+    ("MoE: top-k routing with the aux loss, shared experts, --moe-layer-freq dense/MoE "
+     "patterns, --qk-layernorm, EP and expert-TP changes",
+     "tests/test_megatron_lm_recipes.py::qwen_moe"),
+    ("DeepSeek-style multi-latent attention (--multi-latent-attention with --q-lora-rank, "
+     "--kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim, --qk-layernorm), "
+     "local layers", "tests/test_megatron_lm_recipes.py::deepseek"),
+    ("any option that changes no state shape (activations, dropout, fusions, recompute, "
+     "attention backend, loss options, rotary variants): carried by B, built by Megatron-LM",
+     "megatron_lm/builder.py"),
+)
+
+
+def support_matrix() -> list[dict[str, str]]:
+    """Rows for the README's support matrix: supported recipes (with the test that checks
+    each) then every refusal with its class and reason."""
+    rows = [{"what": what, "status": "switches in memory", "why": f"checked: {where}"}
+            for what, where in SUPPORTED]
+    label = {"restart": "refused (Megatron-LM's restart cannot either)",
+             "hardware": "refused (needs hardware we cannot test)",
+             "not_yet": "refused (not done yet)"}
+    rows += [{"what": r.flags, "status": label[r.cls], "why": r.why} for r in REFUSALS]
+    return rows
+
+
+def support_markdown() -> str:
+    """`support_matrix()` as a markdown table."""
+    lines = ["| Megatron-LM job | `--dynatrain` | why |", "|---|---|---|"]
+    for row in support_matrix():
+        lines.append(f"| {row['what']} | {row['status']} | {row['why']} |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ("CLASSES", "REFUSALS", "Refusal", "support_markdown", "support_matrix",
+           "unsupported_args")

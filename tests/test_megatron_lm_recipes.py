@@ -1,0 +1,136 @@
+"""Real recipes switch: jobs shaped as the models of our benchmarks, launched with their
+recipes' own flags, switched in memory inside real Megatron-LM (the snapshot's
+pretrain_gpt.py, patched) against Megatron-LM's own restart (`--save` at A by the unpatched
+tree, `--load` at B). Layout B is built by Megatron-LM itself (`megatron_lm/builder.py`),
+in the background while A trains.
+
+One group of three torchrun jobs on 4 gloo ranks per recipe, each checking several things:
+
+* llama: Llama-3.1-shaped: `--rotary-base 500000 --use-rope-scaling`, GQA, SwiGLU, RMSNorm,
+  untied embeddings, no biases, bf16; the optimizer side `--lr-decay-style WSD` (decay
+  within the run) and `--lr-warmup-init`; a TP *and* PP change, tp2pp1dp2 -> tp1pp2dp2.
+* deepseek: DeepSeek-shaped attention: `--multi-latent-attention` with low-rank query and
+  key-value projections (`--q-lora-rank 32 --kv-lora-rank 16`, split head sizes) and their
+  norms (`--qk-layernorm`); a TP, PP and DP change, tp2pp2dp1 -> tp1pp1dp4 (every
+  column-parallel low-rank projection is re-split).
+* qwen_moe: Qwen3-MoE-shaped: `--qk-layernorm`, top-2 routing with the aux loss, a shared
+  expert, `--moe-layer-freq [0,1,1,1]` (a dense first layer), `--rotary-base 1000000`,
+  GQA, bf16; a PP, EP and DP change, tp1pp2ep2dp2 -> tp1pp1ep4dp4. At A the two pipeline
+  stages have different layer patterns (stage 0: dense + MoE, stage 1: MoE + MoE), which a
+  B built with A's pipeline rank would get wrong.
+
+Each: the switch lands after iteration K on every rank; the final checkpoints (model, fp32
+main params, both Adam moments, scheduler, optimizer step) are bit-identical to the
+restart's as logical tensors; every loss after K is the restart's.
+"""
+import re
+
+import pytest
+
+from megatron_lm_runs import (CPU_FLAGS, MOCK_DATA, TINY_MODEL, assert_final_checkpoints_identical,
+                              assert_losses_as_restart, assert_switched_as_scheduled,
+                              layout_flags, switch_and_restart)
+from megatron_lm_tree import require_snapshot
+
+pytestmark = pytest.mark.multirank
+
+K, N = 3, 6
+LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--use-rope-scaling",
+         "--group-query-attention", "--num-query-groups", "2", "--swiglu",
+         "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
+         "--disable-bias-linear", "--bf16", "--ffn-hidden-size", "128",
+         # WSD: warm-up 1, stable, then the last 2 iterations decay (after the switch)
+         "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "linear",
+         "--lr-wsd-decay-iters", "2", "--lr-warmup-init", "1e-5"]
+QWEN_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+            "--moe-aux-loss-coeff", "1e-2", "--moe-shared-expert-intermediate-size", "32",
+            "--moe-layer-freq", "[0,1,1,1]", "--moe-token-dispatcher-type", "alltoall",
+            "--qk-layernorm", "--position-embedding-type", "rope", "--rotary-base", "1000000",
+            "--group-query-attention", "--num-query-groups", "2", "--swiglu",
+            "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
+            "--disable-bias-linear", "--bf16", "--ffn-hidden-size", "96"]
+DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16",
+            "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
+            "--qk-layernorm", "--position-embedding-type", "rope", "--swiglu",
+            "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
+            "--disable-bias-linear", "--bf16", "--ffn-hidden-size", "128"]
+RECIPES = {  # name: (recipe flags, flags at A, flags at B, A, B)
+    "llama": (LLAMA, layout_flags(2, 1), layout_flags(1, 2), "tp2pp1dp2", "tp1pp2dp2"),
+    "qwen_moe": (QWEN_MOE, layout_flags(1, 2, expert_model_parallel_size=2),
+                 layout_flags(1, 1, expert_model_parallel_size=4),
+                 "tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4"),
+    "deepseek": (DEEPSEEK, layout_flags(2, 2), layout_flags(1, 1), "tp2pp2dp1", "tp1pp1dp4"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(RECIPES))
+def runs(request, tmp_path_factory):
+    require_snapshot()
+    recipe, a, b, lay_a, lay_b = RECIPES[request.param]
+    common = (CPU_FLAGS + TINY_MODEL + MOCK_DATA + recipe
+              + ["--eval-interval", "1000", "--train-iters", str(N)])
+    # Megatron-LM prints the loss from the world's last rank, which holds it only on the last
+    # pipeline stage: B keeps Megatron-LM's rank order, so every loss after the switch prints
+    out = switch_and_restart(tmp_path_factory.mktemp(f"recipe-{request.param}"), common, a, b,
+                             lay_b, K, switched_flags=["--dynatrain-default-placement"])
+    return dict(out, A=lay_a, B=lay_b, recipe=request.param)
+
+
+def _printed_args(text: str) -> dict[str, str]:
+    """Megatron-LM's own print of its arguments at start-up."""
+    return dict(re.findall(r"^\s+(\w+) \.+ (.*)$", text, re.M))
+
+
+def test_the_recipe_is_what_megatron_lm_ran(runs):
+    args = _printed_args(runs["switched"])
+    assert args["bf16"] == "True" and args["position_embedding_type"] == "rope"
+    if runs["recipe"] == "llama":
+        assert (args["rotary_base"], args["use_rope_scaling"]) == ("500000", "True")
+        assert (args["lr_decay_style"], args["lr_warmup_init"]) == ("WSD", "1e-05")
+        assert args["num_query_groups"] == "2" and args["untie_embeddings_and_output_weights"] == "True"
+    elif runs["recipe"] == "deepseek":
+        assert args["multi_latent_attention"] == "True"
+        assert (args["q_lora_rank"], args["kv_lora_rank"]) == ("32", "16")
+    else:
+        assert args["rotary_base"] == "1000000" and args["qk_layernorm"] == "True"
+        assert args["moe_layer_freq"] == "[0, 1, 1, 1]"
+        assert args["moe_shared_expert_intermediate_size"] == "32"
+
+
+def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
+    assert_switched_as_scheduled(runs["switched"], K, runs["A"], runs["B"])
+
+
+def test_final_checkpoints_are_bit_identical(runs):
+    ours = assert_final_checkpoints_identical(runs, N)
+    if runs["recipe"] == "qwen_moe":  # the dense layer and the experts both came across
+        assert any("experts" in k for k in ours) and any("shared_experts" in k for k in ours)
+        assert any(k.startswith("decoder.layers.mlp.linear_fc1") for k in ours)
+    if runs["recipe"] == "deepseek":  # MLA's low-rank projections and their norms
+        assert {"linear_q_down_proj", "linear_kv_up_proj", "kv_layernorm"} <= {
+            part for k in ours for part in k.split(".")}
+
+
+def test_losses_match_megatron_lm_restart(runs):
+    assert_losses_as_restart(runs, K, N)
+
+
+def test_a_refused_option_ends_the_job_when_its_command_line_is_parsed(tmp_path):
+    """Before Megatron-LM initialises anything (no process group, no model): one line on
+    stderr naming the flag and why, exit status 2, nothing else of ours."""
+    import subprocess
+    import sys
+
+    from megatron_lm_runs import job_env
+    from megatron_lm_tree import copy_tree
+
+    tree = copy_tree(tmp_path / "patched", patched=True)
+    cmd = [sys.executable, str(tree / "pretrain_gpt.py"), *CPU_FLAGS, *TINY_MODEL, *MOCK_DATA,
+           "--train-iters", "2", "--optimizer", "sgd", "--dynatrain"]
+    proc = subprocess.run(cmd, cwd=tree, env=job_env(tree), capture_output=True, text=True,
+                          timeout=900)
+    ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("dynatrain:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(ours) == 1 and ours[0].startswith(
+        "dynatrain: cannot switch this job: --optimizer sgd: Megatron-LM's own --load"), ours
+    assert "building GPT model" not in proc.stdout and "Traceback" not in proc.stderr
