@@ -147,7 +147,9 @@ class DynatrainHook:
             self.start(trainer, trainer.objs.layout, trainer.objs.groups.placement)
         if self.faults is not None:
             self.faults.fail(dist.get_rank(), "step", trainer.iteration)
-        self.stall.report.metrics(trainer.iteration, layout_scalars(self.layout))
+        self.stall.report.metrics(trainer.iteration, layout_scalars(self.layout))  # every step
+        if self.memory is not None:
+            self.memory.step_boundary()  # the memory figures are the last step's
         if trainer.iteration >= self.builder.train.train_iters:
             return trainer  # the last step: no switch starts (`end_job` follows)
         if self.devices.pending:
@@ -283,12 +285,9 @@ class DynatrainHook:
                                     dst, tuple(range(dst.world_size)), self.placement,
                                     self.ranks_per_node)
 
-    def _record_outcome(self, outcome: str, d: Decision, iteration: Optional[int],
-                        reason: str) -> None:
-        if dist.get_rank() == 0:  # a request's outcome other than a switch: switches.jsonl
-            self.stall.report.record(outcome, dict(
-                iteration=iteration, src=str(self.layout), dst=d.target, world=d.world,
-                source=d.source, request=self.controller.last_request, reason=reason))
+    def _record_outcome(self, outcome: str, d: Decision, it: Optional[int], reason: str) -> None:
+        self.stall.report.outcome(outcome, d, it, self.layout, self.controller.last_request,
+                                  reason)
 
     def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
         self.stall.before_switch()  # the last switch's stall, if not reported yet
@@ -341,6 +340,8 @@ class DynatrainHook:
             raise
         if released is not None and res.aborted:
             restore_grad_buffers(released)  # A trains on
+        if self.memory is not None:
+            self.memory.forget_peaks()  # this step's peak held A and B together
         if res.aborted:
             self.failed.append(res.aborted)
             self.controller.done(self.decision, "failed", res.aborted)
@@ -479,9 +480,8 @@ class DynatrainHook:
         self.devices = DeviceManager()
 
     def can_recover(self, error: BaseException) -> bool:
-        """Whether `error` looks like a dead peer and this job can recover from it: a
-        rendezvous directory is set, the recovery budget is not spent, and the error is
-        a failed communication (never a bug of ours or of the model, which would repeat)."""
+        """Whether `error` is a dead peer's (`is_dead_peer`) and this job can recover from
+        it: a rendezvous directory is set and the recovery budget is not spent."""
         return (bool(self.rendezvous_dir) and len(self.recoveries) < self.max_recoveries
                 and is_dead_peer(error))
 

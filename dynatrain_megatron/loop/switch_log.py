@@ -81,6 +81,15 @@ class SwitchLog:
         rec = json.loads(json.dumps({"kind": kind, **wall_clock(epoch), **entry}, default=str))
         return rec if self.outputs.append_json_line(RECORD_FILE, rec) else None
 
+    def outcome(self, kind: str, d, iteration: Optional[int], layout, request: Optional[str],
+                reason: str) -> None:
+        """A request's outcome other than a measured switch (`d`: the controller's
+        Decision; the caller's rank 0 writes it)."""
+        if dist.get_rank() == 0:
+            self.record(kind, dict(iteration=iteration, src=str(layout), dst=d.target,
+                                   world=d.world, source=d.source, request=request,
+                                   reason=reason))
+
     def metrics(self, iteration: int, scalars: dict) -> None:
         """Hand `scalars` (tag -> number or text) to every sink; a failing sink is dropped
         with a warning (metrics never end training)."""
