@@ -72,11 +72,10 @@ def main() -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="dynatrain-stall-"))
     work.mkdir(mode=0o700, parents=True, exist_ok=True)
     tree = work / "Megatron-LM"
-    if not tree.exists():
-        shutil.copytree(src, tree)
-    from dynatrain_megatron.megatron_lm.patch_tool import patch_checkout
+    from dynatrain_megatron.megatron_lm.checkout import working_copy
 
-    patch_checkout(tree)
+    shutil.rmtree(tree, ignore_errors=True)
+    working_copy(src, tree, patched=True)
     for d in ("saved", "logs", "data-cache"):
         shutil.rmtree(work / d, ignore_errors=True)
     common = CPU_FLAGS + MODEL + ["--train-iters", str(n),
