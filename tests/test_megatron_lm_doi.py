@@ -63,8 +63,8 @@ def _common(ckpt_dir):
 
 def test_the_switch_lands_after_the_last_iteration(run):
     lines = re.findall(r"iteration (\d+): switched (\S+) -> (\S+) .*", run["log"])
-    # every rank switched once (the log line is per rank), none rolled back
-    assert sorted(lines) == [(str(N), A, B)] * 4 and "rolled back" not in run["log"]
+    # one line for the switch (rank 0's), none rolled back
+    assert lines == [(str(N), A, B)] and "rolled back" not in run["log"]
     assert "wrapping Megatron-LM's tp1pp1doi2dp4 job" in run["log"]
 
 

@@ -28,7 +28,7 @@ from ..vps.errors import FragmentMismatchError
 from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.naming import analytic_param_name
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 _OPT_STATE_KEY = {"main_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 

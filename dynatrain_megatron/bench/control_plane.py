@@ -42,7 +42,7 @@ from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from .fake_dist import RecordingDist
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 FAKE_DEVICE = "cuda:emulated"  # what `group_device` returns on a GPU job: eager NCCL init
 FP32 = 4

@@ -40,7 +40,7 @@ from ..vps.placement import Placement
 from ..transition.transport import is_nccl
 from .communicators import cpu_group_for, group_device
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 

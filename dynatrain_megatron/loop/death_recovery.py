@@ -36,7 +36,7 @@ from ..mcore.session import release, start_job
 from ..mcore.train_config import TrainConfig
 from ..mcore.training import Trainer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 def fit_layout(spec: ModelSpec, train: TrainConfig, old: Layout, n: int) -> Layout:
