@@ -2,11 +2,11 @@
 layout's ranks take longer than the process-group timeout between two polls, and a job that
 ends with a switch still being prepared: one torchrun job on 4 gloo ranks, tp1pp2dp2.
 
-* The job's default group gets a 6 s timeout once training starts
+* The job's default group gets a 10 s timeout once training starts
   (`megatron_lm_short_timeout/sitecustomize.py`:
   Megatron-LM's `--distributed-timeout-minutes` counts whole minutes). After a request for
   tp1pp2dp1 on 2 ranks, ranks 2 and 3 wait on standby while the 2 layout ranks run an
-  evaluation (`--eval-iters 60`) and a `--save` (every 2 iterations), longer than that
+  evaluation (`--eval-iters 100`) and a `--save` (every 2 iterations), longer than that
   timeout (measured from Megatron-LM's own time stamps). Before the standby channel
   (`elastic/standby_channel.py`) the standby ranks waited on the default group and failed
   there (`Timed out waiting ... for recv`), and the job with them.
@@ -31,7 +31,7 @@ from megatron_lm_tree import copy_tree, require_snapshot
 pytestmark = pytest.mark.multirank
 
 N = 8
-TIMEOUT_S = 6
+TIMEOUT_S = 10
 SITE = Path(__file__).with_name("megatron_lm_short_timeout")
 REQUESTS = {1: ("tp1pp2dp1", 2), 5: ("tp1pp2dp2", 4)}
 STAMPED = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+(\d+)/")
@@ -47,7 +47,7 @@ def run(tmp_path_factory):
     slow = json.dumps({"delay_rank": 0, "delay_seconds": 20.0, "delay_phase": "prepare",
                        "dst_layout": "tp1pp2dp2"})
     flags = CPU_FLAGS + TINY_GPT + layout_flags(1, 2) + [
-        "--train-iters", str(N), "--eval-interval", "2", "--eval-iters", "60",
+        "--train-iters", str(N), "--eval-interval", "2", "--eval-iters", "100",
         "--save", str(w / "ckpt"), "--save-interval", "2",
         "--dynatrain", "--dynatrain-signal-file", str(signal)]
     text = run_operated(tree, 4, flags, w / "job.log", signal, REQUESTS, site=SITE,
