@@ -7,14 +7,22 @@ import argparse
 from pathlib import Path
 
 from ..megatron_lm.patch_tool import RELEASES, patch_checkout, revert_checkout
+from ..vps.errors import DynatrainError
+from .common import subcommand
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("megatron-lm", help="Megatron-LM integration: patch a checkout")
-    what = p.add_subparsers(dest="megatron_lm_command", required=True)
-    patch = what.add_parser("patch", help="apply the dynatrain patch matching the checkout's "
-                                          "release (" + ", ".join(r.name for r in RELEASES) + ")")
-    patch.add_argument("dir", help="the Megatron-LM checkout (holds pretrain_gpt.py)")
+    p = subcommand(sub, "megatron-lm", help="Megatron-LM integration: patch a checkout",
+                   examples=["dynatrain megatron-lm patch ~/Megatron-LM"])
+    what = p.add_subparsers(dest="megatron_lm_command", required=True, metavar="ACTION")
+    patch = subcommand(what, "patch",
+                       help="apply the dynatrain patch matching the checkout's release ("
+                            + ", ".join(r.name for r in RELEASES) + "); a second run changes "
+                                                                    "nothing",
+                       examples=["dynatrain megatron-lm patch ~/Megatron-LM",
+                                 "dynatrain megatron-lm patch --revert ~/Megatron-LM"])
+    patch.add_argument("dir", metavar="DIR",
+                       help="the Megatron-LM checkout (the directory holding pretrain_gpt.py)")
     patch.add_argument("--revert", action="store_true",
                        help="give a patched checkout its release's files back")
     patch.set_defaults(func=run_patch)
@@ -22,7 +30,16 @@ def add_parser(sub) -> None:
 
 def run_patch(args: argparse.Namespace) -> int:
     root = Path(args.dir)
-    result = (revert_checkout if args.revert else patch_checkout)(root)
+    if not root.is_dir():
+        raise DynatrainError(f"{root}: not a directory (give the Megatron-LM checkout)")
+    try:
+        result = (revert_checkout if args.revert else patch_checkout)(root)
+    except UnicodeDecodeError as e:
+        raise DynatrainError(f"{root}: a file of the checkout is not UTF-8 text ({e.reason} "
+                             f"at byte {e.start}): not a Megatron-LM release we know") from None
+    except OSError as e:
+        raise DynatrainError(f"{root}: cannot patch: {e.strerror or e}"
+                             + (f" ({e.filename})" if e.filename else "")) from None
     name = result.state.release.name
     if not result.written:
         state = "already patched" if result.state.patched else "not patched"

@@ -38,7 +38,7 @@ _installed = {"parallel_state": False, "args": None}
 _views: "weakref.WeakKeyDictionary[Any, ParallelStateView]" = weakref.WeakKeyDictionary()
 
 
-def _rebind_everywhere(replacements: dict[int, Callable]) -> None:
+def rebind_everywhere(replacements: dict[int, Callable]) -> None:
     """Every module attribute that *is* one of the originals (by id) now names its
     replacement: the names `from parallel_state import get_x` bound elsewhere."""
     for mod in list(sys.modules.values()):
@@ -75,8 +75,22 @@ def _install_parallel_state() -> None:
                 replacements[id(fn)] = _thread_dispatcher(name, fn)
         for name, fn in _originals.items():
             setattr(ps, name, replacements[id(fn)])
-        _rebind_everywhere(replacements)
+        rebind_everywhere(replacements)
         _installed["parallel_state"] = True
+
+
+def _holds_groups(value: Any) -> bool:
+    """A process group, or a container of them (a view must not keep another layout's
+    communicators alive, nor hand them out)."""
+    import torch.distributed as dist
+
+    if isinstance(value, dist.ProcessGroup):
+        return True
+    if isinstance(value, (list, tuple)) and value:
+        return any(isinstance(v, dist.ProcessGroup) for v in value)
+    if isinstance(value, dict) and value:
+        return any(isinstance(v, dist.ProcessGroup) for v in value.values())
+    return False
 
 
 class ParallelStateView:
@@ -91,6 +105,9 @@ class ParallelStateView:
         module = types.ModuleType(ps.__name__, ps.__doc__)
         ns = module.__dict__
         ns.update(vars(ps))
+        for name, value in list(ns.items()):  # the process's own groups stay out of it
+            if _holds_groups(value):
+                ns[name] = None
         self.functions: dict[str, Callable] = {}
         for name, orig in _originals.items():
             fn = types.FunctionType(orig.__code__, ns, orig.__name__, orig.__defaults__,
@@ -156,7 +173,7 @@ def _install_args() -> bool:
 
         functools.update_wrapper(get_args, original)
         global_vars.get_args = get_args
-        _rebind_everywhere({id(original): get_args})
+        rebind_everywhere({id(original): get_args})
         _installed["args"] = get_args
     return True
 

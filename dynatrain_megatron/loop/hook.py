@@ -9,9 +9,7 @@ micro-batch count). Importing it needs megatron-core only, not Megatron-LM.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -25,6 +23,7 @@ from ..elastic.device_manager import DeviceManager
 from ..elastic.standby_channel import StandbyChannel
 from ..elastic.groups import build_groups
 from ..elastic.join import open_reviewer
+from ..elastic.safe_files import OutputDir
 from ..transition.faults import FaultPlan
 from ..transition.switch import choose_dst_placement
 from ..transition.switch_types import SwitchOptions
@@ -84,6 +83,7 @@ class DynatrainHook:
         self.memory_budget = memory_budget
         self.placement = placement
         self.log_dir = log_dir
+        self.outputs = OutputDir(log_dir) if log_dir else None  # never raises
         self.background_groups = background_groups
         self.devices = DeviceManager()
         self.channel = StandbyChannel()  # where standby ranks wait (elastic/standby_channel.py)
@@ -152,6 +152,8 @@ class DynatrainHook:
             self.start(trainer, trainer.objs.layout, trainer.objs.groups.placement)
         if self.faults is not None:
             self.faults.fail(dist.get_rank(), "step", trainer.iteration)
+        if self.memory is not None:
+            self.memory.step_boundary()  # the memory figures are the last step's
         if trainer.iteration >= self.builder.train.train_iters:
             return trainer  # the last step: no switch starts (`end_job` follows)
         if self.devices.pending:
@@ -299,6 +301,8 @@ class DynatrainHook:
             raise
         if released is not None and res.aborted:
             restore_grad_buffers(released)  # A trains on
+        if self.memory is not None:
+            self.memory.forget_peaks()  # this step's peak held A and B together
         if res.aborted:
             self.failed.append(res.aborted)
             self.controller.done(self.decision, "failed", res.aborted)
@@ -340,11 +344,10 @@ class DynatrainHook:
         return trainer
 
     def _log_event(self, entry: dict) -> None:
-        """One line of `switches.jsonl` in the log directory (rank 0)."""
-        if self.log_dir and dist.get_rank() == 0:
-            os.makedirs(self.log_dir, exist_ok=True)
-            with open(os.path.join(self.log_dir, "switches.jsonl"), "a") as f:
-                f.write(json.dumps(entry) + "\n")
+        """One line of `switches.jsonl` in the log directory (rank 0); a write that fails
+        is logged once and training goes on (`safe_files.OutputDir`)."""
+        if self.outputs is not None and dist.get_rank() == 0:
+            self.outputs.append_json_line("switches.jsonl", entry)
 
     def _admit(self, trainer: Optional[Trainer], d: Decision) -> Optional[Trainer]:
         """Grow the world with the joiners accepted at this poll (every process calls it
