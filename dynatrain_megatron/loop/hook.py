@@ -576,7 +576,8 @@ class DynatrainHook:
         (its collectives run on B's groups, with peers doing the same), free it, and file
         the request as not applied, with `reason`."""
         target = self.devices.target[0] if self.devices.target else "?"
-        self._drop_preparation(broken=False, wait=None)
+        # a healthy preparation ends within its deadline; one blocked on a dead peer is left
+        self._drop_preparation(broken=False, wait=self.devices.deadline_s)
         reason = f"not applied: {reason} (switch to {target})"
         log.warning("%s", reason)
         if self.decision is not None:
