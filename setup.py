@@ -27,8 +27,10 @@ setup(
         "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout"],
         "bench": ["matplotlib"],
         # what Megatron-LM's own training code (megatron/training, pretrain_gpt.py) imports
-        # beyond megatron-core; compat/megatron_lm.py checks them at start-up
-        "megatron-lm": ["six", "regex", "pydantic"],
+        # beyond megatron-core; compat/megatron_lm.py checks them at start-up. pybind11: a
+        # checkout with its own megatron/core (core_v0.17+) has its dataset helper built
+        # (megatron_lm/checkout.py)
+        "megatron-lm": ["six", "regex", "pydantic", "pybind11"],
         # Transformer Engine needs CUDA; NVIDIA apex is a source install (see README).
         # PyPI's "apex" is an unrelated project and must never be listed here.
         "gpu": ["transformer-engine[pytorch]"],

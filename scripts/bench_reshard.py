@@ -25,7 +25,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dynatrain_megatron.cli.plan import parse_kinds, plan_report  # noqa: E402
+from dynatrain_megatron.cli.plan import end_to_end, parse_kinds, plan_report  # noqa: E402
+from dynatrain_megatron.routing.fabric import Fabric  # noqa: E402
+from dynatrain_megatron.bench.scale_report import write_scale  # noqa: E402
 from dynatrain_megatron.configs import configs_dir, load_model  # noqa: E402
 from dynatrain_megatron.routing import clear_caches, placement_choice  # noqa: E402
 from dynatrain_megatron.routing.cost import CheckpointModel, estimate  # noqa: E402
@@ -44,7 +46,7 @@ def load(path: Path) -> dict:
     return d
 
 
-def run(sc: dict, repeat: int) -> dict:
+def run(sc: dict, repeat: int, emulate: bool = True) -> dict:
     spec = load_model(sc["model"])
     wf = sc.get("world_from", sc.get("world"))
     wt = sc.get("world_to", sc.get("world"))
@@ -56,7 +58,8 @@ def run(sc: dict, repeat: int) -> dict:
         clear_caches()
         r = plan_report(spec, src, dst, kinds=kinds, rpn=int(sc.get("ranks_per_node", 8)),
                         budget=budget, bucket=sc.get("bucket_size"),
-                        leaving=sc.get("leaving", "planner"))
+                        leaving=sc.get("leaving", "planner"),
+                        fabric=Fabric(ranks_per_node=int(sc.get("ranks_per_node", 8))))
         if best is None or r["plan_seconds"] < best["plan_seconds"]:
             best = r
     best["scenario"], best["file"] = sc.get("name", sc["file"]), sc["file"]
@@ -69,6 +72,8 @@ def run(sc: dict, repeat: int) -> dict:
     e = estimate(build_schedule(ch.chosen_plan, budget), LinkModel(), checksums=False)
     best["network_no_checksum_seconds"] = e.network_seconds
     best["balance"] = e.network_ratio_to_lower_bound
+    if emulate:  # the control plane emulated at this world, and the end-to-end budget
+        end_to_end(spec, src, dst, best, rpn=int(sc.get("ranks_per_node", 8)), budget=budget)
     return best
 
 
@@ -82,8 +87,9 @@ def _ms(t: float) -> str:
 
 def table(rows: list[dict]) -> str:
     h = ("| scenario | GPUs | kinds | plan (s) | moved (GB) | = lower bound | optimizer state "
-         "moved: chosen / default | max send / recv per GPU (GB) | est. switch (ms) | "
-         "network (ms) | bandwidth LB (ms) | network / LB | est. / LB | balance | checkpoint (s) |")
+         "moved: chosen / default | max send / recv per GPU (GB) | transfer, modelled (ms) | "
+         "network (ms) | bandwidth LB (ms) | network / LB | transfer / LB | balance | "
+         "checkpoint path, modelled (s) |")
     out = [h, "|" + "---|" * (h.count("|") - 1)]
     for r in rows:
         gpus = (f"{r['world_from']}" if r["world_from"] == r["world_to"]
@@ -131,14 +137,14 @@ def plots(rows: list[dict], heat: dict, out: Path) -> list[str]:
     est = [r["estimated_seconds"] or np.nan for r in rows]
     lb = [r["bandwidth_lower_bound_seconds"] or np.nan for r in rows]
     ck = [r["checkpoint_estimate_seconds"] for r in rows]
-    ax.bar(x - w, est, w, label="dynatrain estimate (local copies + rounds)")
+    ax.bar(x - w, est, w, label="dynatrain transfer, modelled (local copies + rounds)")
     ax.bar(x, lb, w, label="bandwidth lower bound (network)")
-    ax.bar(x + w, ck, w, label="checkpoint path (write + read + restart)")
+    ax.bar(x + w, ck, w, label="checkpoint path, modelled (write + read + assumed restart)")
     ax.set_yscale("log")
     ax.set_ylabel("seconds (log)")
     ax.set_xticks(x, names, rotation=35, ha="right", fontsize=8)
     p = rows[0]["parameters"]
-    ax.set_title(f"Layout switch time per scenario (NVLink {p['intra_node_gbps']:g} GB/s, "
+    ax.set_title(f"Modelled transfer per scenario, no GPU measurement (NVLink {p['intra_node_gbps']:g} GB/s, "
                  f"NIC {p['inter_node_gbps']:g} GB/s per GPU; storage "
                  f"{p['checkpoint_storage_gbps']:g} GB/s, restart "
                  f"{p['checkpoint_restart_seconds']:g} s)", fontsize=10)
@@ -176,6 +182,11 @@ def main() -> None:
     ap.add_argument("--heatmap", default="llama70b-pp4-to-pp8",
                     help="scenario file stem for the node heat map")
     ap.add_argument("--repeat", type=int, default=1, help="best of N cold runs")
+    ap.add_argument("--no-emulation", action="store_true",
+                    help="skip the control-plane emulation and budget (docs/bench/scale.md)")
+    ap.add_argument("--from-json", default=None, metavar="FILE",
+                    help="re-render the table and plots from a previous run's reshard.json "
+                         "(no planning; the heat map's scenario is planned again)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -183,9 +194,9 @@ def main() -> None:
                    else Path("/").glob(a.scenarios.lstrip("/")))
     scs = [load(f) for f in files]
     scs.sort(key=lambda s: (s["model"], s["file"]))
-    rows = []
-    for sc in scs:
-        r = run(sc, a.repeat)
+    rows = json.loads(Path(a.from_json).read_text()) if a.from_json else []
+    for sc in ([] if a.from_json else scs):
+        r = run(sc, a.repeat, not a.no_emulation)
         rows.append(r)
         print(f"{r['scenario']:42s} plan {r['plan_seconds']:.3f} s  est "
               f"{_ms(r['estimated_seconds'])} ms  LB {_ms(r['bandwidth_lower_bound_seconds'])} "
@@ -208,6 +219,11 @@ def main() -> None:
         "# Resharding benchmark: planned switches at 70B and 235B scale",
         "",
         "Generated by `python scripts/bench_reshard.py` (scenarios: `configs/scenarios/`). "
+        "**Modelled, not measured**: only the planning time and the bytes are computed; the "
+        "transfer and checkpoint-path times come from the link and storage models below, "
+        "and no GPU cluster has run these switches. 'transfer' is the data movement alone: "
+        "a switch's pause also holds the votes and the commit, and its preparation (B's "
+        "groups and objects) runs beside training. "
         "Planning time is measured cold (all caches cleared), on one core of "
         f"`{platform.processor() or platform.machine()}`, Python {platform.python_version()}; "
         "it covers both analytic layouts, the placement choice, the plans of the chosen and "
@@ -223,9 +239,10 @@ def main() -> None:
         f"every byte sent and received is checksummed at "
         f"{p.get('checksum_gbps', lm.checksum_gbps):g} GB/s. Checkpoint path: write + "
         f"read of the full state at {p.get('checkpoint_storage_gbps', cm.storage_gbps):g} GB/s "
-        f"aggregate + {p.get('checkpoint_restart_seconds', cm.restart_seconds):g} s restart. "
+        f"aggregate + an assumed {p.get('checkpoint_restart_seconds', cm.restart_seconds):g} "
+        "s restart, a model with no measurement behind it. "
         "The bandwidth lower bound covers the network only (see "
-        "`dynatrain_megatron/routing/cost.py`); `est. / LB` includes the local copies and "
+        "`dynatrain_megatron/routing/cost.py`); `transfer / LB` includes the local copies and "
         "checksums, `network / LB` the rounds (with checksums) alone, `balance` the rounds "
         "without checksums (the source choice alone) over the bound. 'moved' counts network bytes; '= lower bound' says whether "
         "they equal the bytes whose destination GPU does not already hold them. The "
@@ -238,6 +255,8 @@ def main() -> None:
     md += [f"![{m}]({m})" for m in made]
     (out / "reshard.md").write_text("\n".join(md) + "\n")
     (out / "reshard.json").write_text(json.dumps(rows, indent=1, default=float) + "\n")
+    if not a.no_emulation and rows and all("budget" in r for r in rows):
+        made += write_scale(rows, out)
     print(f"wrote {out / 'reshard.md'}, {out / 'reshard.json'}"
           + "".join(f", {out / m}" for m in made))
 

@@ -1,8 +1,10 @@
 """The main job (`make run`): real Megatron-LM, switched in memory through the signal file,
 beside Megatron-LM's own save + restart + load, timed.
 
-Copies Megatron-LM (default `../shared/megatron-lm/core_v0.16.1`, or `MEGATRON_LM=DIR`, the
-user's own checkout), patches the copy with `dynatrain megatron-lm patch`, and runs its own
+Copies Megatron-LM (default: the latest supported release, `../shared/megatron-lm/
+core_v0.19.0`; `MEGATRON_LM=DIR` any supported checkout, the user's own), builds its dataset
+helper where it has its own megatron-core, patches the copy with our patch
+(`megatron_lm.checkout.working_copy`), and runs its own
 `pretrain_gpt.py` with the plain torchrun command on gloo ranks (CPU flags):
 
 1. switched: a tp2pp2 job on 4 ranks; `--dynatrain-schedule` switches it to tp1pp2dp2
@@ -56,18 +58,19 @@ def main() -> int:
     args = p.parse_args()
     if args.nproc != 4:
         raise SystemExit("--nproc: the operator's requests are written for 4 ranks")
-    src = Path(os.environ.get("MEGATRON_LM") or ROOT.parent / "shared/megatron-lm/core_v0.16.1")
+    from dynatrain_megatron.megatron_lm.checkout import working_copy
+    from dynatrain_megatron.megatron_lm.patch_tool import identify, latest_release
+
+    src = Path(os.environ.get("MEGATRON_LM")
+               or ROOT.parent / "shared" / "megatron-lm" / latest_release().name)
     work = Path(args.work or tempfile.mkdtemp(prefix="dynatrain-mlm-"))
     work.mkdir(mode=0o700, parents=True, exist_ok=True)  # the signal directory: the job's
     os.chmod(work, 0o700)
     tree = work / "Megatron-LM"
-    if not tree.exists():
-        shutil.copytree(src, tree)
-    from dynatrain_megatron.megatron_lm.patch_tool import patch_checkout
-
-    state, written = patch_checkout(tree)
-    print(f"Megatron-LM {state.release.name} from {src}: "
-          f"{'patched ' + ', '.join(written) if written else 'already patched'} in {tree}")
+    release = identify(src).release  # an unsupported one is refused here, by name
+    shutil.rmtree(tree, ignore_errors=True)  # a fresh copy: --work may hold another release's
+    working_copy(src, tree, patched=True)
+    print(f"Megatron-LM {release.name} from {src}: patched copy in {tree}")
     k, n = args.switch_after, args.iters
     a, b = layout_flags(2, 2), layout_flags(1, 2)
     common = CPU_FLAGS + TINY_GPT + ["--train-iters", str(n)]

@@ -47,11 +47,15 @@ def layout_flags(tp: int, pp: int, **extra: int) -> list[str]:
     return out
 
 
-def job_env(tree: Path, *, patched: bool = True, extra: Optional[dict] = None) -> dict:
+def job_env(tree: Path, *, patched: bool = True, extra: Optional[dict] = None,
+            site: Optional[Path] = None) -> dict:
     """The environment of a Megatron-LM job of `tree`: this package and the tree importable
-    (an unpatched tree also gets the CPU runtime from `megatron_lm_unpatched/sitecustomize.py`),
-    one thread per rank, and what Megatron-LM asserts about CUDA connections."""
-    path = [str(ROOT), str(tree)] if patched else [str(UNPATCHED_SITE), str(ROOT), str(tree)]
+    (an unpatched tree also gets the CPU runtime from `megatron_lm_unpatched/sitecustomize.py`;
+    a patched one the `sitecustomize.py` in `site`, if given), one thread per rank, and what
+    Megatron-LM asserts about CUDA connections."""
+    path = ([str(site)] if site else []) + [str(ROOT), str(tree)]
+    if not patched:
+        path = [str(UNPATCHED_SITE), str(ROOT), str(tree)]
     return dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
                 PYTHONPATH=os.pathsep.join(path), **(extra or {}))
 
@@ -84,13 +88,15 @@ DONE = re.compile(r"\] iteration\s+(\d+)/|dynatrain: iteration (\d+) done at")
 
 
 def run_operated(tree: Path, nproc: int, flags: list[str], log: Path, signal: Path,
-                 requests: dict) -> str:
+                 requests: dict, *, env: Optional[dict] = None,
+                 site: Optional[Path] = None) -> str:
     """Run pretrain_gpt.py of `tree` under torchrun and, as each iteration shows in its log,
     write the request due after it to the signal file (as `dynatrain request` does), once
-    the job has taken the previous one (a request is never written over another)."""
+    the job has taken the previous one (a request is never written over another). `env`,
+    `site`: as `job_env`'s `extra` and `site`."""
     from dynatrain_megatron.elastic.signal_file import write_request
 
-    env = job_env(tree)
+    env = job_env(tree, extra=env, site=site)
     cmd = torchrun_cmd(tree, nproc, flags)
     print("+ torchrun --standalone --nproc-per-node", nproc, "pretrain_gpt.py",
           " ".join(f for f in flags if f.startswith("--dynatrain") or f.startswith("--t")
@@ -194,10 +200,64 @@ def printable_means(printed: list[str]) -> set[str]:
 def checkpoint_tensors(ckpt_dir: Path, iteration: int) -> dict[str, object]:
     """Every entry of a torch_dist checkpoint as one logical (global) object: tensors whole,
     whatever layout saved them (torch.distributed.checkpoint's reader, no process group)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     src = ckpt_dir / f"iter_{iteration:07d}"
     out = ckpt_dir.parent / f"{ckpt_dir.name}-{iteration}.pt"
+    return _load_as_plain("dcp", src, out)
+
+
+def load_common(path: Path) -> dict:
+    """A checkpoint's `common.pt` (Megatron-LM's args, iteration, ...)."""
+    return _load_as_plain("pt", path, path.with_name(path.name + ".plain.pt"))
+
+
+# Read in an interpreter whose megatron.core is the snapshot's: a checkpoint pickles objects
+# of the megatron-core that wrote it (args holding its enums), which the test process's own
+# megatron-core (the 0.16.1 wheel) may not have. There they become plain objects (an
+# argparse.Namespace of plain values, an enum its name), compared as before.
+_PLAIN = """
+import argparse, enum, sys, torch
+from dynatrain_megatron.compat.megatron_lm import prepare_megatron_lm
+prepare_megatron_lm()
+kind, src, out = sys.argv[1:]
+
+def plain(x):
+    if torch.is_tensor(x) or x is None or isinstance(x, (bool, int, float, str, bytes)):
+        return x
+    if type(x).__module__ == 'numpy':
+        return x
+    if isinstance(x, enum.Enum):
+        return f'{type(x).__name__}.{x.name}'
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(plain(v) for v in x)
+    if isinstance(x, argparse.Namespace):
+        return argparse.Namespace(**{k: plain(v) for k, v in vars(x).items()})
+    return repr(x)
+
+if kind == 'dcp':
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(src, out)
+    src = out
+torch.save(plain(torch.load(src, weights_only=False)), out)
+"""
+
+
+def _load_as_plain(kind: str, src: Path, out: Path) -> dict:
+    from megatron_lm_tree import require_snapshot
+
+    snapshot = require_snapshot()
+    if (snapshot / "megatron" / "core").is_dir():  # a checkout with its own megatron-core
+        proc = subprocess.run([sys.executable, "-c", _PLAIN, kind, str(src), str(out)],
+                              env=job_env(snapshot), capture_output=True, text=True,
+                              timeout=600)
+        if proc.returncode != 0:
+            raise AssertionError(f"reading {src} failed:\n{proc.stderr[-3000:]}")
+        return torch.load(out, weights_only=False)
+    if kind == "pt":
+        return torch.load(src, weights_only=False)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     dcp_to_torch_save(str(src), str(out))
     return torch.load(out, weights_only=False)
 
@@ -221,16 +281,27 @@ def _same(x, y) -> bool:
 
 
 def differences(a: dict, b: dict, *, skip=lambda key: False) -> list[str]:
-    """Keys whose values are not bit-identical."""
+    """Keys whose values are not bit-identical. A `common_state/` entry (from 0.19 on,
+    Megatron-LM writes its common state into the checkpoint as well) is compared without its
+    `args`, which describe the run (its paths and flags), not the training state."""
     diff = []
     for k in sorted(set(a) | set(b)):
         if skip(k):
             continue
         if k not in a or k not in b:
             diff.append(f"{k}: only in {'first' if k in a else 'second'}")
-        elif not _same(a[k], b[k]):
+        elif not _same(*(_without_args(x) if k.startswith("common_state/") else x
+                         for x in (a[k], b[k]))):
             diff.append(f"{k}: {type(a[k]).__name__} values differ")
     return diff
+
+
+def _without_args(x):
+    if isinstance(x, dict):
+        return {k: v for k, v in x.items() if k != "args"}
+    if isinstance(x, (list, tuple)):
+        return type(x)(map(_without_args, x))
+    return x
 
 
 def run_launched(tree: Path, nproc: int, flags: list[str], log: Path, *, env: dict,
@@ -238,7 +309,7 @@ def run_launched(tree: Path, nproc: int, flags: list[str], log: Path, *, env: di
     """Run pretrain_gpt.py of `tree` on `nproc` gloo ranks under `dynatrain launch` (a
     worker that dies does not stop the others); returns (the launcher's status, the log)."""
     full = job_env(tree, extra=env)
-    cmd = [sys.executable, "-m", "dynatrain_megatron.cli", "launch", "--nproc", str(nproc),
+    cmd = [sys.executable, "-m", "dynatrain_megatron.cli", "launch", "--nproc-per-node", str(nproc),
            str(tree / "pretrain_gpt.py"), *flags]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=tree, env=full, stdout=f, stderr=subprocess.STDOUT,

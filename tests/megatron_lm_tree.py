@@ -1,14 +1,32 @@
-"""Where the tests find the real Megatron-LM (`<project root>/../shared/megatron-lm/
-core_v0.16.1`, or $DYNATRAIN_MEGATRON_LM), and a patched copy of it."""
+"""Which Megatron-LM release the tests run on, where its snapshot is, and working copies of it.
+
+`DYNATRAIN_MEGATRON_LM` chooses: a release name (`core_v0.19.0`, `core_v0.16.1`: the
+snapshot in `<project root>/../shared/megatron-lm/<name>`) or a checkout's directory;
+unset, the latest supported release (`patch_tool.latest_release()`). The suite runs in full
+on the latest release; `make test` runs the tests marked `every_release` again on each older
+one (docs/releases.md: the test matrix).
+
+A working copy (`copy_tree`) is made by `megatron_lm.checkout.working_copy`: a checkout with
+its own `megatron/core` gets its dataset helper built once (cached) and copied in.
+"""
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
+from dynatrain_megatron.megatron_lm.patch_tool import latest_release
+
 ROOT = Path(__file__).resolve().parents[1]
-SNAPSHOT = Path(os.environ.get("DYNATRAIN_MEGATRON_LM")
-                or ROOT.parent / "shared" / "megatron-lm" / "core_v0.16.1")
+SHARED = ROOT.parent / "shared" / "megatron-lm"
+
+
+def _snapshot(choice: str) -> Path:
+    if "/" not in choice and not Path(choice).exists():
+        return SHARED / choice  # a release name
+    return Path(choice)
+
+
+SNAPSHOT = _snapshot(os.environ.get("DYNATRAIN_MEGATRON_LM") or latest_release().name)
 
 
 def require_snapshot() -> Path:
@@ -17,11 +35,15 @@ def require_snapshot() -> Path:
     return SNAPSHOT
 
 
-def copy_tree(dst: Path, *, patched: bool) -> Path:
-    """A copy of the snapshot at `dst`, patched with `dynatrain megatron-lm patch` or not."""
-    from dynatrain_megatron.megatron_lm.patch_tool import patch_checkout
+def release_name() -> str:
+    """The release of the snapshot the tests run on (by fingerprint)."""
+    from dynatrain_megatron.megatron_lm.patch_tool import identify
 
-    shutil.copytree(require_snapshot(), dst)
-    if patched:
-        patch_checkout(dst)
-    return dst
+    return identify(require_snapshot()).release.name
+
+
+def copy_tree(dst: Path, *, patched: bool) -> Path:
+    """A working copy of the snapshot at `dst`, patched with our patch or not."""
+    from dynatrain_megatron.megatron_lm.checkout import working_copy
+
+    return working_copy(require_snapshot(), dst, patched=patched)

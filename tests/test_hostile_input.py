@@ -216,7 +216,9 @@ def test_foreign_file_that_cannot_be_moved_is_filed_once(job, monkeypatch):
     assert len(_records(sig_dir)) == 1 and path.exists()
 
 
-def test_filing_failure_never_raises(job, monkeypatch):
+def test_filing_failure_never_raises_nor_hides_the_reason(job, monkeypatch, caplog):
+    """A record that cannot be written (a full disk) is logged with the outcome's own
+    reason; the decision keeps that reason, not the I/O error's."""
     ctl, sig_dir, outside, victim = job
     path = sig_dir / "switch.json"
     path.write_bytes(b"{broken")
@@ -227,7 +229,9 @@ def test_filing_failure_never_raises(job, monkeypatch):
 
     monkeypatch.setattr(sf, "_create_record", fail)
     d = ctl._decide_on_rank0(1, 4)
-    assert d.target is None and "No space left" in d.rejected
+    assert d.target is None and "not valid JSON" in d.rejected
+    assert "No space left" not in d.rejected
+    assert "No space left" in caplog.text and "not valid JSON" in caplog.text
     sf.write_request(path, "tp2pp1dp2", 4)
     monkeypatch.undo()
     monkeypatch.setattr(C.dist, "get_world_size", lambda *a: 4)

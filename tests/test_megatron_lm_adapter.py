@@ -14,7 +14,7 @@ from dynatrain_megatron.megatron_lm import arguments as mla
 from dynatrain_megatron.vps.errors import DynatrainError
 from dynatrain_megatron.vps.layout import Layout
 
-PATCH = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm-core_v0.16.1" / "dynatrain.patch"
+PATCHES = sorted((Path(__file__).resolve().parents[1] / "patches").glob("megatron-lm-*/dynatrain.patch"))
 
 
 def megatron_args(**over) -> argparse.Namespace:
@@ -348,8 +348,11 @@ def test_config_callbacks_as_megatron_lm_train_sets_them():
     assert new.no_sync_func is None and new.grad_sync_func is None and new.param_sync_func is None
 
 
-def test_patch_is_well_formed_and_calls_only_what_exists():
-    text = PATCH.read_text()
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.parent.name)
+def test_patch_is_well_formed_and_calls_only_what_exists(patch):
+    from dynatrain_megatron.megatron_lm import seam
+
+    text = patch.read_text()
     # every hunk's line counts agree with its body (a hand-edited patch would not apply)
     files = re.findall(r"^\+\+\+ b/(\S+)$", text, re.M)
     assert files == ["megatron/training/training.py", "pretrain_gpt.py"]
@@ -359,14 +362,24 @@ def test_patch_is_well_formed_and_calls_only_what_exists():
         old = sum(1 for ln in body if ln[:1] in (" ", "-", ""))
         new = sum(1 for ln in body if ln[:1] in (" ", "+", ""))
         assert (old, new) == (old_n, new_n), m.group(0)[:80]
-    called = set(re.findall(r"dynatrain_lm\.(\w+)\(", text))
-    assert called == {"register_dataset_provider", "dynatrain_step", "finish_training", "left_out"}
-    for name in called:
-        assert callable(getattr(mlm, name))
+    # thin: the patch calls only the seam (and the start-up and argument helpers)
+    added = "\n".join(ln[1:] for ln in text.splitlines() if ln.startswith("+") and
+                      not ln.startswith("+++"))
+    assert set(re.findall(r"dynatrain_seam\.(\w+)\(", added)) == {"start", "finish", "left_out"}
+    assert set(re.findall(r"dynatrain_loop\.(\w+)\(", added)) == {
+        "guard", "after_recovery", "at_step_end"}
+    assert set(re.findall(r"dynatrain_loop\.(\w+)\b(?!\()", added)) == {"recovered", "stop"}
+    for name in ("start", "finish", "left_out"):
+        assert callable(getattr(seam, name))
+    for name in ("guard", "after_recovery", "at_step_end"):
+        assert callable(getattr(seam.LoopSeam, name))
+    assert "try:" not in added and "except" not in added  # the handling is ours
     assert callable(mla.chain_extra_args_providers)  # pretrain_gpt.py imports it
-    # the fields the patch reads from dynatrain_step's result
-    fields = set(re.findall(r"\bdt\.(\w+)", text))
-    assert fields <= set(mlm.LoopObjects.__dataclass_fields__)
+    # what the loop rebinds: the seam's LoopValues, in its order, at both places
+    rebinds = re.findall(r"\(([^()]*?),\s*\)\s*=\s*dynatrain_loop\.\w+\(", added)
+    assert len(rebinds) == 2
+    for r in rebinds:
+        assert [x.strip() for x in r.split(",")] == list(seam.LoopValues._fields)
 
 
 def test_unswitchable_job_is_refused_before_its_first_step():
@@ -401,8 +414,8 @@ class _Hook:
         self.calls.append("after_step")
         return trainer
 
-    def stop_standby(self):
-        self.calls.append("stop_standby")
+    def end_job(self, trainer):
+        self.calls.append("end_job")
 
 
 def _session(monkeypatch, layout: str, world: int):
@@ -425,6 +438,7 @@ def _session(monkeypatch, layout: str, world: int):
     s.trainer = SimpleNamespace(objs=objs, iteration=0, consumed_samples=0)
     s.hook = _Hook(lay)
     s.launch_layout = lay
+    s.guard = SimpleNamespace(at_boundary=lambda iteration, objs: None)
     s.latest = mlm.LoopObjects(model, "opt", "sched", "train it", "valid it", None, "test it")
     s.test_data_iterator = "test it"
     loop = mlm.LoopObjects(model, "opt", "sched", "train it", "valid it", None)
@@ -433,8 +447,8 @@ def _session(monkeypatch, layout: str, world: int):
 
 @pytest.mark.parametrize("ending,iteration,calls", [
     (False, 8, ["after_step"]),                    # a step: poll, standby ranks wait on
-    (False, 20, ["after_step", "stop_standby"]),   # --train-iters reached
-    (True, 8, ["stop_standby"]),                   # Megatron-LM exits: no poll, no switch
+    (False, 20, ["after_step", "end_job"]),   # --train-iters reached
+    (True, 8, ["end_job"]),                   # Megatron-LM exits: no poll, no switch
 ])
 def test_standby_ranks_are_told_when_the_job_ends(monkeypatch, ending, iteration, calls):
     s, loop, worlds = _session(monkeypatch, "tp1pp2dp1", 4)
@@ -449,7 +463,8 @@ def test_standby_ranks_are_told_when_the_job_ends(monkeypatch, ending, iteration
 def test_a_job_on_every_rank_keeps_the_real_world(monkeypatch):
     s, loop, worlds = _session(monkeypatch, "tp2pp2dp1", 4)
     assert s.step(20, loop, True) is loop
-    assert s.hook.calls == [] and worlds == [None, None]
+    # the end is told to the hook all the same (a preparation pending there is cancelled)
+    assert s.hook.calls == ["end_job"] and worlds == [None, None]
 
 
 def test_a_rank_on_standby_at_the_end_leaves_pretrain(monkeypatch):

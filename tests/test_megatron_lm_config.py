@@ -15,6 +15,8 @@ import pytest
 from megatron_lm_runs import job_env
 from megatron_lm_tree import require_snapshot
 
+pytestmark = pytest.mark.every_release  # one interpreter, no ranks: cheap on every release
+
 PROBE = Path(__file__).with_name("megatron_lm_config_probe.py")
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "

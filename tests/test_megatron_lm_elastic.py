@@ -19,8 +19,9 @@ it is whole (every logical tensor with the shape and dtype of the checkpoint the
 world saved at iteration 10, whatever layout that was), consistent (each model weight
 equals the optimizer's fp32 copy bit for bit, assembled from other shards), and it is the
 state the layout's ranks held: Megatron-LM's own `--load` of it at tp2pp2 on 4 ranks (a
-plain restart, one more torchrun job) saves it again bit-identical and reports the same final
-validation and test losses as the 2 ranks computed in memory before they saved. The
+plain restart, one more torchrun job) saves it again bit-identical. Its validation and test
+losses are not compared with the 2 ranks' own: computed at another TP size, they sum in
+another order, and their last digits depend on the machine, not on the state. The
 refused request has no reference run here: what is checked is the refusal (logged, filed
 with its reason, in the summary), that the layout went on (the next switch starts from
 tp1pp2dp1) and that data position and schedule went on as if it had not been asked.
@@ -33,7 +34,7 @@ import pytest
 import torch
 
 from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, checkpoint_tensors, differences, layout_flags,
-                              run_megatron_lm, run_operated)
+                              load_common, run_megatron_lm, run_operated)
 from megatron_lm_tree import copy_tree, require_snapshot
 
 pytestmark = pytest.mark.multirank
@@ -145,7 +146,7 @@ def test_evaluation_and_saves_run_on_the_layout_ranks(run):
 def test_final_checkpoint_is_whole_at_the_layout_that_saved_it(run):
     ckpt = run["w"] / "ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(N)
-    common = torch.load(ckpt / f"iter_{N:07d}" / "common.pt", weights_only=False)
+    common = load_common(ckpt / f"iter_{N:07d}" / "common.pt")
     args = common["args"]
     assert common["iteration"] == N and args.consumed_train_samples == 8 * N
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 2)
@@ -169,6 +170,7 @@ def test_final_checkpoint_loads_at_another_layout_as_it_was(run, reloaded):
     again = checkpoint_tensors(w / "reloaded", N)
     assert differences(checkpoint_tensors(w / "ckpt", N), again,
                        skip=lambda k: k.startswith("rng_state/")) == []
-    # the state the 2 ranks evaluated in memory at the end is the state in the checkpoint
-    final = [(i, where, loss) for i, where, loss in EVAL.findall(run["text"]) if where]
-    assert final and EVAL.findall(reloaded["text"]) == final
+    # the restart evaluated and tested that state too; its losses, computed at tp2 where the
+    # 2 ranks computed theirs at tp1, are not compared (module doc)
+    final = [(i, where) for i, where, _ in EVAL.findall(reloaded["text"])]
+    assert final == [(str(N), " on validation set"), (str(N), " on test set")]

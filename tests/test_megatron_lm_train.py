@@ -40,7 +40,10 @@ CASES = {  # name: (flags at A, flags at B, A, B)
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+# dense-fp32 also runs on every older supported release (make test): the cheapest case that
+# covers the patch's step boundary, the rebinding and the patched tree without --dynatrain
+@pytest.fixture(scope="module", params=[pytest.param(c, marks=pytest.mark.every_release)
+                                        if c == "dense-fp32" else c for c in sorted(CASES)])
 def runs(request, tmp_path_factory):
     require_snapshot()
     a, b, lay_a, lay_b = CASES[request.param]

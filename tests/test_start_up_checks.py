@@ -100,6 +100,7 @@ def test_schedule_entry_during_a_pending_switch_runs_after_it(monkeypatch, caplo
     ('{"failrank": 1}', "unknown key 'failrank'"),
     ('{"delay_rank": true, "delay_seconds": 1}', "delay_rank must be int"),
     ('{"fail_rank": 1, "fail_phase": "prepare", "dst_layout": 4}', "dst_layout must be str"),
+    ('{"delay_rank": 0, "delay_seconds": 1, "delay_phase": "commit"}', "delay_phase 'commit'"),
 ])
 def test_faults_env_strict(monkeypatch, text, match):
     monkeypatch.setenv("DYNATRAIN_FAULTS", text)
@@ -114,6 +115,20 @@ def test_faults_env_valid(monkeypatch):
                                              kill=True, delay_seconds=0.5)
     monkeypatch.delenv("DYNATRAIN_FAULTS")
     assert FaultPlan.from_env() is None
+
+
+def test_faults_inside_a_training_step_fire_once_in_the_step_after_their_iteration():
+    from dynatrain_megatron.transition.faults import STEP_PHASES
+
+    assert set(STEP_PHASES) == {"forward", "backward", "pp_send", "grad_sync", "optimizer",
+                                "optimizer_update"}
+    for phase in STEP_PHASES:
+        plan = FaultPlan.from_json(f'{{"fail_rank": 2, "fail_phase": "{phase}", '
+                                   f'"iteration": 3}}')
+        plan.fail(2, phase, 2)  # the step after iteration 2: not this one
+        plan.fail(1, phase, 3)  # another rank
+        with pytest.raises(InjectedFault, match=f"rank 2 in phase {phase}"):
+            plan.fail(2, phase, 3)
 
 
 def test_fault_for_one_destination_layout_only():

@@ -13,10 +13,11 @@ box, which is what the executor packs from and unpacks into.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import re
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -227,7 +228,7 @@ class LiveState:
             dp_cp = getattr(pgc, "dp_cp", None)
             # and in the view of megatron's parallel_state it was built in, if any (its
             # replica ids read ranks there: B's, not A's, built by Megatron-LM in the background)
-            with view_of(chunk):
+            with view_of(chunk), _global_dp_cp_while_unset(dp_cp):
                 sd = chunk.sharded_state_dict(prefix="", metadata=None if dp_cp is None
                                               else {"dp_cp_group": dp_cp})
             apply_factories(sd)
@@ -363,3 +364,22 @@ class LiveState:
         if opt_kinds:
             out += self.optimizer_fragments(opt_kinds)
         return sorted(out)
+
+
+@contextlib.contextmanager
+def _global_dp_cp_while_unset(dp_cp: Any) -> Iterator[None]:
+    """megatron-core 0.16.1's tied output layer on the last pipeline stage numbers its
+    replica with the *global* data-parallel rank (`language_module.py`,
+    `tie_embeddings_and_output_weights_state_dict`), whatever group the metadata names.
+    Between a rank death and the end of the recovery's switch no global group is set (the
+    broken world's were dropped): the chunk's own group stands in for the read."""
+    from megatron.core import parallel_state as ps
+
+    if dp_cp is None or ps._DATA_PARALLEL_GROUP_WITH_CP is not None:
+        yield
+        return
+    ps._DATA_PARALLEL_GROUP_WITH_CP = dp_cp
+    try:
+        yield
+    finally:
+        ps._DATA_PARALLEL_GROUP_WITH_CP = None

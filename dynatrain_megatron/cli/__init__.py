@@ -13,6 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from ..vps.errors import DynatrainError
+from .common import Parser, version_line
 
 SUBCOMMANDS = (
     "dynatrain_megatron.cli.layout",
@@ -29,8 +30,15 @@ SUBCOMMANDS = (
 
 def build_parser(modules: Sequence[str] = SUBCOMMANDS) -> argparse.ArgumentParser:
     """The parser of every subcommand in `modules` (import errors propagate)."""
-    p = argparse.ArgumentParser(prog="dynatrain", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(prog="dynatrain",
+               description="Switch the parallel layout of a running Megatron-LM job in "
+                           "memory: patch Megatron-LM, ask a job to switch, plan and choose "
+                           "layouts, launch a job whose survivors outlive a dead rank.",
+               epilog="start here: dynatrain megatron-lm patch --help, dynatrain request "
+                      "--help; every subcommand's --help ends with examples")
+    p.add_argument("--version", action="version", version=version_line(),
+                   help="print the version (and torch's, megatron-core's) and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in modules:
         importlib.import_module(name).add_parser(sub)
     return p
@@ -42,8 +50,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return int(args.func(args) or 0)
     except DynatrainError as e:
-        print(f"dynatrain {args.command}: error: {e}", file=sys.stderr)
+        print(f"dynatrain {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"dynatrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def one_line(e: BaseException) -> str:
+    """An error's message on one line (a multi-line message is joined with "; ")."""
+    parts = [s.strip() for s in str(e).splitlines() if s.strip()]
+    return "; ".join(parts) or type(e).__name__
 
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]

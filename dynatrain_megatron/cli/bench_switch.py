@@ -21,22 +21,28 @@ import sys
 from ..bench.config import SKIPPABLE, BenchConfig
 from ..mcore.train_config import TrainConfig
 from ..vps.errors import DynatrainError, LayoutError
+from .common import subcommand
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "bench-switch", help="benchmark a live switch against the checkpoint path and refit",
-        description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="model config: a name in configs/models "
+    p = subcommand(
+        subparsers, "bench-switch", help="benchmark a live switch against the checkpoint path "
+                                         "and refit (spawns gloo ranks on this machine)",
+        description=__doc__.split("\n\n")[0],
+        examples=["dynatrain bench-switch --model tiny-gpt --nproc 4 --from tp2pp2 --to tp1pp4",
+                  "dynatrain bench-switch --model gpt-50m --nproc 4 --from tp2pp2 --to tp1pp4 "
+                  "--json"])
+    p.add_argument("--model", required=True, metavar="NAME|YAML", help="model config: a name in configs/models "
                    "(tiny-gpt, gpt-50m, gpt-200m, ...) or a YAML path")
-    p.add_argument("--nproc", type=int, required=True, help="gloo ranks to spawn (>= 2)")
-    p.add_argument("--from", dest="src", required=True, help="layout A, e.g. tp2pp2")
-    p.add_argument("--to", dest="dst", required=True, help="layout B, e.g. tp1pp4")
-    p.add_argument("--iters-before", type=int, default=1,
+    p.add_argument("--nproc", type=int, required=True, metavar="RANKS",
+                   help="gloo ranks to spawn on this machine (>= 2)")
+    p.add_argument("--from", dest="src", required=True, metavar="LAYOUT", help="layout A, e.g. tp2pp2")
+    p.add_argument("--to", dest="dst", required=True, metavar="LAYOUT", help="layout B, e.g. tp1pp4")
+    p.add_argument("--iters-before", type=int, default=1, metavar="STEPS",
                    help="training steps at A before measuring (>= 1: Adam state must exist)")
-    p.add_argument("--repeat", type=int, default=3,
+    p.add_argument("--repeat", type=int, default=3, metavar="N",
                    help="repetitions of each measurement; medians are reported (3)")
-    p.add_argument("--memory-budget", default=None,
+    p.add_argument("--memory-budget", default=None, metavar="BYTES",
                    help="staging bytes per rank and round for our switch (e.g. 64M, 1GiB)")
     p.add_argument("--placement", choices=("best", "default"), default="best",
                    help="placement of B for our switch: chosen by the planner or megatron's order")
@@ -44,20 +50,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="background (default, as the training hook does it): B's groups and "
                         "objects are built, bound and planned in a thread while A trains, "
                         "and the pause is the rest; inline: all of it inside the pause")
-    p.add_argument("--ckpt-repeat", type=int, default=None,
+    p.add_argument("--ckpt-repeat", type=int, default=None, metavar="N",
                    help="runs of the checkpoint path (default: --repeat); each run after the "
                         "first reloads A from the checkpoint, which needs the most memory")
     p.add_argument("--move-weights", action="store_true",
                    help="move the weights too instead of rebuilding them from fp32 masters")
-    p.add_argument("--ranks-per-node", type=int, default=None,
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="RANKS",
                    help="ranks per node for the planner (default: --nproc, one machine)")
-    p.add_argument("--link-bytes", default="64M", help="buffer size of the bandwidth test (64M)")
-    p.add_argument("--skip", default="", help="comma list of measurements to skip: "
+    p.add_argument("--link-bytes", default="64M", metavar="BYTES",
+                   help="buffer size of the bandwidth test, bytes (64M)")
+    p.add_argument("--skip", default="", metavar="NAMES", help="comma list of measurements to skip: "
                    + ", ".join(SKIPPABLE))
-    p.add_argument("--ckpt-dir", default=None, help="where the checkpoint path writes "
+    p.add_argument("--ckpt-dir", default=None, metavar="DIR", help="where the checkpoint path writes "
                    "(default /dev/shm where writable, else the system temp dir)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
+    p.add_argument("--timeout", type=float, default=1800.0, metavar="SECONDS",
+                   help="seconds for the whole run (1800)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
     return p

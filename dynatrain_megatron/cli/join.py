@@ -12,19 +12,41 @@ import argparse
 import datetime
 import os
 
+from ..vps.errors import DynatrainError
+from .common import finite_float, subcommand
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("join", help="ask a running job to let this process join it")
+    p = subcommand(sub, "join", help="ask a running job to let this process join it (only "
+                                     "asks; exit 0 accepted, 1 refused)",
+                   examples=["dynatrain join --rendezvous-dir /tmp/job/rdv --secret-file "
+                             "/tmp/job/secret",
+                             "dynatrain join --store node0:29500 --timeout 60"])
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--rendezvous-dir", help="the job's --dynatrain-rendezvous-dir")
+    where.add_argument("--rendezvous-dir", metavar="DIR",
+                       help="the job's --dynatrain-rendezvous-dir")
     where.add_argument("--store", metavar="HOST:PORT",
                        help="the job's TCP store (torchrun's agent store) instead")
-    p.add_argument("--secret-file", default=None,
+    p.add_argument("--secret-file", default=None, metavar="FILE",
                    help="the job's secret (mode 0600); default $DYNATRAIN_JOB_SECRET, else "
                         "job_secret in the rendezvous directory")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds to wait for the job's nonce and then for its verdict")
+    p.add_argument("--timeout", type=finite_float(0.0), default=300.0, metavar="SECONDS",
+                   help="seconds to wait for the job's nonce and then for its verdict (300)")
     p.set_defaults(func=run)
+
+
+def parse_store(text: str) -> tuple[str, int]:
+    """`HOST:PORT` -> (host, port), a TCP port in 1..65535."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise DynatrainError(f"--store {text!r}: expected HOST:PORT, e.g. node0:29500")
+    try:
+        num = int(port)
+    except ValueError:
+        raise DynatrainError(f"--store {text!r}: port {port!r} is not a number") from None
+    if not 1 <= num <= 65535:
+        raise DynatrainError(f"--store {text!r}: port {num} is outside 1..65535")
+    return host, num
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,9 +57,14 @@ def run(args: argparse.Namespace) -> int:
 
     secret = load_secret(args.secret_file, rendezvous_dir=args.rendezvous_dir)
     if args.store:
-        host, _, port = args.store.rpartition(":")
-        store = dist.TCPStore(host, int(port), is_master=False,
-                              timeout=datetime.timedelta(seconds=args.timeout))
+        host, port = parse_store(args.store)
+        try:
+            store = dist.TCPStore(host, port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=args.timeout))
+        except (RuntimeError, OSError) as e:  # torch's DistStoreError is a RuntimeError
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DynatrainError(f"--store {args.store}: cannot reach the job's store: "
+                                 f"{first}") from None
     else:
         if not os.path.isdir(args.rendezvous_dir):  # else FileStore fails only after 300 s
             raise JoinError(f"rendezvous directory {args.rendezvous_dir} does not exist (the "

@@ -12,21 +12,31 @@ from ..vps.distopt import resolve_bucket_size
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.validate import validate_layout
+from .common import devices, int_at_least, subcommand
 
 
 def add_parser(sub) -> None:
-    lay = sub.add_parser("layout", help="fragments / per-rank summary of a layout")
-    lay.add_argument("--model", required=True, help="model config: a name in configs/models "
-                                                    "or a YAML path")
-    lay.add_argument("--layout", required=True)
-    lay.add_argument("--world", type=int, required=True)
-    lay.add_argument("--rank", type=int, default=None)
-    lay.add_argument("--bucket-size", type=int, default=None,
-                     help="DDP bucket size in elements (implies overlapped grad reduce)")
+    lay = subcommand(sub, "layout", help="the state each rank holds in a layout (no job needed)",
+                     examples=["dynatrain layout --model tiny-gpt --layout tp2pp2 --world 8",
+                               "dynatrain layout --model llama3-70b --layout tp8pp4dp4 "
+                               "--world 128 --rank 0 --json"])
+    lay.add_argument("--model", required=True, metavar="NAME|YAML",
+                     help="model config: a name in configs/models (tiny-gpt, llama3-70b, ...) "
+                          "or a YAML path")
+    lay.add_argument("--layout", required=True, metavar="LAYOUT",
+                     help="parallel layout, e.g. tp2pp2dp2 (dp: derived from --world)")
+    lay.add_argument("--world", type=devices(), required=True, metavar="DEVICES",
+                     help="number of devices (ranks)")
+    lay.add_argument("--rank", type=int_at_least(0), default=None, metavar="RANK",
+                     help="print this rank's fragments instead of the per-rank summary")
+    lay.add_argument("--bucket-size", type=int_at_least(1), default=None, metavar="ELEMENTS",
+                     help="DDP bucket size in elements (implies overlapped grad reduce); "
+                          "default: one bucket per buffer")
     lay.add_argument("--no-transformer-engine", action="store_true",
                      help="the job runs without Transformer Engine (then no CP)")
-    lay.add_argument("--all", action="store_true")
-    lay.add_argument("--json", action="store_true")
+    lay.add_argument("--all", action="store_true",
+                     help="show every rank (default: the first and last 8 of a large world)")
+    lay.add_argument("--json", action="store_true", help="print JSON instead of a table")
     lay.set_defaults(func=run)
 
 

@@ -20,12 +20,14 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
 from ..configs import load_model
+from ..routing.fabric import Fabric, simulate_transfer
 from ..routing.cost import (CheckpointModel, bandwidth_lower_bound, checkpoint_estimate,
                             describe, estimate)
 from ..routing.links import LinkModel
@@ -40,6 +42,7 @@ from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import is_rank_ordered
+from .common import devices, finite_float, int_at_least, renamed, subcommand
 
 KIND_SETS = {"all": KINDS, "weights": ("param",), "optimizer": OPT_KINDS}
 
@@ -57,39 +60,65 @@ def parse_kinds(text: str) -> tuple[str, ...]:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `plan` subcommand to an argparse subparsers object; returns its parser."""
-    p = subparsers.add_parser(
-        "plan", help="plan a layout switch (bytes, placement, time) without running it",
-        description=__doc__.split("\n\n")[0])
-    p.add_argument("--scenario", help="YAML file with model/from/to/world_from/world_to "
-                   "(and optional kinds, ranks_per_node, memory_budget); flags override it")
-    p.add_argument("--model", help="model config: a name in configs/models or a YAML path")
-    p.add_argument("--from", dest="src", help="source layout, e.g. tp8pp4dp4")
-    p.add_argument("--to", dest="dst", help="destination layout, e.g. tp8pp8dp2")
-    p.add_argument("--world", type=int, help="world size of both layouts")
-    p.add_argument("--world-from", type=int, help="world size of the source layout")
-    p.add_argument("--world-to", type=int, help="world size of the destination layout")
-    p.add_argument("--ranks-per-node", type=int, default=None, help="devices per node (8)")
-    p.add_argument("--intra-node-gbps", type=float, default=450.0,
-                   help="per-device NVLink bandwidth per direction, GB/s (450)")
-    p.add_argument("--inter-node-gbps", type=float, default=50.0,
-                   help="per-device NIC bandwidth per direction, GB/s (50)")
-    p.add_argument("--round-latency-us", type=float, default=50.0,
-                   help="fixed cost of one batched exchange, microseconds (50)")
-    p.add_argument("--local-copy-gbps", type=float, default=1000.0,
-                   help="device-memory copy bandwidth for local pieces, GB/s (1000)")
-    p.add_argument("--checksum-gbps", type=float, default=3000.0,
-                   help="bandwidth of the checksum pass over sent/received bytes, GB/s (3000)")
-    p.add_argument("--storage-gbps", type=float, default=100.0,
-                   help="aggregate storage bandwidth of the checkpoint path, GB/s (100)")
-    p.add_argument("--restart-seconds", type=float, default=60.0,
-                   help="restart cost of the checkpoint path, s (60)")
-    p.add_argument("--memory-budget", type=parse_bytes, default=None,
+    p = subcommand(
+        subparsers, "plan", help="plan a layout switch (bytes, placement, time) without "
+                                 "running it",
+        description=__doc__.split("\n\n")[0],
+        examples=["dynatrain plan --model llama3-70b --from tp8pp4dp4 --to tp8pp8dp2 "
+                  "--world 128",
+                  "dynatrain plan --model tiny-gpt --from tp2pp2 --to tp2pp2 --world-from 8 "
+                  "--world-to 4   # scale-in",
+                  "dynatrain plan --scenario configs/scenarios/llama70b-scale-in-96.yaml --json"])
+    p.add_argument("--scenario", metavar="YAML",
+                   help="YAML file with model/from/to/world_from/world_to (and optional kinds, "
+                        "ranks_per_node, memory_budget); flags override it")
+    p.add_argument("--model", metavar="NAME|YAML",
+                   help="model config: a name in configs/models or a YAML path")
+    p.add_argument("--from", dest="src", metavar="LAYOUT",
+                   help="source layout, e.g. tp8pp4dp4")
+    p.add_argument("--to", dest="dst", metavar="LAYOUT",
+                   help="destination layout, e.g. tp8pp8dp2")
+    p.add_argument("--world", type=devices(), metavar="DEVICES",
+                   help="world size (devices) of both layouts")
+    p.add_argument("--world-from", type=devices(), metavar="DEVICES",
+                   help="world size (devices) of the source layout")
+    p.add_argument("--world-to", type=devices(), metavar="DEVICES",
+                   help="world size (devices) of the destination layout")
+    p.add_argument("--ranks-per-node", type=devices(), default=None, metavar="DEVICES",
+                   help="devices per node (8)")
+    positive = finite_float(0.0)
+    p.add_argument("--intra-node-gbytes-per-s", dest="intra_node_gbps", type=positive,
+                   default=450.0, metavar="GB/S",
+                   help="per-device NVLink bandwidth per direction, gigabytes/s (450)")
+    p.add_argument("--inter-node-gbytes-per-s", dest="inter_node_gbps", type=positive,
+                   default=50.0, metavar="GB/S",
+                   help="per-device NIC bandwidth per direction, gigabytes/s (50: a 400 Gb/s "
+                        "NIC)")
+    p.add_argument("--round-latency-us", type=finite_float(0.0, inclusive=True), default=50.0,
+                   metavar="US", help="fixed cost of one batched exchange, microseconds (50)")
+    p.add_argument("--local-copy-gbytes-per-s", dest="local_copy_gbps", type=positive,
+                   default=1000.0, metavar="GB/S",
+                   help="device-memory copy bandwidth for local pieces, gigabytes/s (1000)")
+    p.add_argument("--checksum-gbytes-per-s", dest="checksum_gbps", type=positive,
+                   default=3000.0, metavar="GB/S",
+                   help="bandwidth of the checksum pass over sent/received bytes, "
+                        "gigabytes/s (3000)")
+    p.add_argument("--storage-gbytes-per-s", dest="storage_gbps", type=positive, default=100.0,
+                   metavar="GB/S",
+                   help="aggregate storage bandwidth of the checkpoint path, gigabytes/s (100)")
+    for name in ("intra-node", "inter-node", "local-copy", "checksum", "storage"):
+        renamed(p, f"--{name}-gbps", f"--{name}-gbytes-per-s",
+                "gigabytes per second; a 400 Gb/s NIC is 50")
+    p.add_argument("--restart-seconds", type=finite_float(0.0, inclusive=True), default=60.0,
+                   metavar="SECONDS", help="restart cost of the checkpoint path, seconds (60)")
+    p.add_argument("--memory-budget", type=parse_bytes, default=None, metavar="BYTES",
                    help="staging bytes per rank and round (e.g. 2GiB); default: one round")
-    p.add_argument("--kinds", type=parse_kinds, default=None,
-                   help="state kinds to move: all (default), weights, optimizer, or a list")
-    p.add_argument("--bucket-size", type=int, default=None,
-                   help="resolved DDP bucket size (default: one bucket per buffer)")
-    p.add_argument("--unit-size", type=int, default=None,
+    p.add_argument("--kinds", type=parse_kinds, default=None, metavar="KINDS",
+                   help="state kinds to move: all (default), weights, optimizer, or a "
+                        "comma list of " + ",".join(KINDS))
+    p.add_argument("--bucket-size", type=int_at_least(1), default=None, metavar="ELEMENTS",
+                   help="resolved DDP bucket size in elements (default: one bucket per buffer)")
+    p.add_argument("--unit-size", type=int_at_least(1), default=None, metavar="RANKS",
                    help="virtual ranks placed together (default tp*cp of the new layout)")
     p.add_argument("--default-placement", action="store_true",
                    help="pin Megatron's default rank order for the new layout")
@@ -101,18 +130,41 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+# scenario key -> what its value must be (checked before anything is computed from it)
+_SCENARIO_TYPES: dict[str, tuple[type, ...]] = {
+    "name": (str,), "description": (str,), "model": (str,), "from": (str,), "to": (str,),
+    "world": (int,), "world_from": (int,), "world_to": (int,), "kinds": (str,),
+    "ranks_per_node": (int,), "memory_budget": (str, int), "bucket_size": (int,),
+    "leaving": (str,)}
+
+
 def _load_scenario(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise RoutingError(f"scenario file {path!r} not found")
-    d = yaml.safe_load(p.read_text())
+    try:
+        d = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RoutingError(f"scenario {path!r} is not readable YAML: {first}") from None
     if not isinstance(d, dict):
         raise RoutingError(f"scenario {path!r} is not a mapping")
-    known = {"name", "description", "model", "from", "to", "world", "world_from",
-             "world_to", "kinds", "ranks_per_node", "memory_budget", "bucket_size", "leaving"}
-    bad = sorted(set(d) - known)
+    bad = sorted(str(k) for k in set(d) - set(_SCENARIO_TYPES))
     if bad:
-        raise RoutingError(f"scenario {path!r}: unknown keys {bad}; known: {sorted(known)}")
+        raise RoutingError(f"scenario {path!r}: unknown keys {bad}; known: "
+                           f"{sorted(_SCENARIO_TYPES)}")
+    for key, value in d.items():
+        types = _SCENARIO_TYPES[key]
+        if value is None and key in ("memory_budget", "bucket_size", "description"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise RoutingError(f"scenario {path!r}: {key} must be "
+                               f"{' or '.join(t.__name__ for t in types)}, got {value!r}")
+        if types == (int,) and value < 1:
+            raise RoutingError(f"scenario {path!r}: {key} must be >= 1, got {value}")
+    if d.get("leaving", "planner") not in ("planner", "last"):
+        raise RoutingError(f"scenario {path!r}: leaving must be planner or last, got "
+                           f"{d['leaving']!r}")
     return d
 
 
@@ -150,8 +202,10 @@ def plan_report(spec: ModelSpec, src: Layout, dst: Layout, *, kinds=KINDS, rpn: 
                 budget: Optional[int] = None, bucket=None, unit_size=None,
                 default_placement: bool = False, leaving: str = "planner",
                 links: LinkModel = LinkModel(),
-                ckpt: CheckpointModel = CheckpointModel()) -> dict[str, Any]:
-    """Everything `dynatrain plan` prints, as a dict (JSON-ready)."""
+                ckpt: CheckpointModel = CheckpointModel(),
+                fabric: Optional[Fabric] = None) -> dict[str, Any]:
+    """Everything `dynatrain plan` prints, as a dict (JSON-ready). With `fabric`, also
+    the transfer simulated on it (`routing.fabric`), as `simulated_transfer`."""
     t0 = time.perf_counter()
     Wa, Wb = src.world_size, dst.world_size
     if rpn < 1:
@@ -219,7 +273,26 @@ def plan_report(spec: ModelSpec, src: Layout, dst: Layout, *, kinds=KINDS, rpn: 
         "default_peak_extra_bytes_per_rank": dsched.max_peak_staging,
         "parameters": describe(links, ckpt),
     }
+    if fabric is not None:
+        if fabric.ranks_per_node != rpn:
+            fabric = replace(fabric, ranks_per_node=rpn)
+        out["simulated_transfer"] = simulate_transfer(sched, fabric).as_dict()
     return out
+
+
+def end_to_end(spec: ModelSpec, src: Layout, dst: Layout, r: dict[str, Any], *,
+               rpn: int = 8, budget: Optional[int] = None) -> dict[str, Any]:
+    """`r` (from `plan_report` with a fabric) with the control plane emulated at its
+    world (`bench.control_plane`: per-rank counts of a sample covering every role) and
+    the end-to-end budget (`bench.budget`) added, as `control_plane` and `budget`."""
+    from ..bench.budget import switch_budget
+    from ..bench.control_plane import emulate_switch
+
+    emu = emulate_switch(spec, src, dst, ranks_per_node=rpn, memory_budget=budget, extra=0)
+    r["control_plane"] = emu.summary()
+    r["budget"] = switch_budget(spec, src, dst, r, r["control_plane"],
+                                r.get("simulated_transfer"))
+    return r
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -293,7 +366,10 @@ def run_plan(args: argparse.Namespace) -> int:
         r = plan_report(spec, src, dst, kinds=c["kinds"], rpn=c["rpn"], budget=c["budget"],
                         bucket=c["bucket"], unit_size=args.unit_size,
                         default_placement=args.default_placement, leaving=c["leaving"],
-                        links=links, ckpt=ckpt)
+                        links=links, ckpt=ckpt,
+                        fabric=Fabric(ranks_per_node=c["rpn"]) if args.json else None)
+        if args.json:  # the budget: control plane emulated, transfer simulated
+            r = end_to_end(spec, src, dst, r, rpn=c["rpn"], budget=c["budget"])
     except (DynatrainError, argparse.ArgumentTypeError) as e:
         print(f"dynatrain plan: error: {e}", file=sys.stderr)
         return 2

@@ -293,3 +293,125 @@ def apply_if_needed() -> bool:
     _state.update(applied=True, mode=mode, thread=threading.get_ident())
     log.info("megatron-core CPU runtime applied (no CUDA device)")
     return True
+
+
+# ---------------------------------------------------------------- before megatron imports
+# Modules of megatron-core that import triton at their top level, unguarded, while being
+# imported on every path (0.16.1: Megatron-LM's initialize imports the first; 0.18+: `import
+# megatron.core` reaches the second through the pipeline schedules).
+TRITON_MODULES = (
+    "megatron.core.transformer.custom_layers.batch_invariant_kernels",
+    "megatron.core.transformer.moe.ops.paged_stash",
+)
+
+
+def typing_override() -> bool:
+    """`typing.override` (Python 3.12) on an older Python, where megatron-core 0.17+ imports
+    it (`megatron/training/models/`): the decorator of PEP 698, which only marks the
+    function. Returns True when it was added."""
+    import typing
+
+    if hasattr(typing, "override"):
+        return False
+
+    def override(fn: Any) -> Any:
+        try:
+            fn.__override__ = True
+        except (AttributeError, TypeError):
+            pass
+        return fn
+
+    typing.override = override  # type: ignore[attr-defined]
+    return True
+
+
+def megatron_core_dir() -> Any:
+    """The directory `import megatron.core` will load from (the first `megatron` portion on
+    the path holding `core/__init__.py`), found without importing it; None if none."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("megatron")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(loc) / "core" / "__init__.py").is_file():
+            return Path(loc) / "core"
+    return None
+
+
+def _unguarded_triton_import(source: str) -> bool:
+    import ast
+
+    for node in ast.parse(source).body:  # top level only: a try/except import is guarded
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "triton"
+                                                for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "triton":
+            return True
+    return False
+
+
+def _stand_in_module(name: str, source: str) -> Any:
+    """A module in place of `name` (whose `source` imports triton): its top-level constants
+    (literals) as they are, each top-level function and class a callable that refuses with
+    a clear error, so that importing names from it works and using them does not."""
+    import ast
+    import types
+
+    from ..vps.errors import DynatrainError
+
+    mod = types.ModuleType(name)
+    mod.__doc__ = f"dynatrain's stand-in for {name}: triton is not installed on this machine"
+
+    def refusing(attr: str) -> Any:
+        def refuse(*a: Any, **k: Any) -> Any:
+            raise DynatrainError(f"{name}.{attr} needs triton, which is not installed here "
+                                 f"(dynatrain's stand-in keeps its import from failing)")
+        refuse.__name__ = attr
+        return refuse
+
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            setattr(mod, node.name, refusing(node.name))
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                and isinstance(node.targets[0], ast.Name):
+            try:
+                setattr(mod, node.targets[0].id, ast.literal_eval(node.value))
+            except ValueError:
+                pass
+
+    def missing(attr: str) -> Any:
+        raise AttributeError(f"{name}.{attr}: triton is not installed, so this module is "
+                             f"dynatrain's stand-in")
+
+    mod.__getattr__ = missing  # type: ignore[attr-defined]
+    return mod
+
+
+def triton_stand_ins(dry_run: bool = False) -> list[str]:
+    """Without triton: each module of `TRITON_MODULES` that the megatron-core about to be
+    imported has, and that imports triton unguarded, is replaced by a stand-in
+    (`_stand_in_module`). Keyed by what the source does, not by a version: a module that
+    guards its import, or that a release lacks, is left alone. triton itself is not faked,
+    so nothing else believes it is present. Returns the modules replaced (`dry_run`: that
+    would be replaced, installing nothing)."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("triton") is not None:
+        return []
+    core = megatron_core_dir()
+    if core is None:
+        return []
+    out = []
+    for name in TRITON_MODULES:
+        if name in sys.modules:
+            continue
+        path = core.joinpath(*name.split(".")[2:]).with_suffix(".py")
+        if not path.is_file():
+            continue
+        source = path.read_text()
+        if _unguarded_triton_import(source):
+            if not dry_run:
+                sys.modules[name] = _stand_in_module(name, source)
+            out.append(name)
+    return out

@@ -11,11 +11,13 @@ On every machine it checks that the `megatron-lm` extra is installed (Megatron-L
 as much as we do). Without a CUDA device it also makes Megatron-LM's CUDA assumptions hold:
 
 1. megatron-core's CPU runtime (`compat.cpu`: cuda devices rewritten to cpu, no-op streams).
-2. `megatron.training.initialize` imports `batch_invariant_kernels`, which imports `triton`
-   at module level (about 1 GB on PyPI, useless without a GPU). When triton is not
-   importable, that module is replaced by a stand-in whose `enable_batch_invariant_mode`
-   refuses `--batch-invariant-mode` with a clear error. triton itself is not faked, so
-   nothing else believes it is present.
+2. megatron-core modules that import `triton` unguarded at their top level (about 1 GB on
+   PyPI, useless without a GPU): `batch_invariant_kernels` (0.16.1, through Megatron-LM's
+   `initialize`), `moe/ops/paged_stash.py` (0.18+, through `import megatron.core`). When
+   triton is not importable, each such module of the megatron-core about to be imported
+   is replaced by a stand-in whose functions refuse with a clear error
+   (`compat.cpu.triton_stand_ins`: keyed by what the source does, not by a version).
+   triton itself is not faked, so nothing else believes it is present.
 3. `initialize_megatron` asserts CUDA: it is called with `allow_no_cuda=True`.
 4. `_initialize_distributed` creates the model-parallel groups and `_set_random_seed` seeds
    the model-parallel RNG tracker only when `torch.cuda.device_count() > 0`: both run as if
@@ -25,20 +27,31 @@ as much as we do). Without a CUDA device it also makes Megatron-LM's CUDA assump
    kernels: the helpers come compiled in the megatron-core wheel (checked), the fused
    kernels are CUDA only, so it only checks the helpers import.
 6. `_warmup_jit_function` compiles fused kernels on "cuda" tensors with torch.compile:
-   skipped (the CPU launch uses the `--no-*-fusion` flags, which don't call them).
+   skipped (the CPU launch uses the `--no-*-fusion` flags, which don't call them); the
+   stand-in takes exactly the arguments the release's own takes (0.19 added `tp_size=`).
 7. Memory reports read `torch.cuda` counters that `compat.cpu` does not stub: zeros.
 
 On a GPU only the extra check and megatron-core's fixes apply: Megatron-LM runs as is.
+
+On every machine, before any megatron import: `typing.override` on Python 3.11 (megatron-core
+0.17+ declares Python 3.12 and imports it), and the checkout check (`check_checkout`):
+`megatron.core` must be the one the checkout's release runs with (its own `megatron/core`
+where it has one, e.g. core_v0.19.0; a megatron-core of the release's version where it has
+none, e.g. the core_v0.16.1 export): a wheel shadowing the checkout is named here, at
+start-up, rather than failing somewhere in the training loop.
+
+`release_refusals(args)` lists the options of newer releases a switch cannot carry (keyed
+by whether the option exists in `args`): the patched `pretrain()` refuses them at start-up.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import logging
-import sys
-import types
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -48,7 +61,6 @@ log = logging.getLogger(__name__)
 
 # what Megatron-LM imports beyond megatron-core and this package (setup.py: extra "megatron-lm")
 EXTRA_MODULES = ("six", "regex", "pydantic", "einops", "psutil")
-_BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 _state = {"prepared": False, "cpu": False}
 
 
@@ -68,27 +80,6 @@ def check_extra() -> None:
             f"Megatron-LM needs modules that are not installed: {', '.join(missing)}; install "
             f"them with: pip install 'dynatrain_megatron[megatron-lm]' (or pip install "
             f"{' '.join(missing)})")
-
-
-def _install_batch_invariant_stand_in() -> bool:
-    """Item 2: returns True when the stand-in was installed (triton missing)."""
-    if _BATCH_INVARIANT in sys.modules or importlib.util.find_spec("triton") is not None:
-        return False
-    mod = types.ModuleType(_BATCH_INVARIANT)
-    mod.__doc__ = "Stand-in installed by dynatrain: triton is not installed on this machine."
-
-    def enable_batch_invariant_mode(*a: Any, **k: Any) -> None:
-        raise DynatrainError("--batch-invariant-mode needs triton, which is not installed "
-                             "(dynatrain's CPU runtime keeps its import from failing)")
-
-    def missing(name: str) -> Any:
-        raise AttributeError(f"{_BATCH_INVARIANT}.{name}: triton is not installed, so this "
-                             f"module is dynatrain's stand-in")
-
-    mod.enable_batch_invariant_mode = enable_batch_invariant_mode  # type: ignore[attr-defined]
-    mod.__getattr__ = missing  # type: ignore[attr-defined]
-    sys.modules[_BATCH_INVARIANT] = mod
-    return True
 
 
 @contextlib.contextmanager
@@ -120,6 +111,18 @@ def _check_dataset_helpers() -> None:
                              f"on the CPU they come from the megatron-core wheel") from e
 
 
+def _skipped_like(fn: Callable) -> Callable:
+    """A no-op that accepts exactly the arguments `fn` accepts (its signature differs
+    between releases: 0.19 added `tp_size=`), so a call the release would refuse fails."""
+    sig = inspect.signature(fn)
+
+    def skipped(*a: Any, **k: Any) -> None:
+        sig.bind(*a, **k)
+
+    skipped.__wrapped__ = fn  # type: ignore[attr-defined]
+    return skipped
+
+
 def _patch_megatron_training() -> None:
     init = importlib.import_module("megatron.training.initialize")
     training = importlib.import_module("megatron.training.training")
@@ -136,7 +139,7 @@ def _patch_megatron_training() -> None:
     init._initialize_distributed = _as_if_one_device(init._initialize_distributed)
     init._set_random_seed = _as_if_one_device(init._set_random_seed)
     init._compile_dependencies = _check_dataset_helpers
-    init._warmup_jit_function = lambda: None
+    init._warmup_jit_function = _skipped_like(init._warmup_jit_function)
     for name in ("megatron.training.arguments", "megatron.training.utils"):
         module = importlib.import_module(name)
         if hasattr(module, "get_device_arch_version"):
@@ -154,13 +157,126 @@ def prepare_megatron_lm() -> bool:
     if _state["prepared"]:
         return _state["cpu"]
     check_extra()
-    from . import prepare_runtime
+    from . import cpu as cpu_runtime, prepare_runtime
 
+    if cpu_runtime.typing_override():
+        log.info("typing.override added (Python < 3.12)")
+    check_checkout()
+    for name in cpu_runtime.triton_stand_ins():
+        log.info("triton is not installed: %s is a stand-in", name)
     cpu = prepare_runtime()
     if cpu:
-        if _install_batch_invariant_stand_in():
-            log.info("triton is not installed: %s is a stand-in", _BATCH_INVARIANT)
         _patch_megatron_training()
         log.info("Megatron-LM CPU runtime applied (no CUDA device)")
     _state.update(prepared=True, cpu=cpu)
     return cpu
+
+
+# ---------------------------------------------------------------- the checkout and its core
+class CheckoutMismatchError(DynatrainError):
+    """The `megatron.core` Python would import is not the one the checkout runs with."""
+
+
+def _megatron_dirs() -> tuple[Optional[Path], Optional[Path]]:
+    """(the `megatron` directory `megatron.training` comes from, the one `megatron.core`
+    comes from), as the import system will choose them, without importing either."""
+    spec = importlib.util.find_spec("megatron")
+    locs = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    training = next((p for p in locs if (p / "training" / "__init__.py").is_file()), None)
+    core = next((p for p in locs if (p / "core" / "__init__.py").is_file()), None)
+    return training, core
+
+
+def check_checkout() -> None:
+    """Raise naming both when the `megatron.core` about to be imported is not the
+    checkout's: the checkout has its own `megatron/core` and another comes first (a
+    megatron-core wheel shadowing it), or it has none and the one found is not of the
+    version its release runs with (`patch_tool.Release.core_version`). Reads files only."""
+    from ..megatron_lm.patch_tool import MegatronLMVersionError, core_version_of, identify
+
+    training, core = _megatron_dirs()
+    if training is None:  # megatron-core alone (our own jobs): nothing to compare with
+        return
+    if core is None:
+        raise CheckoutMismatchError(f"no megatron.core to import beside the checkout's "
+                                    f"megatron.training ({training}): install megatron-core "
+                                    f"or use a checkout that has megatron/core")
+    checkout = training.parent
+    if (training / "core").is_dir() and core != training:
+        raise CheckoutMismatchError(
+            f"megatron.core would be imported from {core / 'core'}, not from the checkout "
+            f"{checkout}'s own megatron/core (megatron-core {core_version_of(checkout)}): "
+            f"put the checkout first on PYTHONPATH or uninstall that megatron-core "
+            f"(megatron-core {core_version_of(core.parent)})")
+    try:
+        release = identify(checkout).release
+    except MegatronLMVersionError:
+        return  # not a release of ours (an unpatched tree): nothing to hold it to
+    found = core_version_of(core.parent)
+    if found is None:
+        found = _installed_core_version(core)
+    if found != release.core_version:
+        raise CheckoutMismatchError(
+            f"the checkout {checkout} is Megatron-LM {release.name}, which runs with "
+            f"megatron-core {release.core_version}, but megatron.core would be imported from "
+            f"{core / 'core'}, megatron-core {found}: install megatron-core=="
+            f"{release.core_version} or put a checkout with its own megatron/core first")
+
+
+def _installed_core_version(core: Path) -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return None
+
+
+# ---------------------------------------------------------------- options of newer releases
+# (the `args` attribute, whether `(value, args)` sets it, why a switch cannot carry it).
+# Keyed by the attribute: a release that lacks the option has nothing to refuse.
+_NEWER_OPTIONS: tuple[tuple[str, Callable[[Any, Any], bool], str], ...] = (
+    # the shard count is TP x GTP (validate_args derives gtp_weight_remat_size from it)
+    ("gtp_weight_remat_size", lambda v, a: v not in (None, 0, 1),
+     "--tensor-parallel-num-weight-shards above --tensor-model-parallel-size (GTP weight "
+     "shards: a parameter's shards span GTP ranks our layouts do not describe)"),
+    ("expert_gtp_weight_remat_size", lambda v, a: v not in (None, 0, 1),
+     "--expert-tensor-parallel-num-weight-shards above --expert-tensor-parallel-size "
+     "(expert GTP weight shards)"),
+    ("step_batch_size_schedule", lambda v, a: v not in (None, "", [], ()),
+     "--step-batch-size-schedule (the global batch changes with the step, which a switch "
+     "does not carry)"),
+    ("moe_paged_stash", lambda v, a: bool(v),
+     "--moe-paged-stash (its stash buffers and CUDA graph are set up for the first layout)"),
+    ("moe_expert_rank_capacity_factor", lambda v, a: v is not None,
+     "--moe-expert-rank-capacity-factor (the loop wraps its schedule in a PagedStashRunner "
+     "holding the first layout's model and optimizer)"),
+    ("optimizer_cuda_graph", lambda v, a: bool(v),
+     "--optimizer-cuda-graph (the loop captures the first layout's optimizer step)"),
+    # on by default in 0.19, but it acts only with the layer-wise distributed optimizer
+    ("use_layer_wise_param_layout",
+     lambda v, a: bool(v) and bool(getattr(a, "use_layer_wise_distributed_optimizer", False)),
+     "--use-layer-wise-param-layout with --use-layer-wise-distributed-optimizer (its "
+     "precomputed parameter layout is not the buffers' layout our switch reads and writes)"),
+)
+
+
+def derived_layout_args(args: Any, values: dict) -> dict:
+    """Options a release derives from the layout, for the layout `values` describe
+    (`arguments.args_for_layout`), where `args` has them: 0.19's weight-shard counts are
+    TP x GTP (GTP is 1: larger is refused), so they follow a switch's TP and expert TP."""
+    out = {}
+    if hasattr(args, "tensor_parallel_num_weight_shards"):
+        out["tensor_parallel_num_weight_shards"] = values["tensor_model_parallel_size"]
+        out["gtp_weight_remat_size"] = 1
+    if hasattr(args, "expert_tensor_parallel_num_weight_shards"):
+        out["expert_tensor_parallel_num_weight_shards"] = values["expert_tensor_parallel_size"]
+        out["expert_gtp_weight_remat_size"] = 1
+    return out
+
+
+def release_refusals(args: Any) -> list[str]:
+    """The options `args` sets that a switch cannot carry and that only newer releases
+    have (the options of every release are `megatron_lm.arguments.unsupported_args`)."""
+    return [why for name, is_set, why in _NEWER_OPTIONS
+            if hasattr(args, name) and is_set(getattr(args, name), args)]

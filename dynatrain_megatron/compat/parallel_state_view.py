@@ -38,7 +38,7 @@ _installed = {"parallel_state": False, "args": None}
 _views: "weakref.WeakKeyDictionary[Any, ParallelStateView]" = weakref.WeakKeyDictionary()
 
 
-def _rebind_everywhere(replacements: dict[int, Callable]) -> None:
+def rebind_everywhere(replacements: dict[int, Callable]) -> None:
     """Every module attribute that *is* one of the originals (by id) now names its
     replacement: the names `from parallel_state import get_x` bound elsewhere."""
     for mod in list(sys.modules.values()):
@@ -75,7 +75,7 @@ def _install_parallel_state() -> None:
                 replacements[id(fn)] = _thread_dispatcher(name, fn)
         for name, fn in _originals.items():
             setattr(ps, name, replacements[id(fn)])
-        _rebind_everywhere(replacements)
+        rebind_everywhere(replacements)
         _installed["parallel_state"] = True
 
 
@@ -173,7 +173,7 @@ def _install_args() -> bool:
 
         functools.update_wrapper(get_args, original)
         global_vars.get_args = get_args
-        _rebind_everywhere({id(original): get_args})
+        rebind_everywhere({id(original): get_args})
         _installed["args"] = get_args
     return True
 

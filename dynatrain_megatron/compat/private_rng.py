@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .parallel_state_view import _rebind_everywhere
+from .parallel_state_view import rebind_everywhere
 
 _local = threading.local()  # .quiet: True inside private_rng()
 _lock = threading.Lock()
@@ -100,7 +100,7 @@ def _install_tracker() -> None:
 
         functools.update_wrapper(get_cuda_rng_tracker, original)
         mrandom.get_cuda_rng_tracker = get_cuda_rng_tracker
-        _rebind_everywhere({id(original): get_cuda_rng_tracker})
+        rebind_everywhere({id(original): get_cuda_rng_tracker})
         _installed["tracker"] = True
 
 

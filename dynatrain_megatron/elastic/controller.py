@@ -224,10 +224,14 @@ class Controller:
         log.error("switch request refused: %s; training continues", e)
         return Decision(None, None, "signal", rejected=str(e))
 
-    def poll(self, iteration: int, world: Optional[int] = None) -> Decision:
+    def poll(self, iteration: int, world: Optional[int] = None, layout_group: Any = None,
+             standby: Any = None) -> Decision:
         """Collective over every process (training and standby ranks) at the same step
         boundary. `world`: ranks of the current layout (default: every process); a request
-        may name any count up to the number of processes (scale-in / scale-out)."""
+        may name any count up to the number of processes (scale-in / scale-out).
+        `standby`: where ranks are on standby, their channel (`standby_channel.py`): the
+        decision goes to the layout's ranks on `layout_group` (with the job's deadline),
+        then on to the standby ranks on the channel (none: one broadcast over the world)."""
         if iteration % self.poll_interval and not self._schedule_due(iteration):
             return Decision(None, None, "signal")
         world = world or dist.get_world_size()
@@ -237,14 +241,19 @@ class Controller:
             box = [replace(d, schedule_next=d.schedule_next or self._next_entry)]
         if self.joins is not None:  # rides on the same broadcast: no extra collective
             box[0] = replace(box[0], joins=self.joins.review())
-        dist.broadcast_object_list(box, src=0)
+        if standby is None:
+            dist.broadcast_object_list(box, src=0)
+        else:
+            dist.broadcast_object_list(box, src=0, group=layout_group)
+            dist.broadcast_object_list(box, src=0, group=standby)
         return self._received(box[0])
 
-    def follow(self) -> Decision:
+    def follow(self, standby: Any = None) -> Decision:
         """A standby rank's side of `poll`/`stop`: wait for rank 0's next decision (it does
-        not step, so it cannot know which iterations poll; it simply takes the next one)."""
+        not step, so it cannot know which iterations poll; it simply takes the next one),
+        on the standby channel when there is one: as long as the job lives."""
         box = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=standby)
         return self._received(box[0])
 
     def _received(self, d: Decision) -> Decision:
@@ -255,10 +264,11 @@ class Controller:
             self._next_entry = d.schedule_next
         return d
 
-    def stop(self) -> None:
-        """Collective: the job is over; standby ranks waiting in `follow` leave."""
+    def stop(self, standby: Any = None) -> None:
+        """Collective: the job is over; standby ranks waiting in `follow` (on the channel
+        `standby`, when there is one) leave."""
         box = [Decision(None, None, "signal", stop=True, schedule_next=self._next_entry)]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=standby)
 
     def done(self, decision: Decision, outcome: str, reason: str = "") -> None:
         """File the accepted request with its outcome (rank 0; the request was taken out

@@ -7,8 +7,10 @@ never logged, and never printed: `JobSecret` hides its value from `repr`/`str`, 
 uses it to compute and check HMAC-SHA256 tags (`elastic/join.py`).
 
 A secret file that others can read (any group/other permission bit), that is not a regular
-file, or that belongs to another user is refused with a clear error: a secret others can
-read proves nothing, and a file someone else owns could have been planted.
+file (a link, a FIFO: never waited on), that belongs to another user or that is bigger
+than a secret is refused with a clear error: a secret others can read proves nothing, and
+a file someone else owns could have been planted (`safe_files.read_bytes`). A generated
+secret is written in a checked directory, whole or not at all.
 """
 from __future__ import annotations
 
@@ -17,19 +19,20 @@ import hmac
 import logging
 import os
 import secrets
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, MutableMapping, Optional
 
 from ..vps.errors import DynatrainError
-from .private_file import write_private
+from .safe_files import ReadRules, UnsafeFileError, create_new, read_bytes
 
 log = logging.getLogger(__name__)
 
 ENV_VAR = "DYNATRAIN_JOB_SECRET"
 DEFAULT_FILE_NAME = "job_secret"  # inside --dynatrain-rendezvous-dir when no file is named
 MIN_LENGTH = 32  # characters; a generated secret has 64 (hex of 32 random bytes)
+MAX_FILE_BYTES = 4096
+_RULES = ReadRules("secret file", MAX_FILE_BYTES, private=True)
 
 
 class SecretError(DynatrainError):
@@ -81,31 +84,16 @@ def read_secret_file(path: str | Path) -> JobSecret:
     """The secret in `path`; SecretError when the file is unsafe or unusable.
 
     The checks run on the opened file (fstat), so the file cannot be swapped between the
-    check and the read; a symbolic link is refused (O_NOFOLLOW)."""
+    check and the read; a symbolic link is refused (O_NOFOLLOW), a FIFO is never waited
+    on (O_NONBLOCK), and at most `MAX_FILE_BYTES` are read."""
     path = Path(path)
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, flags)
+        data = read_bytes(path, _RULES)
     except FileNotFoundError:
         raise SecretError(f"secret file {path} does not exist") from None
-    except OSError as e:
-        raise SecretError(f"secret file {path} cannot be opened ({e.strerror}); a symbolic "
-                          f"link is refused") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SecretError(f"secret file {path} is not a regular file: refused")
-        if st.st_uid != os.getuid():
-            raise SecretError(f"secret file {path} is owned by uid {st.st_uid}, not by this "
-                              f"user (uid {os.getuid()}): refused (it could have been planted)")
-        if st.st_mode & 0o077:
-            raise SecretError(f"secret file {path} has mode {stat.S_IMODE(st.st_mode):04o}: "
-                              f"group or others may read or write it; refused (run "
-                              f"`chmod 600 {path}`)")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(4096)
-    finally:
-        os.close(fd)
+    except UnsafeFileError as e:
+        hint = f" (run `chmod 600 {path}`)" if "group or others" in str(e) else ""
+        raise SecretError(f"{e}{hint}") from None
     try:
         return JobSecret.from_text(data.decode("ascii"))
     except UnicodeDecodeError:
@@ -115,9 +103,17 @@ def read_secret_file(path: str | Path) -> JobSecret:
 
 
 def write_secret_file(path: str | Path, secret: JobSecret) -> Path:
-    """Write `secret` to `path` with mode 0600, atomically (a reader never sees a partial
-    secret, nor a moment where the file is readable by others)."""
-    return write_private(path, secret.value + b"\n")
+    """Write `secret` to a new file `path` with mode 0600, whole, in a checked directory
+    (a reader never sees a partial secret, nor a moment where the file is readable by
+    others); SecretError when the directory is unsafe or `path` exists already."""
+    path = Path(path)
+    try:
+        placed = create_new(path.parent, path.name, secret.value + b"\n", 0o600)
+    except (UnsafeFileError, OSError) as e:
+        raise SecretError(f"secret file {path} not written: {e}") from None
+    if not placed:
+        raise SecretError(f"secret file {path} not written: something is there already")
+    return path
 
 
 def load_secret(secret_file: Optional[str | Path] = None,

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from ..vps.errors import DynatrainError
 from .job_secret import ENV_VAR, JobSecret, load_secret
+from .safe_files import UnsafeFileError
 
 log = logging.getLogger(__name__)
 
@@ -328,23 +329,14 @@ def join_store(rendezvous_dir: Optional[str]) -> dist.Store:
     A rendezvous directory another user owns or others may write to (not sticky), or a
     store file that is not the job user's regular file or that others may write, is
     refused (JoinError): whoever could replace the file could take over admission."""
+    from .rejoin import rendezvous_store, store_file
+
     if not rendezvous_dir:
-        from .rejoin import rendezvous_store
-
         return rendezvous_store(None)
-    from .private_file import directory_errors, file_errors
-
-    os.makedirs(rendezvous_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(rendezvous_dir, "rendezvous")
-    errs = directory_errors(rendezvous_dir)
-    if not errs:
-        try:  # created 0600 whatever the umask (FileStore would create it 0666 & ~umask)
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
-        except FileExistsError:
-            pass
-        errs = file_errors(path)
-    if errs:
-        raise JoinError("rendezvous store refused: " + "; ".join(errs))
+    try:
+        path = store_file(rendezvous_dir)
+    except (UnsafeFileError, FileNotFoundError) as e:
+        raise JoinError(f"rendezvous store refused: {e}") from None
     return dist.FileStore(path, -1)
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .communicators import (create_control_group, forget_control_group, rank_device,
                              warm_up_default)
+from .safe_files import ReadRules, checked_directory, open_checked
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,30 @@ def rendezvous_store(directory: Optional[str]) -> dist.Store:
     if not directory:
         raise RuntimeError("no rendezvous store to re-form the world in: run under torchrun "
                            "(agent store) or give --dynatrain-rendezvous-dir")
-    os.makedirs(directory, exist_ok=True)
-    return dist.FileStore(os.path.join(directory, "rendezvous"), -1)
+    return dist.FileStore(store_file(directory), -1)
+
+
+# the FileStore's file: the job user's regular file nobody else may write (torch opens it;
+# nothing is read here, so the limit is unused)
+_STORE_RULES = ReadRules("rendezvous store", 1 << 40)
+
+
+def store_file(directory: str) -> str:
+    """The path of the FileStore in `directory`, created 0600 (whatever the umask: torch
+    would create it 0666 & ~umask) in a checked directory (`safe_files.checked_directory`)
+    and checked to be the job user's regular file that nobody else may write: whoever could
+    replace it could steer the job's meetings. UnsafeFileError otherwise."""
+    with checked_directory(directory, mode=0o700) as dfd:
+        try:
+            fd = os.open("rendezvous", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                         0o600, dir_fd=dfd)
+            os.fchmod(fd, 0o600)
+            os.close(fd)
+        except FileExistsError:
+            pass
+    path = os.path.join(directory, "rendezvous")
+    os.close(open_checked(path, _STORE_RULES)[0])
+    return path
 
 
 def forget_default_group_defaults() -> None:

@@ -21,12 +21,17 @@ The job handles the path as input from anyone who can write to its directory:
   read from that descriptor only;
 * the content must match a strict schema (known keys only, exact types, no duplicate keys,
   an ASCII layout string, bounded numbers);
-* the outcome is filed in a fresh file `<path>.<outcome>.<n>` created with
-  `O_CREAT | O_EXCL | O_NOFOLLOW` and mode 0600 (never written through an existing name),
-  holding the reason and the request (a bounded excerpt where it is not a valid request).
+* the outcome is filed in a fresh file `<path>.<outcome>.<n>`, mode 0600, holding the
+  reason and the request (a bounded excerpt where it is not a valid request): written
+  whole under a temporary name, then renamed to a name that was free (never written
+  through an existing name; `safe_files.create_numbered`). A record that cannot be
+  written (a full disk) is logged with the outcome and its reason, and the job goes on.
   A claimed regular file is then removed (the rest of a write still in progress goes to
   that removed file, never into the record); anything else claimed (a link, a FIFO, a
   directory) is kept beside its record as `<record>.original`.
+
+`write_request` (what `dynatrain request` runs) never replaces a request the job has not
+taken yet: a second request while one is pending is refused, naming the pending one.
 
 Errors quote at most `EXCERPT_BYTES` of a bad request, so a huge file never reaches the
 log or the audit trail whole.
@@ -35,17 +40,20 @@ from __future__ import annotations
 
 import getpass
 import json
+import logging
 import math
 import os
 import socket
-import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from ..vps.errors import DynatrainError
-from .private_file import directory_errors, write_private
+from .safe_files import (ReadRules, UnsafeFileError, create_new, create_numbered,
+                         directory_errors, open_checked, read_fd)
+
+log = logging.getLogger("dynatrain")
 
 
 class RequestError(DynatrainError):
@@ -58,6 +66,8 @@ MAX_LAYOUT_CHARS = 64
 MAX_ORIGIN_CHARS = 256
 MAX_WORLD = 1 << 20
 _KEYS = ("layout", "world", "origin", "requested_at")
+# the job's user's regular file, one name, nobody else may write it (module docstring)
+_RULES = ReadRules("signal file", MAX_REQUEST_BYTES, single_link=True)
 
 
 def excerpt(data: bytes | str, limit: int = EXCERPT_BYTES) -> str:
@@ -154,59 +164,48 @@ def _bounded_int(text: str) -> int:
 # ------------------------------------------------------------------ writing
 def write_request(path: str | Path, layout: Optional[str],
                   world: Optional[int] = None) -> SwitchRequest:
-    """Atomically write a request (what `dynatrain request` does): a temporary file in the
-    same directory, mode 0600, renamed into place."""
+    """Put a request in place whole (what `dynatrain request` does): a temporary file in
+    the same (checked) directory, mode 0600, renamed to `path` only if nothing is there.
+    RequestError when a request the job has not taken yet is pending at `path` (it would
+    be lost: the job reads one request per poll)."""
     path = Path(path)
     req = SwitchRequest(layout=layout, world=world,
                         origin=f"{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}"[
                             :MAX_ORIGIN_CHARS],
                         requested_at=time.time())
-    write_private(path, json.dumps(asdict(req)).encode())
+    try:
+        placed = create_new(path.parent, path.name, json.dumps(asdict(req)).encode(), 0o600)
+    except (UnsafeFileError, OSError) as e:  # an unsafe directory, no permission, no space
+        raise RequestError(f"signal file {path} not written: {e}") from None
+    if not placed:
+        raise RequestError(f"a request is already pending at {path} ({_pending(path)}): not "
+                           f"replaced; the job takes it at its next poll (request again "
+                           f"after that, or remove the file to withdraw it)")
     return req
+
+
+def _pending(path: Path) -> str:
+    """The request waiting at `path`, in words, for the refusal of another one."""
+    try:
+        req = read_request(path)
+    except (RequestError, OSError) as e:
+        return f"unreadable: {excerpt(str(e), 200)}"
+    if req is None:
+        return "taken meanwhile"
+    when = time.strftime("%H:%M:%S", time.localtime(req.requested_at))
+    return (f"layout {req.layout or 'chosen by the job'}"
+            + (f" on {req.world} ranks" if req.world else "")
+            + f", from {req.origin or '?'} at {when}")
 
 
 # ------------------------------------------------------------------ reading
 def _open_checked(path: Path) -> tuple[int, os.stat_result]:
-    """An O_NOFOLLOW | O_NONBLOCK descriptor of `path` checked with fstat: a regular file
-    of the job's user that nobody else may write (FileNotFoundError when absent)."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    """A checked read-only descriptor of `path` (`safe_files.open_checked` with the rules
+    of a signal file); FileNotFoundError when absent, RequestError when unsafe."""
     try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        kind = "a symbolic link" if os.path.islink(path) else f"unreadable ({e.strerror})"
-        raise RequestError(f"signal file {path} is {kind}: refused") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise RequestError(f"signal file {path} is not a regular file "
-                               f"({stat.filemode(st.st_mode)}): refused")
-        if st.st_uid != os.getuid():
-            raise RequestError(f"signal file {path} is owned by uid {st.st_uid}, not the job's "
-                               f"uid {os.getuid()}: refused")
-        if st.st_nlink != 1:  # another name of some file, e.g. a hard link planted in /tmp
-            raise RequestError(f"signal file {path} has {st.st_nlink} hard links: refused "
-                               f"(it may be another file's name)")
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise RequestError(f"signal file {path} is group- or world-writable "
-                               f"({stat.filemode(st.st_mode)}): refused (it could redirect the "
-                               f"job); write it with `dynatrain request`")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
-
-
-def _read_fd(fd: int, limit: int) -> bytes:
-    chunks, n = [], 0
-    while n <= limit:
-        b = os.read(fd, min(65536, limit + 1 - n))
-        if not b:
-            break
-        chunks.append(b)
-        n += len(b)
-    return b"".join(chunks)
+        return open_checked(path, _RULES)
+    except UnsafeFileError as e:
+        raise RequestError(str(e)) from None
 
 
 def read_request(path: str | Path) -> Optional[SwitchRequest]:
@@ -223,7 +222,7 @@ def read_request(path: str | Path) -> Optional[SwitchRequest]:
     except FileNotFoundError:
         return None
     try:
-        data = _read_fd(fd, MAX_REQUEST_BYTES)
+        data = read_fd(fd, MAX_REQUEST_BYTES)
     finally:
         os.close(fd)
     return SwitchRequest.from_json(data, where=f"signal file {path}")
@@ -256,33 +255,24 @@ def claim(path: str | Path) -> Optional[Path]:
 
 
 def _create_record(path: Path, outcome: str, data: bytes) -> Path:
-    """A fresh `<path>.<outcome>.<n>` (O_EXCL | O_NOFOLLOW, 0600) holding `data`."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    for n in range(1 << 20):
-        dst = _numbered(path, outcome, n)
-        try:
-            fd = os.open(dst, flags, 0o600)
-        except FileExistsError:
-            continue
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return dst
-    raise RequestError(f"no free name to file {path}.{outcome}")
+    """A fresh `<path>.<outcome>.<n>` (mode 0600) holding `data`, put in place whole."""
+    return create_numbered(path.parent, f"{path.name}.{outcome}", data, 0o600)
 
 
 def archive(path: str | Path, outcome: str, reason: str = "",
-            request_file: str | Path | None = None) -> Path:
+            request_file: str | Path | None = None) -> Optional[Path]:
     """File the handled request as a new `<path>.<outcome>.<n>` holding the outcome, the
     reason and the request. The request is read (safely, bounded) from `request_file`
     (where `claim` put it), by default from `path` itself; see the module docstring for
-    what becomes of it."""
+    what becomes of it. Never raises: a record that cannot be written is logged with the
+    outcome and its reason (None is returned) and the request is left where it was."""
     path = Path(path)
     src = Path(request_file) if request_file is not None else path
     body, regular = "", False
     try:
         fd, _ = _open_checked(src)
         try:
-            data = _read_fd(fd, MAX_REQUEST_BYTES)
+            data = read_fd(fd, MAX_REQUEST_BYTES)
         finally:
             os.close(fd)
         regular = True
@@ -291,7 +281,12 @@ def archive(path: str | Path, outcome: str, reason: str = "",
     except (OSError, RequestError):
         pass
     record = {"outcome": outcome, "reason": reason[:4 * MAX_REQUEST_BYTES], "request": body}
-    dst = _create_record(path, outcome, json.dumps(record).encode())
+    try:
+        dst = _create_record(path, outcome, json.dumps(record).encode())
+    except Exception as e:  # noqa: BLE001 - filing must never end training nor hide why
+        log.error("could not file the request %s as %s (%s: %s); it was %s because: %s",
+                  src, outcome, type(e).__name__, e, outcome, excerpt(reason, 400))
+        return None
     try:
         if regular:
             os.unlink(src)

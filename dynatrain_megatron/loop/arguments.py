@@ -2,23 +2,84 @@
 
 `add_dynatrain_args(parser)` has the signature of Megatron-LM's `extra_args_provider`, so
 the same function registers our flags in Megatron-LM's own parser (see patches/) and in our
-entry point, `scripts/pretrain_gpt.py`.
+entry point, `scripts/pretrain_gpt.py`. A value that would be ignored or silently changed
+is an argument error, one line, when the arguments are parsed: a poll interval below 1, a
+recovery checkpoint that is not a directory, and inside Megatron-LM (`host="megatron-lm"`)
+the flags its loop has no use for (standby ranks, our recovery checkpoint).
 """
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..mcore.train_config import TrainConfig
 
 
-def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+HOSTS = ("dynatrain", "megatron-lm")  # our entry point, Megatron-LM's pretrain_gpt.py
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int of at least 1 (never clamped to one silently)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def existing_directory(text: str) -> str:
+    """An argparse type: a directory that exists now (checked at start-up, not when a rank
+    dies and the job needs it)."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a directory: name an existing dist_checkpointing directory")
+    return text
+
+
+def _megatron_lm_standby(text: str) -> int:
+    """`--dynatrain-standby-ranks` inside Megatron-LM: only 0 (its loop starts every
+    process training)."""
+    if text.strip() in ("0", "+0", "-0"):
+        return 0
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: not supported inside Megatron-LM, where every process trains from the "
+        f"start; scale in later with `dynatrain request --world N`")
+
+
+def _megatron_lm_recovery_checkpoint(text: str) -> str:
+    """`--dynatrain-recovery-checkpoint` inside Megatron-LM: never used there."""
+    raise argparse.ArgumentTypeError(
+        "not used inside Megatron-LM: a death that loses state resumes from Megatron-LM's "
+        "own last --save")
+
+
+def directory_path(text: str) -> str:
+    """An argparse type for a directory the job uses or creates: refused at parsing, with
+    one line, when the path exists and is not a directory (else every rank fails later)."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty path")
+    if os.path.lexists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    return text
+
+
+def add_dynatrain_args(parser: argparse.ArgumentParser,
+                       host: str = "dynatrain") -> argparse.ArgumentParser:
+    """Register the `--dynatrain*` flags. `host`: whose training loop runs ("dynatrain",
+    our entry point, or "megatron-lm", where the flags its loop has no use for are
+    refused at parsing)."""
+    if host not in HOSTS:
+        raise ValueError(f"host {host!r}: one of {HOSTS}")
+    megatron = host == "megatron-lm"
     g = parser.add_argument_group("dynatrain", "online switching of the parallel layout")
     g.add_argument("--dynatrain", action="store_true", help="enable online layout switching")
     g.add_argument("--dynatrain-signal-file", default=None,
                    help="path polled for switch requests (write it with `dynatrain request`)")
-    g.add_argument("--dynatrain-poll-interval", type=int, default=1,
+    g.add_argument("--dynatrain-poll-interval", type=positive_int, default=1,
                    help="poll the signal file every N iterations")
     g.add_argument("--dynatrain-memory-budget", type=int, default=None,
                    help="max staging bytes per rank and round during a switch")
@@ -32,7 +93,8 @@ def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--dynatrain-device-memory", type=int, default=None,
                    help="bytes per device; a target whose state would not fit is refused, "
                         "and a switch whose A and B do not fit together is prepared in a "
-                        "degraded way (loop/memory_check.py)")
+                        "degraded way (loop/memory_check.py). On a GPU the check is on "
+                        "without it (the device is measured); this caps the device's size")
     g.add_argument("--dynatrain-activation-reserve", type=int, default=0,
                    help="bytes of A's activations per device where they cannot be measured "
                         "(CPU); on a GPU the allocator's peak is measured")
@@ -45,12 +107,14 @@ def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "layout for it (`dynatrain suggest`); the log and switches.jsonl say why")
     g.add_argument("--dynatrain-compare-checkpoint", action="store_true",
                    help="at the end, time the dist_checkpointing save+load path for the summary")
-    g.add_argument("--dynatrain-standby-ranks", type=int, default=0,
+    g.add_argument("--dynatrain-standby-ranks", default=0,
+                   type=_megatron_lm_standby if megatron else int,
                    help="processes that start on standby (no training state) for a later "
                         "scale-out; the layout uses the others")
     g.add_argument("--dynatrain-timeout", type=float, default=300.0,
                    help="seconds before a switch is aborted and rolled back")
     g.add_argument("--dynatrain-recovery-checkpoint", default=None,
+                   type=_megatron_lm_recovery_checkpoint if megatron else existing_directory,
                    help="the dist_checkpointing directory to resume from when a rank dies "
                         "holding the only copy of some state (with --dynatrain-rendezvous-dir; "
                         "nothing is needed when every shard is replicated, doi > 1)")
@@ -58,7 +122,7 @@ def add_dynatrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="this process asks the job running in --dynatrain-rendezvous-dir to "
                         "take it in (proving the job's secret: --dynatrain-secret-file or "
                         "$DYNATRAIN_JOB_SECRET) and waits on standby for a scale-out")
-    g.add_argument("--dynatrain-rendezvous-dir", default=None,
+    g.add_argument("--dynatrain-rendezvous-dir", type=directory_path, default=None,
                    help="shared directory of the FileStore the job's processes (and processes "
                         "asking to join, `dynatrain join`) meet in; torchrun's agent store is "
                         "used instead when the job runs under torchrun with one")

@@ -69,10 +69,14 @@ class HostLoop:
     (a gloo communicator's sockets close only with its last reference, and a survivor
     blocked on this one learns of the death only then). `resume(dst)`: build `dst` on the
     re-formed world and load the loop's own last checkpoint into it (instead of
-    `--dynatrain-recovery-checkpoint`)."""
+    `--dynatrain-recovery-checkpoint`). `mid_update`: this rank may have applied part of an
+    optimizer update since the last step boundary (it failed after the step's vote,
+    `megatron_lm/step_guard.py`): the survivors' memory may then hold two iterations, and
+    the recovery resumes from the checkpoint."""
 
     let_go: Callable[[], None]
     resume: Callable[[Layout], Trainer]
+    mid_update: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,16 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     def dead_of(survivors) -> list[int]:
         return [d for d in pa.devices if d not in survivors]
 
+    store = rendezvous_store(rendezvous_dir)
+    if host is not None and host.mid_update:  # read by every survivor's `in_memory`
+        store.set(_mid_update_key(generation, old_rank), "1")
+
+    def mid_update(survivors) -> list[int]:
+        return [r for r in survivors if store.check([_mid_update_key(generation, r)])]
+
     def in_memory(survivors) -> bool:
+        if mid_update(survivors):
+            return False
         return lost_state(spec, src, dead_of(survivors), pa, bs, kinds=OPT_KINDS).recoverable
 
     def target(n: int) -> tuple[Layout, str]:
@@ -142,8 +155,12 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
             return len(survivors)
         return target(len(survivors))[0].world_size
 
-    nw = reform_world(rendezvous_store(rendezvous_dir), old_rank, old_world, generation, keep)
+    nw = reform_world(store, old_rank, old_world, generation, keep)
     what = lost_state(spec, src, dead_of(nw.survivors), pa, bs).describe()
+    updating = mid_update(nw.survivors)
+    if updating:
+        what = (f"ranks {updating} were inside the optimizer update of the step after the "
+                f"last boundary (their state may be part-updated); {what}")
     dst, note = target(len(nw.survivors))
     if note:
         log.warning("%s", note)
@@ -175,6 +192,11 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     new.iteration, new.consumed_samples = dist_ckpt.load(new.objs, checkpoint_dir)
     assert dist.get_world_size() == dst.world_size
     return Recovery(new, nw, what, mode, dst, note=note)
+
+
+def _mid_update_key(generation: int, old_rank: int) -> str:
+    """A survivor's mark in the rendezvous store: it failed inside an optimizer update."""
+    return f"dynatrain/gen{generation}/mid-update/{old_rank}"
 
 
 def let_go_of_layout(trainer: Optional[Trainer], spec: ModelSpec, placement: Placement,

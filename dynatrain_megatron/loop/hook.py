@@ -9,9 +9,7 @@ micro-batch count). Importing it needs megatron-core only, not Megatron-LM.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -22,8 +20,10 @@ from ..elastic.controller import Controller, Decision
 from ..elastic.schedule import load_schedule
 from ..elastic.communicators import everyone_ok
 from ..elastic.device_manager import DeviceManager
+from ..elastic.standby_channel import StandbyChannel
 from ..elastic.groups import build_groups
 from ..elastic.join import open_reviewer
+from ..elastic.safe_files import OutputDir
 from ..transition.faults import FaultPlan
 from ..transition.switch import choose_dst_placement
 from ..transition.switch_types import SwitchOptions
@@ -83,8 +83,10 @@ class DynatrainHook:
         self.memory_budget = memory_budget
         self.placement = placement
         self.log_dir = log_dir
+        self.outputs = OutputDir(log_dir) if log_dir else None  # never raises
         self.background_groups = background_groups
         self.devices = DeviceManager()
+        self.channel = StandbyChannel()  # where standby ranks wait (elastic/standby_channel.py)
         self.decision: Optional[Decision] = None
         self.layout: Optional[Layout] = None  # the current layout, known on every process
         self.layout_placement: Optional[Placement] = None
@@ -139,6 +141,8 @@ class DynatrainHook:
         the job's world (DynatrainError, on every rank alike, before the first step)."""
         self.controller.check_schedule(layout.world_size)
         self.layout, self.layout_placement = layout, placement
+        if dist.is_initialized():
+            self.channel.renew()  # collective: every process starts here
 
     def after_step(self, trainer: Trainer) -> Optional[Trainer]:
         """Call after every optimizer step, on every rank of the layout. Returns the
@@ -148,9 +152,15 @@ class DynatrainHook:
             self.start(trainer, trainer.objs.layout, trainer.objs.groups.placement)
         if self.faults is not None:
             self.faults.fail(dist.get_rank(), "step", trainer.iteration)
+        if self.memory is not None:
+            self.memory.step_boundary()  # the memory figures are the last step's
+        if trainer.iteration >= self.builder.train.train_iters:
+            return trainer  # the last step: no switch starts (`end_job` follows)
         if self.devices.pending:
             return self._switch_when_due(trainer)
-        d = self.controller.poll(trainer.iteration, self.layout.world_size)
+        layout_group, standby = self._groups(trainer)
+        d = self.controller.poll(trainer.iteration, self.layout.world_size, layout_group,
+                                 standby)
         trainer = self._admit(trainer, d)
         self._on_decision(d, trainer.iteration, trainer.objs)
         if self._sync_target is not None:
@@ -164,12 +174,13 @@ class DynatrainHook:
         boundary where B is ready on every rank; a scheduled one lands exactly after its
         iteration, waiting there for whatever of the preparation is left."""
         at = self.decision.at if self.decision is not None else None
+        groups = self._groups(trainer)
         if at is None:
-            return self._switch(trainer) if self.devices.ready() else trainer
+            return self._switch(trainer) if self.devices.ready(*groups) else trainer
         if trainer.iteration < at:
             return trainer
         t0 = time.perf_counter()
-        while not self.devices.ready():  # collective: every rank loops the same times
+        while not self.devices.ready(*groups):  # collective: every rank loops the same times
             time.sleep(0.005)
         self._waited_s = time.perf_counter() - t0
         return self._switch(trainer)
@@ -179,13 +190,19 @@ class DynatrainHook:
         controller and the device manager until a switch brings it in (returns its trainer)
         or the job ends (returns None, `self.stopped` is set). Holds no training state."""
         while True:
+            standby = self.channel.group()  # None: the world, with its deadline
             if self.devices.pending:
-                if self.devices.ready():
+                vote = self.devices.vote(None, standby)
+                if vote == "stop":  # the job ended before the switch was ready
+                    self._cancel_preparation("the job ended before the switch was ready")
+                    self.stopped = True
+                    return None
+                if vote == "ready":
                     trainer = self._switch(None)
                     if trainer is not None:
                         return trainer
                 continue
-            d = self.controller.follow()
+            d = self.controller.follow(standby)
             if d.stop:
                 self.stopped = True
                 return None
@@ -284,6 +301,8 @@ class DynatrainHook:
             raise
         if released is not None and res.aborted:
             restore_grad_buffers(released)  # A trains on
+        if self.memory is not None:
+            self.memory.forget_peaks()  # this step's peak held A and B together
         if res.aborted:
             self.failed.append(res.aborted)
             self.controller.done(self.decision, "failed", res.aborted)
@@ -325,11 +344,10 @@ class DynatrainHook:
         return trainer
 
     def _log_event(self, entry: dict) -> None:
-        """One line of `switches.jsonl` in the log directory (rank 0)."""
-        if self.log_dir and dist.get_rank() == 0:
-            os.makedirs(self.log_dir, exist_ok=True)
-            with open(os.path.join(self.log_dir, "switches.jsonl"), "a") as f:
-                f.write(json.dumps(entry) + "\n")
+        """One line of `switches.jsonl` in the log directory (rank 0); a write that fails
+        is logged once and training goes on (`safe_files.OutputDir`)."""
+        if self.outputs is not None and dist.get_rank() == 0:
+            self.outputs.append_json_line("switches.jsonl", entry)
 
     def _admit(self, trainer: Optional[Trainer], d: Decision) -> Optional[Trainer]:
         """Grow the world with the joiners accepted at this poll (every process calls it
@@ -376,10 +394,12 @@ class DynatrainHook:
             growth.announce(store, prefix, world, self.layout, self.layout_placement,
                             reviewer.secret)
         self._drop_preparation(broken=False)  # it belongs to the old world
+        self.channel.forget()
         t0 = time.perf_counter()
         trainer = growth.grow_world(trainer, self.spec, self.builder.train, store, prefix,
                                     world, self.layout, self.layout_placement, self.timeout,
                                     builder=self.builder)
+        self.channel.renew()  # collective, as the joiners' `start`
         if reviewer is not None:  # rank 0: number the next joiners after these
             reviewer.world_size, reviewer.generation = world, generation + 1
             reviewer.accepted.clear()
@@ -411,12 +431,13 @@ class DynatrainHook:
         self.decision = None
         return trainer
 
-    def _drop_preparation(self, broken: bool) -> None:
+    def _drop_preparation(self, broken: bool, wait: Optional[float] = 10.0) -> None:
         """Free a switch being prepared in the background (groups, B's objects) and start
-        afresh: the world it was prepared for is changing."""
+        afresh: the world it was prepared for is changing, or the job ends. `wait`: how long
+        to wait for the background work (None: until it ends)."""
         from .switching import discard_prepared, free_layout
 
-        groups, prepared = self.devices.abandon()
+        groups, prepared = self.devices.abandon(wait)
         if prepared is not None:
             discard_prepared(prepared, broken=broken)
         else:
@@ -446,6 +467,7 @@ class DynatrainHook:
 
         log.error("communication failed (%s): a rank is gone; recovering", error[:200])
         self._drop_preparation(broken=True)  # built for the old world: cannot finish
+        self.channel.forget()  # the broken world's: its sockets must close
         self._sync_target = None
         if self.decision is not None and self.decision.target is not None:
             self.controller.done(self.decision, "failed", "a rank died; the job recovered")
@@ -466,6 +488,7 @@ class DynatrainHook:
         self.recoveries.append(entry)
         if rec.world.rank is None:
             return "leave", None
+        self.channel.renew()  # collective: every member of the new world is here
         self._log_event(entry)
         if rec.trainer is None:
             return "standby", None
@@ -484,13 +507,60 @@ class DynatrainHook:
             return c.layout, c.note
         return choose
 
-    def stop_standby(self) -> None:
-        """Collective with the standby ranks waiting in `standby()`: the job is over.
-        Every rank of the layout calls it once, after its last step."""
-        self.controller.stop()
+    def end_job(self, trainer: Optional[Trainer]) -> None:
+        """Every rank of the layout, once, after its last step (collective with the ranks
+        on standby, if any): a switch still being prepared is cancelled everywhere (its
+        background work ends before this returns, so nothing of it outlives the world) and
+        its request filed as not applied; the standby ranks leave `standby()`."""
+        layout_group, standby = self._groups(trainer)
+        out = self.layout is not None and self.layout.world_size < dist.get_world_size()
+        if self.devices.pending:
+            if out:  # standby ranks wait in the preparation's vote: this one says stop
+                self.devices.vote(layout_group, standby, stop=True)
+            it = trainer.iteration if trainer is not None else "?"
+            self._cancel_preparation(f"the job ended after iteration {it}, before the "
+                                     f"switch was ready")
+            return
+        if out:
+            self.controller.stop(standby)
+
+    def _groups(self, trainer: Optional[Trainer]) -> tuple:
+        """(the layout's CPU group on a rank of it, the standby channel) where ranks are on
+        standby and the channel belongs to this world; (None, None) otherwise: the
+        controller and the vote then use the world (the same answer on every process)."""
+        if self.layout is None or self.layout.world_size >= dist.get_world_size():
+            return None, None
+        standby = self.channel.group()
+        if standby is None:
+            return None, None
+        if trainer is None:
+            return None, standby
+        g = trainer.objs.groups
+        layout_group = g.layout_group_cpu or g.layout_group
+        if layout_group is None:
+            raise DynatrainError(f"rank {dist.get_rank()} of {self.layout} has no group "
+                                 f"of its layout to vote on")
+        return layout_group, standby
+
+    def _cancel_preparation(self, reason: str) -> None:
+        """The job ends with a switch still being prepared: wait for its background work
+        (its collectives run on B's groups, with peers doing the same), free it, and file
+        the request as not applied, with `reason`."""
+        target = self.devices.target[0] if self.devices.target else "?"
+        self._drop_preparation(broken=False, wait=None)
+        reason = f"not applied: {reason} (switch to {target})"
+        log.warning("%s", reason)
+        if self.decision is not None:
+            self.controller.done(self.decision, "not_applied", reason)
+            self.decision = None
 
     def finish(self, trainer: Trainer, checkpoint_seconds: Optional[float] = None) -> str:
-        """The summary table of all switches (logged on rank 0, returned)."""
+        """At the end of training, on every rank holding training state: tell the launcher
+        this worker completed (`loop/launch.py`), then the summary table of all switches
+        (logged on rank 0, returned)."""
+        from .launch import report_completed
+
+        report_completed()
         lines = ["", "dynatrain switches:",
                  f"{'iter':>5} {'from':>18} {'to':>18} {'moved MB':>9} {'pause s':>8} "
                  f"{'transfer s':>10} {'groups s (bg)':>13}"

@@ -10,9 +10,14 @@ go on, re-form the world through `--dynatrain-rendezvous-dir` and recover. On a 
 the same is had from a scheduler that does not kill a job step on one bad exit (Slurm:
 `srun --kill-on-bad-exit=0`).
 
-The job succeeded when its last workers to end exited 0 and at least one did: workers that
-died earlier were replaced by the recovery (or left because the new layout did not need
-them, which is a clean exit).
+The job succeeded when every worker exited 0, or, where some failed, when it *completed*:
+a worker said it finished training (`report_completed`, called at the end of the training
+loop on every rank that holds training state; through a pipe whose descriptor is in
+`DYNATRAIN_LAUNCH_REPORT_FD`), every worker that said so exited 0, and so did every worker
+that ended after the last failure. Workers that died earlier were replaced by the recovery;
+a survivor the new layout did not need leaves with status 0, and that alone is no success:
+a job whose survivors all crashed or left before the end fails with the first failure's
+status.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 from .. import process_env
 
@@ -53,6 +58,39 @@ def worker_env(base: dict, rank: int, nproc: int, port: int) -> dict:
     return process_env.apply(env)
 
 
+REPORT_FD = "DYNATRAIN_LAUNCH_REPORT_FD"
+
+
+def report_completed() -> None:
+    """Tell `dynatrain launch` (when it started this process) that this worker finished
+    training. Never raises: the launcher may be gone, or the process not launched by it."""
+    fd, rank = os.environ.get(REPORT_FD), os.environ.get("RANK", "")
+    if not fd or not fd.isdigit() or not rank.isdigit():
+        return
+    try:
+        os.write(int(fd), f"completed {rank}\n".encode())  # < PIPE_BUF: written whole
+    except OSError as e:
+        log.warning("could not tell the launcher that training completed: %s", e)
+
+
+def _read_reports(fd: int, completed: set[int], pending: bytearray) -> None:
+    """Add the ranks that reported completion (non-blocking read of the report pipe)."""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        if not chunk:
+            return
+        pending += chunk
+        *lines, rest = bytes(pending).split(b"\n")
+        pending[:] = rest
+        for line in lines:
+            word, _, rank = line.decode(errors="replace").partition(" ")
+            if word == "completed" and rank.isdigit():
+                completed.add(int(rank))
+
+
 def launch(nproc: int, command: Sequence[str], env: Optional[dict] = None,
            poll_seconds: float = 0.2) -> tuple[int, list[WorkerExit]]:
     """Run `command` (argv) as `nproc` workers; wait for all. Returns (exit status, exits
@@ -63,10 +101,19 @@ def launch(nproc: int, command: Sequence[str], env: Optional[dict] = None,
         raise ValueError("no command to launch")
     port = free_port()
     base = dict(os.environ if env is None else env)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    base[REPORT_FD] = str(write_fd)
     t0 = time.monotonic()
-    procs = {r: subprocess.Popen(list(command), env=worker_env(base, r, nproc, port))
-             for r in range(nproc)}
+    try:
+        procs = {r: subprocess.Popen(list(command), env=worker_env(base, r, nproc, port),
+                                     pass_fds=(write_fd,))
+                 for r in range(nproc)}
+    finally:
+        os.close(write_fd)
     exits: list[WorkerExit] = []
+    completed: set[int] = set()
+    pending = bytearray()
 
     def forward(signum, _frame):  # Ctrl-C / SIGTERM: pass it on, then wait as usual
         for p in procs.values():
@@ -81,6 +128,7 @@ def launch(nproc: int, command: Sequence[str], env: Optional[dict] = None,
                 code = p.poll()
                 if code is None:
                     continue
+                _read_reports(read_fd, completed, pending)  # before its exit is counted
                 del running[r]
                 exits.append(WorkerExit(r, code, time.monotonic() - t0))
                 if code != 0 and running:
@@ -88,20 +136,31 @@ def launch(nproc: int, command: Sequence[str], env: Optional[dict] = None,
                                 "running (they recover through the rendezvous directory)",
                                 r, code, exits[-1].seconds, len(running))
             time.sleep(poll_seconds)
+        _read_reports(read_fd, completed, pending)
     finally:
+        os.close(read_fd)
         for s, h in old.items():
             signal.signal(s, h)
-    return job_status(exits), exits
+    status = job_status(exits, completed)
+    if status and exits and not completed and any(e.code == 0 for e in exits):
+        log.error("no worker finished training: the job did not complete (workers that "
+                  "exited 0 had left it)")
+    return status, exits
 
 
-def job_status(exits: Sequence[WorkerExit]) -> int:
-    """0 when the workers that ended last (after every failure) all exited 0; else the
-    first failure's code (module doc)."""
+def job_status(exits: Sequence[WorkerExit], completed: Collection[int] = ()) -> int:
+    """0 when every worker exited 0; or, after failures, when the job completed: some
+    worker reported the end of training (`completed`: their ranks), each of those exited 0,
+    and so did every worker that ended after the last failure. Else the first failure's
+    code (1 for a signal). Module doc."""
     failures = [e for e in exits if e.code != 0]
     if not failures:
         return 0
+    code = failures[0].code if failures[0].code > 0 else 1
     last_failure = max(e.seconds for e in failures)
     after = [e for e in exits if e.seconds > last_failure]
-    if after and all(e.code == 0 for e in after):
+    finished = [e for e in exits if e.rank in completed]
+    if after and all(e.code == 0 for e in after) and finished \
+            and all(e.code == 0 for e in finished):
         return 0
-    return failures[0].code if failures[0].code > 0 else 1
+    return code

@@ -73,16 +73,14 @@ def measure_checkpoint_path(trainer: Trainer) -> float:
 
 
 def _write_summary(log_dir: str, trainer: Trainer, hook) -> None:
-    """`summary.json` in the log directory: where the job ended and what happened to it."""
-    import json
-    import os
+    """`summary.json` in the log directory: where the job ended and what happened to it;
+    written whole or not at all, a failure logged (`safe_files.OutputDir`), never raised."""
+    from ..elastic.safe_files import OutputDir
 
-    os.makedirs(log_dir, exist_ok=True)
-    with open(os.path.join(log_dir, "summary.json"), "w") as f:
-        json.dump(dict(iteration=trainer.iteration, layout=str(trainer.objs.layout),
-                       world=dist.get_world_size(), switches=len(hook.history),
-                       rejected=hook.rejected, rolled_back=hook.failed,
-                       recoveries=hook.recoveries, admitted=hook.admitted), f, indent=1)
+    OutputDir(log_dir).write_json("summary.json", dict(
+        iteration=trainer.iteration, layout=str(trainer.objs.layout),
+        world=dist.get_world_size(), switches=len(hook.history), rejected=hook.rejected,
+        rolled_back=hook.failed, recoveries=hook.recoveries, admitted=hook.admitted))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -117,10 +115,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ..elastic.job_secret import share_with_ranks
         from .hook import DynatrainHook
 
-        # the secret a joining process must prove it holds: generated here when none is
-        # given, handed to every rank through its environment (elastic/job_secret.py)
-        share_with_ranks(args.dynatrain_secret_file, args.dynatrain_rendezvous_dir)
-        try:  # a bad schedule or DYNATRAIN_FAULTS: a clear error before the first step
+        try:  # a bad secret, schedule or DYNATRAIN_FAULTS: a clear error before the first step
+            # the secret a joining process must prove it holds: generated here when none is
+            # given, handed to every rank through its environment (elastic/job_secret.py)
+            share_with_ranks(args.dynatrain_secret_file, args.dynatrain_rendezvous_dir)
             hook = DynatrainHook.from_args(args, spec, train)
             hook.start(trainer, layout, placement)
         except DynatrainError as e:
@@ -212,7 +210,7 @@ def _run(args: argparse.Namespace, spec: ModelSpec, train, trainer: Optional[Tra
                 log.warning("this process is not needed after the recovery: it ends")
                 return 0
     if hook is not None and trainer is not None:
-        hook.stop_standby()
+        hook.end_job(trainer)
         everyone = trainer.objs.layout.world_size == dist.get_world_size()
         if args.dynatrain_compare_checkpoint and not everyone:
             log.info("checkpoint-path comparison skipped: ranks on standby at the end")

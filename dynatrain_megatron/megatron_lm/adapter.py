@@ -42,16 +42,18 @@ What this can do, and what it cannot (the honest part):
   `--exit-duration-in-mins`, `--exit-signal-handler`, which `checkpoint_and_decide_exit`
   decides on the layout's ranks and `dynatrain_step` hears as `ending`), they leave
   `train()`, and `pretrain()` returns for them before its final save (`left_out()`).
-  Not done: a switch still being prepared in the background when such a job ends (its
-  standby ranks wait on the preparation's vote, not on the end).
+  A switch still being prepared in the background when the job ends is cancelled on every
+  rank (the standby ranks hear it through the preparation's vote) and its request filed as
+  not applied; no switch starts at the last step.
 * A rank that dies (under `dynatrain launch`, with `--dynatrain-rendezvous-dir`): the
   patched loop hands the failed collective to `rank_death`, which re-forms the world and
   comes back through `MegatronLMSession.rebind_loop` like a switch: from the survivors'
   memory with several distributed-optimizer instances, else (the dead rank's optimizer
   shards are lost) from Megatron-LM's last `--save`.
-* Not done: Megatron-LM's gloo twin groups
-  of the first layout are dropped and its first process groups are left alive (not
-  destroyed) because `parallel_state` may still hand them out elsewhere.
+* Megatron-LM's first process groups (and their gloo twins) belong to the first layout:
+  the switch that releases it destroys them on every rank, in one order, once megatron's
+  globals point at the new layout's groups (`megatron_first_groups`). Not freed: TE's
+  tp-comm-overlap user buffers (`--tp-comm-overlap` is off after a switch anyway).
 
 Importing this module needs megatron-core and this package only; Megatron-LM
 (`megatron.training`) is imported inside the functions that run within its loop.
@@ -72,6 +74,7 @@ from ..mcore.train_config import TrainConfig
 from .arguments import (arg_value, args_for_layout, layout_from_megatron_args, params_dtype_of,
                         performance_differences, spec_from_megatron_args,
                         train_config_from_megatron_args, unsupported_args)
+from .step_guard import StepGuard
 from .transformer_config import JobIntents
 from ..compat import stand_in_world
 
@@ -196,8 +199,28 @@ def wrap_megatron_groups(layout: Layout):
         if g is not None:
             mine[name] = sorted(dist.get_process_group_ranks(g))
     return ParallelGroups(layout=layout, placement=Placement.default(layout.world_size),
-                          rank=rank, pg_collection=pgc, group_ranks=mine, created=[],
-                          layout_group=dist.group.WORLD)
+                          rank=rank, pg_collection=pgc, group_ranks=mine,
+                          created=megatron_first_groups(), layout_group=dist.group.WORLD)
+
+
+def megatron_first_groups() -> list:
+    """Every process group Megatron-LM's `initialize_model_parallel` left in megatron-core's
+    `parallel_state` globals (gloo twins included, the default group excluded), once
+    each, in the order of the globals' names: the same order on every rank. They are
+    handed to the first layout's `ParallelGroups` as its own, so a switch that releases
+    that layout destroys them (every rank, together, after `install` pointed every
+    global at B's groups); until then nothing changes. Without this they stayed in
+    torch's group registry for the whole job."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    out, seen = [], set()
+    for name, value in sorted(vars(ps).items()):
+        if (name.startswith("_") and isinstance(value, dist.ProcessGroup)
+                and value is not dist.group.WORLD and id(value) not in seen):
+            seen.add(id(value))
+            out.append(value)
+    return out
 
 
 def _check_live_state(spec: ModelSpec, train: TrainConfig, objs) -> None:
@@ -270,7 +293,13 @@ class MegatronLMSession:
         from ..loop.hook import DynatrainHook
         from ..mcore.training import Trainer
 
+        from ..elastic.communicators import ensure_control_group
+        from ..elastic.groups import GroupOptions, set_group_options
+
         check_switchable(args)
+        ensure_control_group()  # the votes' CPU group (every rank starts its session here)
+        # B's groups with the job's per-group NCCL options (elastic.groups.GroupOptions)
+        set_group_options(GroupOptions.from_megatron_args(args))
         for note in performance_differences(args):
             log.warning("dynatrain: %s", note)
         self.args = args
@@ -299,6 +328,8 @@ class MegatronLMSession:
         self.test_data_iterator: Any = None
         self.latest: Optional[LoopObjects] = None
         self.launch_layout = layout  # Megatron-LM's log line does not show a later one
+        # what a rank death inside a train_step leaves behind, and its fault points
+        self.guard = StepGuard(self.hook.faults, vote=self.hook.rendezvous_dir is not None)
         log.info("dynatrain: wrapping Megatron-LM's %s job (%s); switches are polled every %d "
                  "iteration(s)", layout, self.spec.name, args.dynatrain_poll_interval)
 
@@ -312,6 +343,7 @@ class MegatronLMSession:
                                  "is every rebinding of the training.py patch applied?")
         t.iteration = iteration
         t.consumed_samples = arg_value(self.args, "consumed_train_samples", t.consumed_samples)
+        self.guard.at_boundary(iteration, t.objs)  # this rank's step completed
         old_config = t.objs.config
         before = t.objs
         if not ending:  # an exit decided by Megatron-LM: no new switch at the last step
@@ -329,12 +361,15 @@ class MegatronLMSession:
         self.trainer = t
         world = dist.get_world_size()
         out = self.hook.layout.world_size < world  # some processes are on standby
-        if out and (ending or t.iteration >= arg_value(self.args, "train_iters", t.iteration)):
-            self.hook.stop_standby()  # the last step: the ranks on standby leave train()
+        if ending or t.iteration >= arg_value(self.args, "train_iters", t.iteration):
+            # the last step: a switch still being prepared is cancelled, the ranks on
+            # standby leave train()
+            self.hook.end_job(t)
         self._log_layout(t.iteration, out, world)
         o = t.objs
         if o is not before:
             self.rebind_loop(t, old_config)
+            self.guard.at_boundary(t.iteration, o)
         if ending:  # train() exits with Megatron-LM's iterators: they go with its frames
             self.forget_iterators()
         # until the next call, Megatron-LM's code on this rank sees the layout as its world
@@ -381,7 +416,7 @@ class MegatronLMSession:
     def set_args_for(self, layout: Layout) -> None:
         """Megatron-LM's `args` describe `layout` (its loop, logging, data loaders and
         checkpointing read them), with the job's sequence-parallel intent."""
-        for k, v in args_for_layout(layout, self.spec,
+        for k, v in args_for_layout(layout, self.spec, like=self.args,
                                     sequence_parallel=self.intents.sequence_parallel).items():
             setattr(self.args, k, v)
 

@@ -36,10 +36,15 @@ def chain_extra_args_providers(*providers: Optional[ExtraArgsProvider]) -> Extra
     chain = [p for p in providers if p is not None]
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        # Megatron-LM parses its arguments before it makes the process groups: NCCL's
+        # error handling must be in the environment by then (plain torchrun sets none)
+        from .. import process_env
+
+        process_env.apply()
         for p in chain:
             out = p(parser)
             parser = out if out is not None else parser
-        return refuse_when_parsed(add_dynatrain_args(parser))
+        return refuse_when_parsed(add_dynatrain_args(parser, host="megatron-lm"))
 
     return provider
 
@@ -222,13 +227,24 @@ def layout_from_megatron_args(args: Any, spec: ModelSpec, world_size: int) -> La
     return layout
 
 
-def args_for_layout(layout: Layout, spec: ModelSpec, *,
-                    sequence_parallel: bool = False) -> dict[str, Any]:
+def args_for_layout(layout: Layout, spec: ModelSpec, *, sequence_parallel: bool = False,
+                    like: Any = None) -> dict[str, Any]:
     """Megatron-LM `args` values that describe `layout` (set after a switch, since
     Megatron-LM's loop, logging, data loaders and checkpointing read them).
 
     `sequence_parallel`: whether the job asked for it (`--sequence-parallel`); as Megatron-LM
-    validates it, it holds only with TP, and an MoE job with TP always has it."""
+    validates it, it holds only with TP, and an MoE job with TP always has it. `like`: the
+    job's args; the options its release derives from the layout are added where they exist
+    (`compat.megatron_lm.derived_layout_args`)."""
+    out = _args_for_layout(layout, spec, sequence_parallel)
+    if like is not None:
+        from ..compat.megatron_lm import derived_layout_args
+
+        out.update(derived_layout_args(like, out))
+    return out
+
+
+def _args_for_layout(layout: Layout, spec: ModelSpec, sequence_parallel: bool) -> dict[str, Any]:
     vpp = layout.vpp if layout.vpp > 1 else None
     per_vstage = None
     if vpp and not (layout.ppf or layout.ppl):
@@ -263,8 +279,6 @@ def performance_differences(args: Any) -> list[str]:
     if arg_value(args, "tp_comm_overlap", False):
         out.append("--tp-comm-overlap is off after a switch (its user buffers are set up for "
                    "the first layout's TP size)")
-    if arg_value(args, "check_for_nan_in_loss_and_grad", False):
-        out.append("the DDP NaN check on gradients is off after a switch")
     dropout = [f"--{n.replace('_', '-')} {arg_value(args, n)}" for n in
                ("hidden_dropout", "attention_dropout") if _is_set(arg_value(args, n, 0.0))]
     if dropout:

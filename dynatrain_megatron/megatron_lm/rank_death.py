@@ -38,6 +38,12 @@ model chunk, and its data loaders' worker processes, forked after the world was 
 copies of every socket. `_let_go` empties those objects in place (the loop continues with
 new ones) and stops those workers (the iterators are rebuilt on the new world).
 
+A death inside a training step (forward, backward, a pipeline send, the data-parallel
+gradient reduction, the optimizer step) is recovered like one at the step boundary, from the
+last boundary's state: `step_guard.py` resets what the failed step left in Megatron-LM's
+globals (its rerun state machine, its timers), and, where a survivor may have begun the
+optimizer update, makes the recovery resume from the last `--save` rather than from memory.
+
 Not covered: a death that surfaces elsewhere in the loop (evaluation, a checkpoint save, the
 log line's timer collectives) ends the survivors there with Megatron-LM's own error, like
 without dynatrain; the recovered job's last `--save` must have been written completely
@@ -92,8 +98,11 @@ def recover(args: Any, iteration: int, failure: str,
     old_config = s.trainer.objs.config if s.trainer is not None else None
     held = _held_by_megatron_lm(s)
     box: dict = {}
+    # what a failure inside train_step left mid-run in Megatron-LM's globals (step_guard.py)
+    s.guard.reset_after_failed_step()
     s.hook.host = HostLoop(let_go=lambda: _let_go(held, old_config, checkpointing_context),
-                           resume=lambda dst: _resume_from_save(s, dst, box))
+                           resume=lambda dst: _resume_from_save(s, dst, box),
+                           mid_update=s.guard.mid_update)
     trainer, s.trainer = s.trainer, None
     what, trainer = s.hook.recover(trainer, failure)
     s.hook.host = None
@@ -113,6 +122,7 @@ def recover(args: Any, iteration: int, failure: str,
                 trainer.objs.layout, trainer.objs.layout.world_size, trainer.iteration,
                 "from the last checkpoint" if box else "recovered in memory")
     loop = s.rebind_loop(trainer, old_config, flops=box.get("flops"))
+    s.guard.at_boundary(trainer.iteration, trainer.objs)
     s.enter_layout_world()
     return loop
 

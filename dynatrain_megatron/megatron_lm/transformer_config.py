@@ -53,8 +53,8 @@ class JobIntents:
 def args_at(args: Any, layout: Layout, spec: ModelSpec, intents: JobIntents) -> Any:
     """A copy of Megatron-LM's `args` describing `layout` (the job's own stay untouched)."""
     out = copy.copy(args)
-    for k, v in args_for_layout(layout, spec,
-                                sequence_parallel=intents.sequence_parallel).items():
+    for k, v in args_for_layout(layout, spec, sequence_parallel=intents.sequence_parallel,
+                                like=args).items():
         setattr(out, k, v)
     out.overlap_p2p_comm = intents.overlap_for(layout)
     out.tp_comm_overlap = False

@@ -46,7 +46,7 @@ from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement, is_rank_ordered, rank_ordered
 from .plan import Plan, PlanStats
 from .geometry import BucketSize, Geometry, geometry, norm_kinds, split_bucket
-from .planner import plan_for
+from .planner import build_plan, plan_for
 from .regions import RoutingError
 
 _DENSE_PRODUCT = 50_000  # holder-set products above this use the indicator matmul
@@ -284,7 +284,10 @@ def placement_choice(spec: ModelSpec, src_layout: Layout, src_placement: Optiona
     bs, bd = split_bucket(bucket_size)
     geom = geometry(spec, src_layout, dst_layout, kinds, bs, bd)
     default = Placement(tuple(devices[:W]))
-    default_plan = plan_for(geom, src_placement, default, ranks_per_node)
+    # through build_plan's memo: the switch's preparation asks for the chosen plan again
+    # (`transition.switch.prepare_switch`), and then finds it made
+    side_a = (src_layout, src_placement)
+    default_plan = build_plan(spec, side_a, (dst_layout, default), kinds, ranks_per_node, (bs, bd))
     U = W // K
     slots = _slots(devices, K, ranks_per_node)
     if len(slots) < U:
@@ -301,7 +304,7 @@ def placement_choice(spec: ModelSpec, src_layout: Layout, src_placement: Optiona
     placed = _refine(geom, src_placement, slots[pick].ravel(), ranks_per_node,
                      _groups(slots, pick, ranks_per_node))
     chosen = Placement(tuple(int(d) for d in placed))
-    chosen_plan = plan_for(geom, src_placement, chosen, ranks_per_node)
+    chosen_plan = build_plan(spec, side_a, (dst_layout, chosen), kinds, ranks_per_node, (bs, bd))
     c, d = chosen_plan.stats, default_plan.stats
     if (c.moved_bytes, c.max_traffic_bytes) >= (d.moved_bytes, d.max_traffic_bytes):
         chosen, chosen_plan = default, default_plan

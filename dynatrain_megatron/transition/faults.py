@@ -5,10 +5,16 @@ A `FaultPlan` is plain data handed to `switch_layout` (tests, or `DYNATRAIN_FAUL
 for a whole job); with none, every hook below is a no-op. Phases: "prepare" (after B is
 built, before the plan is agreed), "round" (inside transfer round `round`, after its
 exchange), "commit" (after the transfer, before the commit vote), and "step" (in training,
-after optimizer step `iteration`, outside any switch). With `kill`, the failing rank's
+after optimizer step `iteration`, outside any switch), and the points inside the training
+step after iteration `iteration` of a Megatron-LM job (`STEP_PHASES`: its forward, backward,
+first pipeline send, data-parallel gradient reduction, optimizer step before and after the
+survivors' vote; placed by `megatron_lm/step_guard.py`). With `kill`, the failing rank's
 process exits on the spot instead of raising, as a crash would (its sockets close). With
 `dst_layout`, "prepare" and "commit" failures hit only a switch to that layout (say, a B
 that cannot be built on one rank), so a later switch of the same job goes through.
+`delay_seconds` delays `delay_rank` before transfer round `round` (`delay_phase` "round"), or
+at the end of its background preparation of B (`delay_phase` "prepare", only for a switch
+to `dst_layout` when that is set): a B that is not ready when the job ends.
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ from ..vps.errors import DynatrainError
 
 log = logging.getLogger(__name__)
 
-PHASES = ("prepare", "round", "commit", "step")
+STEP_PHASES = ("forward", "backward", "pp_send", "grad_sync", "optimizer", "optimizer_update")
+PHASES = ("prepare", "round", "commit", "step") + STEP_PHASES
 
 
 class InjectedFault(DynatrainError):
@@ -33,10 +40,11 @@ class InjectedFault(DynatrainError):
 
 
 _OPTIONAL = ("fail_rank", "fail_phase", "corrupt_rank", "delay_rank", "dst_layout")
+DELAY_PHASES = ("round", "prepare")
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "fail_rank": (int,), "fail_phase": (str,), "corrupt_rank": (int,), "delay_rank": (int,),
     "delay_seconds": (int, float), "round": (int,), "kill": (bool,), "exit_code": (int,),
-    "iteration": (int,), "dst_layout": (str,)}
+    "iteration": (int,), "dst_layout": (str,), "delay_phase": (str,)}
 
 
 class FaultSpecError(DynatrainError, ValueError):
@@ -55,6 +63,7 @@ class FaultPlan:
     exit_code: int = 1  # its exit status (test harnesses read 0 as "left without a result")
     iteration: int = 0  # the training iteration "step" failures apply to
     dst_layout: Optional[str] = None  # "prepare"/"commit" failures: only a switch to this
+    delay_phase: str = "round"  # where delays apply: before a round, or ending B's preparation
 
     def __post_init__(self) -> None:
         if self.fail_phase is not None and self.fail_phase not in PHASES:
@@ -63,6 +72,8 @@ class FaultPlan:
             raise ValueError("fail_rank and fail_phase go together")
         if self.delay_seconds < 0 or self.round < 0:
             raise ValueError("delay_seconds and round must be >= 0")
+        if self.delay_phase not in DELAY_PHASES:
+            raise ValueError(f"delay_phase {self.delay_phase!r}: one of {DELAY_PHASES}")
 
     @classmethod
     def from_env(cls) -> Optional["FaultPlan"]:
@@ -97,7 +108,8 @@ class FaultPlan:
             raise FaultSpecError(f"DYNATRAIN_FAULTS: {e}") from None
 
     def fail(self, rank: int, phase: str, round_index: int = 0, dst: Optional[str] = None) -> None:
-        at = {"round": self.round, "step": self.iteration}.get(phase, round_index)
+        at = self.round if phase == "round" else (
+            self.iteration if phase == "step" or phase in STEP_PHASES else round_index)
         if self.dst_layout is not None and dst is not None and dst != self.dst_layout:
             return
         if self.fail_rank == rank and self.fail_phase == phase and round_index == at:
@@ -108,9 +120,18 @@ class FaultPlan:
             raise InjectedFault(f"injected failure of rank {rank} in phase {phase}")
 
     def delay(self, rank: int, round_index: int) -> None:
-        if self.delay_rank == rank and round_index == self.round and self.delay_seconds:
+        if self.delay_phase == "round" and self.delay_rank == rank \
+                and round_index == self.round and self.delay_seconds:
             log.warning("fault injection: rank %d sleeps %.1f s before round %d", rank,
                         self.delay_seconds, round_index)
+            time.sleep(self.delay_seconds)
+
+    def delay_preparation(self, rank: int, dst: str) -> None:
+        """At the end of B's background preparation (`delay_phase` "prepare")."""
+        if self.delay_phase == "prepare" and self.delay_rank == rank and self.delay_seconds \
+                and self.dst_layout in (None, dst):
+            log.warning("fault injection: rank %d's preparation of %s takes %.1f s more", rank,
+                        dst, self.delay_seconds)
             time.sleep(self.delay_seconds)
 
     def corrupt(self, rank: int, round_index: int, received: Sequence[torch.Tensor]) -> None:

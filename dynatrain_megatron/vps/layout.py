@@ -26,6 +26,8 @@ _TOKEN = re.compile(r"(vpp|etp|ppf|ppl|doi|tp|pp|cp|ep|dp)([0-9]+)", re.ASCII)
 MAX_LAYOUT_CHARS = 64  # a layout string names at most 8 axes of a few digits each
 MAX_AXIS_DIGITS = 7  # up to 9,999,999 per axis
 _AXES = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp", "doi")
+# every axis a layout string may name, in the order `str(layout)` prints them
+GRAMMAR_AXES = ("tp", "pp", "vpp", "cp", "ep", "etp", "ppf", "ppl", "doi", "dp")
 
 # axis names of the two megatron rank grids, fastest first
 DENSE_AXES = ("tp", "cp", "dp", "pp")
@@ -122,7 +124,7 @@ class Layout:
         if pos != len(s) or not vals:
             raise LayoutError(
                 f"malformed layout {text!r}: expected tokens like tp2pp2dp2 from "
-                f"{{tp,pp,vpp,cp,ep,etp,doi,dp}}<int>, stopped at {s[pos:]!r}")
+                f"{{{','.join(GRAMMAR_AXES)}}}<int>, stopped at {s[pos:]!r}")
         if any(v < 1 for v in vals.values()):
             raise LayoutError(f"layout {text!r}: every axis size must be >= 1")
         mp = vals.get("tp", 1) * vals.get("pp", 1) * vals.get("cp", 1)

@@ -15,7 +15,11 @@ import yaml
 
 from .errors import ModelSpecError
 
-_DTYPES = ("fp32", "bf16", "fp16")
+# the values a model config may name (the README's support matrix is generated from them)
+PARAMS_DTYPES = ("fp32", "bf16", "fp16")
+POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+_DTYPES = PARAMS_DTYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +89,11 @@ class ModelSpec:
                 f"divisible by num_query_groups {self.num_query_groups}")
         if self.params_dtype not in _DTYPES:
             raise ModelSpecError(f"model {self.name!r}: params_dtype must be one of {_DTYPES}")
-        if self.position_embedding_type not in ("rope", "learned_absolute", "none"):
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ModelSpecError(
                 f"model {self.name!r}: unknown position_embedding_type "
                 f"{self.position_embedding_type!r}")
-        if self.normalization not in ("RMSNorm", "LayerNorm"):
+        if self.normalization not in NORMALIZATIONS:
             raise ModelSpecError(f"model {self.name!r}: unknown normalization {self.normalization!r}")
         if self.num_moe_experts is not None:
             if self.num_moe_experts <= 0:
@@ -116,17 +120,24 @@ class ModelSpec:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ModelSpecError(f"model config has unknown keys {unknown}; known: {sorted(known)}")
-        try:
-            return cls(**d)
-        except TypeError as e:  # missing required key
-            raise ModelSpecError(f"model config incomplete: {e}") from None
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in d
+                         and f.default is dataclasses.MISSING)
+        if missing:
+            raise ModelSpecError(f"model config incomplete: missing keys {missing}")
+        for key, value in d.items():
+            _check_type(key, value, _FIELD_TYPES[key])
+        return cls(**d)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ModelSpec":
         p = Path(path)
         if not p.is_file():
             raise ModelSpecError(f"model config {str(p)!r} not found")
-        data = yaml.safe_load(p.read_text())
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelSpecError(f"model config {str(p)!r} is not readable YAML: {first}") from None
         if not isinstance(data, dict):
             raise ModelSpecError(f"model config {str(p)!r} is not a mapping")
         data.setdefault("name", p.stem)
@@ -170,3 +181,23 @@ class ModelSpec:
         if self.moe_ffn_hidden_size is None:
             raise ModelSpecError(f"model {self.name!r} has no moe_ffn_hidden_size")
         return self.moe_ffn_hidden_size * (2 if self.swiglu else 1)
+
+
+# the annotated type of each field, as written (annotations are strings here)
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(ModelSpec)}
+
+
+def _check_type(key: str, value: Any, annotation: str) -> None:
+    """A config value of the field's own type (YAML reads `four` as a string, `1e3` as a
+    string, `yes` as a bool): refused with the key, so no arithmetic fails later on it."""
+    optional = annotation.startswith("Optional[")
+    base = annotation[len("Optional["):-1] if optional else annotation
+    if value is None and optional:
+        return
+    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+          "bool": isinstance(value, bool),
+          "str": isinstance(value, str)}.get(base, True)
+    if not ok:
+        raise ModelSpecError(f"model config key {key!r} must be {'null or ' if optional else ''}"
+                             f"a {base}, got {value!r}")

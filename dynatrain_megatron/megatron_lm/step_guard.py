@@ -1,0 +1,233 @@
+"""What a rank death *inside* one of Megatron-LM's training steps leaves behind, and the
+fault points to kill a rank there.
+
+A peer that dies in the middle of `train_step` (its forward, backward, the data-parallel
+gradient reduction, a pipeline send, the optimizer step) makes a collective fail on the
+survivors wherever they are in that step. The recovery (`rank_death.py`) replaces the
+model, optimizer and data iterators, but three things outlive them:
+
+* megatron-core's `RerunStateMachine` (a global): the failed `forward_backward_func` left
+  it in its initial run, so the next `train_step` would skip its forward-backward loop
+  (`UnboundLocalError: losses_reduced`). `reset_after_failed_step` puts back the state and
+  iteration count it had at the last step boundary.
+* Megatron-LM's timers (a global): those the failed step started are still running, and
+  starting them again asserts. Every timer that was not running at the last step boundary
+  is reset (the interrupted step's partial times are dropped).
+* The optimizer state, when the step failed inside the optimizer's update: a survivor
+  whose own collectives did not involve the dead rank may already have updated its shards
+  (with several distributed-optimizer instances the other instance even completes its
+  whole step) while another has not; the survivors' memory then holds two iterations. So
+  before the optimizer mutates anything, every rank of the layout agrees that all are
+  alive (one 4-byte all-reduce per step on the layout's CPU group, only in jobs that can
+  recover: `--dynatrain-rendezvous-dir`). A death before that vote: no rank has touched
+  its state, the survivors recover in memory at the last step boundary. A death after it
+  (the update itself, the parameter all-gather, the rest of that step): the survivors
+  report it (`mid_update`) and the recovery resumes from the last checkpoint instead,
+  never from state that is partly one iteration and partly the next.
+
+Everything else the failed step held (gradient buffers, DDP's pending buckets, the
+pipeline's pending sends and receives) belongs to the layout's objects, which the recovery
+releases and builds anew.
+
+Fault points (`DYNATRAIN_FAULTS`, `transition/faults.py`): with `fail_phase` one of
+`STEP_PHASES` and `iteration` k, rank `fail_rank` fails during the training step after
+iteration k (the survivors go on from k): "forward" before its first micro-batch's
+forward, "backward" in its first backward, "pp_send" when it issues its first pipeline
+send (megatron-core's batched p2p), "grad_sync" as the data-parallel gradient reduction
+starts (`finalize_model_grads`), "optimizer" as the optimizer step starts (before the
+vote), "optimizer_update" after the vote, as the update starts. The plan injects one
+failure: the survivors, renumbered, drop it.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Optional
+
+from ..transition.faults import FaultPlan
+
+log = logging.getLogger("dynatrain")
+
+_WRAPPED = "_dynatrain_step_guard"  # marks an object whose entry points are wrapped
+
+
+class StepGuard:
+    """One per process, for the session's life. `at_boundary` after every step boundary
+    (and after a recovery) wraps the live objects' entry points once and records what the
+    next step may leave behind; `reset_after_failed_step` undoes it after a failure."""
+
+    def __init__(self, faults: Optional[FaultPlan], vote: bool) -> None:
+        self.faults = faults
+        self.vote = vote  # agree before the optimizer's update (jobs that can recover)
+        self.iteration = 0  # the last step boundary
+        self.mid_update = False  # the vote passed since the last boundary
+        self._group: Any = None  # the layout's CPU group for the vote
+        self._rerun: Optional[tuple[Any, int]] = None  # (state, current_iteration)
+        self._running_timers: frozenset[str] = frozenset()
+        self._fault_fired = False
+
+    # ------------------------------------------------------------------ at a step boundary
+    def at_boundary(self, iteration: int, objs: Any) -> None:
+        """The step boundary after `iteration` (the step completed on this rank), on a rank
+        of the layout whose objects are `objs` (`TrainingObjects`)."""
+        self.iteration = iteration
+        self.mid_update = False
+        groups = objs.groups
+        self._group = groups.layout_group_cpu or groups.layout_group
+        self._rerun = _rerun_snapshot()
+        self._running_timers = _running_timers()
+        if self.vote or self._has_step_faults():
+            self._wrap_optimizer(objs.optimizer)
+        if self._has_step_faults():
+            for chunk in objs.model:
+                self._wrap_chunk(chunk)
+            self._wrap_config(objs.config)
+            self._wrap_p2p()
+
+    def reset_after_failed_step(self) -> None:
+        """After a failure inside a step, before the loop runs the next one (module doc).
+        Lets go of the broken layout's group: a gloo group's sockets close only with its
+        last reference, and a survivor blocked on this rank learns of the death then."""
+        self._group = None
+        self.faults = None  # a fault plan injects one failure: ranks renumber after it
+        if self._rerun is not None:
+            _rerun_restore(*self._rerun)
+        _reset_timers_except(self._running_timers)
+
+    # ------------------------------------------------------------------ optimizer step
+    def _wrap_optimizer(self, optimizer: Any) -> None:
+        if optimizer is None or getattr(optimizer, _WRAPPED, False):
+            return
+        inner = optimizer.step
+
+        @functools.wraps(inner)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            self._fault("optimizer")
+            if self.vote:
+                from ..elastic.communicators import everyone_ok
+
+                everyone_ok(True, self._group)  # raises on every survivor if a rank is dead
+                self.mid_update = True
+            self._fault("optimizer_update")
+            return inner(*args, **kwargs)
+
+        optimizer.step = step
+        setattr(optimizer, _WRAPPED, True)
+
+    # ------------------------------------------------------------------ fault points
+    def _has_step_faults(self) -> bool:
+        from ..transition.faults import STEP_PHASES
+
+        f = self.faults
+        return f is not None and f.fail_phase in STEP_PHASES
+
+    def _fault(self, phase: str) -> None:
+        if self.faults is None or self._fault_fired:
+            return
+        import torch.distributed as dist
+
+        from ..compat import stand_in_world
+
+        with stand_in_world.real_world():
+            rank = dist.get_rank()
+        if self.faults.fail_rank == rank and self.faults.fail_phase == phase \
+                and self.iteration == self.faults.iteration:
+            self._fault_fired = True
+            self.faults.fail(rank, phase, self.iteration)
+
+    def _wrap_chunk(self, chunk: Any) -> None:
+        if getattr(chunk, _WRAPPED, False):
+            return
+        import torch
+
+        def before_forward(_module: Any, _inputs: Any) -> None:
+            self._fault("forward")
+
+        def after_forward(_module: Any, _inputs: Any, output: Any) -> None:
+            if torch.is_tensor(output) and output.requires_grad:
+                output.register_hook(lambda grad: (self._fault("backward"), grad)[1])
+
+        chunk.register_forward_pre_hook(before_forward)
+        chunk.register_forward_hook(after_forward)
+        setattr(chunk, _WRAPPED, True)
+
+    def _wrap_config(self, config: Any) -> None:
+        fn = getattr(config, "finalize_model_grads_func", None)
+        if fn is None or getattr(fn, _WRAPPED, False):
+            return
+
+        @functools.wraps(fn)
+        def finalize(*args: Any, **kwargs: Any) -> Any:
+            self._fault("grad_sync")
+            return fn(*args, **kwargs)
+
+        setattr(finalize, _WRAPPED, True)
+        config.finalize_model_grads_func = finalize
+
+    def _wrap_p2p(self) -> None:
+        """megatron-core issues its pipeline sends and receives through
+        `torch.distributed.batch_isend_irecv` (looked up at each call)."""
+        import torch.distributed as dist
+
+        inner = dist.batch_isend_irecv
+        if getattr(inner, _WRAPPED, False):
+            return
+
+        @functools.wraps(inner)
+        def batch_isend_irecv(ops: Any) -> Any:
+            if any(getattr(op.op, "__name__", "") == "isend" for op in ops):
+                self._fault("pp_send")
+            return inner(ops)
+
+        setattr(batch_isend_irecv, _WRAPPED, True)
+        dist.batch_isend_irecv = batch_isend_irecv
+
+
+# ---------------------------------------------------------------------- Megatron's globals
+def _rerun_snapshot() -> Optional[tuple[Any, int]]:
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    m = get_rerun_state_machine()
+    return m.state, m.current_iteration
+
+
+def _rerun_restore(state: Any, current_iteration: int) -> None:
+    """megatron-core's rerun state machine as it was at the step boundary: its initial run
+    of the failed step is forgotten, as are the requests that run made."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    m = get_rerun_state_machine()
+    if (m.state, m.current_iteration) != (state, current_iteration):
+        log.info("dynatrain: megatron-core's rerun state machine reset from %s (iteration "
+                 "%d) to %s (iteration %d) after the failed step", m.state.name,
+                 m.current_iteration, state.name, current_iteration)
+    m.state, m.current_iteration = state, current_iteration
+    m.rerun_requested = m.checkpoint_requested = False
+    m.restart_again_requested = m.continue_requested = False
+
+
+def _timers() -> dict:
+    """Megatron-LM's timers by name (its `Timers` keeps them in `_timers`, the one place
+    they are listed)."""
+    from megatron.training.global_vars import get_timers
+
+    timers = get_timers()
+    return dict(getattr(timers, "_timers", {})) if timers is not None else {}
+
+
+def _running_timers() -> frozenset[str]:
+    return frozenset(n for n, t in _timers().items() if getattr(t, "_started", False))
+
+
+def _reset_timers_except(keep: frozenset[str]) -> None:
+    stopped = []
+    for name, timer in _timers().items():
+        if name not in keep and getattr(timer, "_started", False):
+            timer.reset()
+            stopped.append(name)
+    if stopped:
+        log.info("dynatrain: reset the timers the failed step left running: %s",
+                 ", ".join(sorted(stopped)))
+
+
+__all__ = ("StepGuard",)
