@@ -12,6 +12,10 @@ made): when a collective times out or its communicator fails, the NCCL watchdog 
 communicator and the waiting thread gets an error, and the process lives on. torch 2.13's
 default (3, "SkipCleanUp") tears the process down instead, which would turn a switch that
 should roll back, or a dead peer that our recovery handles, into the end of the job.
+Every way a rank starts applies it before its process groups exist: our launchers and
+`mcore.session.init_distributed`, and, under plain `torchrun` with Megatron-LM's
+`pretrain_gpt.py`, the patched script's argument parsing (`megatron_lm.arguments`), which
+runs before Megatron-LM initialises torch.distributed. A value the user set is kept.
 """
 from __future__ import annotations
 

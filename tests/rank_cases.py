@@ -361,7 +361,9 @@ def scale_cases(model: str, big: str, small: str, steps_after: int = 3,
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.elastic.groups import install
     from dynatrain_megatron.transition.switch import read_scalars, write_scalars
-    from dynatrain_megatron.transition.vocab_padding import carry_vocab_padding
+    from dynatrain_megatron.transition.transport import TorchP2PTransport
+    from dynatrain_megatron.transition.vocab_padding import carry_vocab_padding, padding_plan
+    from dynatrain_megatron.vps.analytic import analytic_layout
     from dynatrain_megatron.vps import Layout
     from dynatrain_megatron.vps.fragment import KINDS
     from dynatrain_megatron.vps.placement import Placement
@@ -395,7 +397,11 @@ def scale_cases(model: str, big: str, small: str, steps_after: int = 3,
         The vocab padding rows (outside the logical state, but in the softmax) are taken
         from `pad_from`, the switched job at the same layout."""
         ref = start_job(s, layout, train, placement)
-        carry_vocab_padding(live(pad_from), live(ref), KINDS)  # collective over the world
+        a = analytic_layout(s, layout, builder.bucket_size(layout))
+        plan = padding_plan((a, placement), (a, placement), KINDS)  # pad_from -> ref
+        _, errs = carry_vocab_padding(plan, rank, live(pad_from), live(ref),
+                                      TorchP2PTransport())
+        assert not errs, errs
         if ref is None:
             return None
         G.scatter_full_state(live(ref), state)

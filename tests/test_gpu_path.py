@@ -355,40 +355,79 @@ def test_switch_memory_arithmetic_and_decision():
 
 
 # ----------------------------------------------------------------- scripts/gpu_check.py
-def test_gpu_check_dry_run_lists_every_check_and_each_has_its_worker(tmp_path):
-    import importlib.util
-    import json
+_WITHOUT_NEW_APIS = """
+import runpy, sys
+import torch.distributed as dist
+_orig = dist.new_group
+def new_group(ranks=None, timeout=None, backend=None, pg_options=None):  # torch before 2.6
+    return _orig(ranks, timeout=timeout, backend=backend, pg_options=pg_options)
+dist.new_group = new_group
+dist.ProcessGroup.abort = None
+import torch.distributed.config
+del dist.config
+from dynatrain_megatron.compat import torch_features as tf
+assert not tf.ordered_groups() and not tf.eager_groups() and not tf.process_group_abort()
+assert tf.use_torchcomms() is False
+import dynatrain_megatron.transition.switch, dynatrain_megatron.elastic.groups  # imports fine
+sys.argv = [sys.argv[1]] + sys.argv[2:]
+sys.exit(runpy.run_path(sys.argv[0], run_name="__main__"))
+"""
+
+
+def test_gpu_check_dry_run_reports_missing_torch_apis_instead_of_failing(tmp_path):
+    """`--dry-run` on the CPU under a torch without the newer distributed APIs: the
+    preflight says which are missing, every check is listed, and the report is written in
+    docs/bench/gpu.md's format to the folder given."""
     import subprocess
     import sys
 
     script = ROOT / "scripts/gpu_check.py"
-    out = tmp_path / "report.json"
-    p = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(out)],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert p.returncode == 0, p.stderr
-    report = json.loads(out.read_text())
-    names = [c["name"] for c in report["checks"]]
-    assert report["dry_run"] is True
-    assert {"train_tiny_gpt", "train_tiny_moe", "megatron_lm", "bind_live_vs_analytic",
-            "identity_switch", "bandwidth", "nccl_timeout_rollback",
-            "multi_rank_switch_vs_checkpoint"} == set(names)
-    assert all(n in p.stdout for n in names)
+    p = subprocess.run([sys.executable, "-c", _WITHOUT_NEW_APIS, str(script), str(tmp_path),
+                        "--dry-run"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = {tuple(line.split()[:2]): line.split()[-1] for line in p.stdout.splitlines()
+             if line.startswith("preflight")}
+    assert lines[("preflight", "new_group(sort_ranks=)")] == "False"
+    assert lines[("preflight", "new_group(device_id=)")] == "False"
+    assert lines[("preflight", "ProcessGroup.abort")] == "False"
+    assert lines[("preflight", "distributed.config.use_torchcomms")] == "False"
+    names = [line.split()[1] for line in p.stdout.splitlines() if line.startswith("check ")]
+    assert names == ["a_background_prep", "b_memory_plan", "c_background_comms",
+                     "d_abort_destroy", "e_executor_geometry", "g_megatron_lm"]
+    md = (tmp_path / "gpu.md").read_text()
+    assert md.startswith("# GPU check") and "dry run" in md and "| ProcessGroup.abort | False |" in md
+    assert all(f"({x})" in md for x in "abcdefg")
+    import importlib.util
+
     spec = importlib.util.spec_from_file_location("gpu_check", script)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = mod  # dataclasses look their module up there
+    sys.modules["gpu_check"] = mod
     try:
         spec.loader.exec_module(mod)
     finally:
         del sys.modules["gpu_check"]
-    for n in names:  # every listed check can run (megatron_lm through its own function)
-        assert callable(getattr(mod, f"w_{n}", None) or (n == "megatron_lm" and mod.run_megatron_lm_check))
-    # one GPU: at most ten minutes of limits besides the multi-GPU check
-    one = [c for c in mod.plan(1, None) if c["runs"]]
-    assert "multi_rank_switch_vs_checkpoint" not in {c["name"] for c in one}
-    assert sum(c["limit_s"] for c in one) <= 600
-    bad = subprocess.run([sys.executable, str(script), "--dry-run", "--only", "nope", "--out",
-                          str(out)], capture_output=True, text=True, timeout=120)
+    for c in mod.CHECKS:  # every check has its worker; the limits fit in 8 minutes
+        assert callable(getattr(mod, f"w_{c.name}", None) or getattr(mod, f"run_{c.name}"))
+    assert sum(c.limit_s for c in mod.CHECKS) <= 480 and mod.TOTAL_BUDGET_S < 480
+    bad = subprocess.run([sys.executable, str(script), str(tmp_path), "--dry-run", "--only",
+                          "nope"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "unknown checks" in bad.stderr
+
+
+def test_placement_falls_back_to_rank_order_without_ordered_groups(monkeypatch):
+    from dynatrain_megatron.compat import torch_features as tf
+    from dynatrain_megatron.transition import switch as S
+
+    monkeypatch.setattr(S, "ordered_groups", lambda: False)
+    calls = []
+    choice = type("C", (), {"chosen": "best", "default": "default"})()
+    monkeypatch.setattr(S, "placement_choice", lambda *a: choice)
+    monkeypatch.setattr(S, "best_rank_ordered", lambda c, n: calls.append(c) or ["ordered"])
+    builder = type("B", (), {"bucket_size": lambda self, l: None})()
+    assert S.choose_dst_placement(TINY_GPT, builder, None, None, None, (0, 1)) == "ordered"
+    with pytest.raises(RuntimeError, match="sort_ranks"):
+        monkeypatch.setattr(tf, "_new_group_params", lambda: frozenset({"ranks", "backend"}))
+        tf.new_group([1, 0], keep_order=True)
 
 
 def test_b_groups_warmed_in_creation_order_members_only(monkeypatch):
@@ -491,3 +530,521 @@ def test_released_a_grads_come_back_when_the_switch_rolls_back(monkeypatch):
     assert hook._switch(trainer) is trainer
     assert calls == ["offload", "offload", "build B", "restore", "restore", "failed"]
     assert hook._release_a_grads is False  # once: the next switch decides again
+
+
+# ----------------------------------------------------------------- issue 27, 1. vocab padding
+def _pad_plan(model: str, a: str, b: str, world: int, unavailable=()):
+    from dynatrain_megatron.configs import load_model
+    from dynatrain_megatron.transition.vocab_padding import padding_plan
+    from dynatrain_megatron.vps.fragment import KINDS
+    from dynatrain_megatron.vps.placement import Placement
+
+    spec = load_model(model)
+    la, lb = Layout.parse(a, world), Layout.parse(b, world)
+    return padding_plan((analytic_layout(spec, la), Placement.default(world)),
+                        (analytic_layout(spec, lb), Placement.default(world)), KINDS,
+                        unavailable)
+
+
+def _max_per_device(plan) -> tuple[int, int]:
+    per = plan.elements_per_device()
+    return (max((s for s, _ in per.values()), default=0),
+            max((r for _, r in per.values()), default=0))
+
+
+@pytest.mark.parametrize("a,b", [("tp2", "tp4"), ("tp4pp2", "tp2pp2"), ("tp1", "tp2")])
+def test_padding_bytes_per_device_do_not_grow_with_the_world(a, b):
+    """The same switch at 4, 8 and 1024 ranks (DP grows): the most any device sends or
+    receives stays the same; the world-wide gather it replaces grew with the world."""
+    worlds = (4, 8, 1024) if "pp2" not in a else (8, 16, 1024)
+    got = [_max_per_device(_pad_plan("tiny-gpt", a, b, w)) for w in worlds]
+    # never more than at the smallest world (finer optimizer shards send less)
+    assert got[0][1] > 0 and all(s <= got[0][0] and r <= got[0][1] for s, r in got), got
+    # what the world-wide gather gave every rank: all held padding, growing with the world
+    gathered = [sum(h.hi - h.lo for h in _pad_plan("tiny-gpt", a, b, w).held) for w in worlds]
+    assert gathered[0] < gathered[1] < gathered[2]
+    # every device that needs padding rows gets each element exactly once
+    for w in worlds[:2]:
+        plan = _pad_plan("tiny-gpt", a, b, w)
+        for n in plan.needed:
+            covered = sorted((p.lo, p.hi) for p in plan.pieces
+                             if (p.key, p.kind, p.dst) == (n.key, n.kind, n.device)
+                             and n.lo <= p.lo and p.hi <= n.hi)
+            at = n.lo
+            for lo, hi in covered:
+                assert lo == at
+                at = hi
+            assert at == n.hi, (n, covered)
+
+
+def test_padding_plan_skips_dead_holders_and_pads_nothing_without_padding():
+    plan = _pad_plan("tiny-gpt", "tp2", "tp2", 8, unavailable=(0, 2))
+    assert plan.pieces and not {p.src for p in plan.pieces} & {0, 2}
+    assert all(p.src == p.dst for p in _pad_plan("tiny-gpt", "tp2", "tp2", 8).pieces)
+    # the llama3-70b vocabulary (128256) is a multiple of 128 * 8: no padding anywhere
+    from dynatrain_megatron.configs import load_model
+
+    spec = load_model("llama3-70b")
+    if spec.padded_vocab_size(8) == spec.vocab_size:
+        assert not _pad_plan("llama3-70b", "tp8pp8", "tp4pp8", 128).pieces
+
+
+# ----------------------------------------------------------------- issue 27, 2. memory check
+class _FakeDevice:
+    """A device-memory source with settable readings (peaks since the last reset)."""
+
+    def __new__(cls, **kw):
+        from dynatrain_megatron.loop.memory_check import MemoryInfo, PeakWindow
+
+        class Fake(PeakWindow):
+            def __init__(self, total, free, allocated, reserved):
+                super().__init__()
+                self.now = dict(total=total, free=free, allocated=allocated, reserved=reserved)
+                self.peaks = [allocated, reserved]
+                self.resets = 0
+
+            def use(self, allocated, reserved, free=None):
+                """The allocator reaches these figures (peaks follow)."""
+                self.now.update(allocated=allocated, reserved=reserved)
+                if free is not None:
+                    self.now["free"] = free
+                self.peaks = [max(self.peaks[0], allocated), max(self.peaks[1], reserved)]
+
+            def _raw(self):
+                return MemoryInfo(peak_allocated=self.peaks[0], peak_reserved=self.peaks[1],
+                                  **self.now)
+
+            def _reset(self):
+                self.resets += 1
+                self.peaks = [self.now["allocated"], self.now["reserved"]]
+
+        return Fake(**kw)
+
+
+def test_memory_check_is_on_with_a_device_and_measures_it():
+    import types
+
+    from dynatrain_megatron.loop import memory_check as MC
+
+    GiB = 1 << 30
+    args = types.SimpleNamespace(dynatrain_device_memory=None, dynatrain_activation_reserve=0,
+                                 dynatrain_memory_reserve=GiB)
+    assert MC.from_args(args) is None  # the CPU, nothing configured: off
+    dev = _FakeDevice(total=80 * GiB, free=30 * GiB, allocated=40 * GiB, reserved=48 * GiB)
+    check = MC.from_args(args, source=dev)
+    assert check is not None and check.device_memory_bytes is None  # on, by default
+    lb = Layout.parse("tp4pp4dp8", 128)
+    total, pool, reserve = check.inputs(lb)
+    # total from mem_get_info; A's pool = reserved - allocated (cached blocks B's side
+    # stream cannot use); outside torch = total - free - reserved (context, A's NCCL)
+    assert total == 80 * GiB and pool == 8 * GiB
+    comms = MC.new_communicators(lb)
+    from dynatrain_megatron.vps.layout import GROUP_AXES
+
+    assert 2 < comms <= len(GROUP_AXES) + 2
+    assert MC.new_communicators(Layout.parse("tp1", 1)) == 1  # one rank: its own group only
+    assert reserve == GiB + 2 * GiB + comms * MC.DEFAULT_NCCL_COMM_BYTES
+
+
+def test_memory_peaks_are_per_step_and_forgotten_after_a_switch():
+    from dynatrain_megatron.loop import memory_check as MC
+
+    GiB = 1 << 30
+    dev = _FakeDevice(total=80 * GiB, free=40 * GiB, allocated=30 * GiB, reserved=30 * GiB)
+    check = MC.SwitchMemoryCheck(source=dev)
+    lb = Layout.parse("tp2", 2)
+    dev.use(allocated=50 * GiB, reserved=52 * GiB)  # a step: 20 GiB of activations
+    dev.use(allocated=30 * GiB, reserved=52 * GiB)
+    check.step_boundary()
+    assert check.inputs(lb)[1] == 22 * GiB  # the last step's peak minus what is live
+    dev.use(allocated=90 * GiB, reserved=90 * GiB, free=0)  # a switch: A and B together
+    dev.use(allocated=35 * GiB, reserved=40 * GiB, free=40 * GiB)  # A released
+    check.forget_peaks()
+    check.step_boundary()
+    assert check.inputs(lb)[1] == 5 * GiB  # never the switch's 90 GiB peak
+    dev.use(allocated=55 * GiB, reserved=60 * GiB)
+    dev.use(allocated=35 * GiB, reserved=60 * GiB)
+    check.step_boundary()
+    check.step_boundary()  # two boundaries: the window is the last step only
+    assert check.inputs(lb)[1] == 25 * GiB
+    with pytest.raises(Exception, match="device memory"):
+        MC.SwitchMemoryCheck()  # neither a size nor a device
+
+
+def test_switch_that_does_not_fit_the_measured_device_is_refused_before_b_exists(monkeypatch):
+    """The hook's decision with a measured device (GPU fake): NCCL buffers of B's new
+    communicators and memory outside torch make a switch that fits by state alone fail;
+    nothing of B is built (no groups, no preparation)."""
+    from dynatrain_megatron.elastic.controller import Decision
+    from dynatrain_megatron.loop import hook as H
+    from dynatrain_megatron.loop import memory_check as MC
+    from dynatrain_megatron.mcore.train_config import TrainConfig
+    from dynatrain_megatron.vps.memory import switch_memory_plan
+    from dynatrain_megatron.vps.placement import Placement
+
+    GiB = 1 << 30
+    spec = ModelSpec.from_yaml(ROOT / "configs/models/llama3-70b.yaml").replace(params_dtype="bf16")
+    src, dst = Layout.parse("tp8pp4dp4", 128), Layout.parse("tp4pp4dp8", 128)
+    dev = tuple(range(128))
+    bare = switch_memory_plan(spec, src, dev, dst, dev, device_memory_bytes=80 * GiB,
+                              activation_bytes=0)
+    need = dict((m, b) for m, b, _ in bare.need_bytes)
+    # memory outside torch (context, A's NCCL, another process) leaves room for the
+    # state of A and B, but not for B's new NCCL communicators too
+    nccl = MC.new_communicators(dst) * MC.DEFAULT_NCCL_COMM_BYTES
+    outside = 80 * GiB - need["release_a_grads"] - nccl + GiB
+    a_state = 20 * GiB
+    fake = _FakeDevice(total=80 * GiB, free=80 * GiB - a_state - outside, allocated=a_state,
+                       reserved=a_state)
+    assert nccl > GiB  # without it the switch would fit, degraded
+    monkeypatch.setattr(MC, "agree_on_max", lambda v: v)
+    monkeypatch.setattr(H, "choose_dst_placement", lambda *a: Placement(dev))
+    built = []
+    monkeypatch.setattr(H, "start_preparation", lambda *a, **k: built.append("prepare"))
+    monkeypatch.setattr(H, "build_groups", lambda *a: built.append("groups"))
+
+    class Ctl:
+        done_with: list = []
+
+        def done(self, d, outcome, reason=""):
+            self.done_with.append((outcome, reason))
+
+    hook = H.DynatrainHook(spec, TrainConfig(), Ctl(), memory=MC.SwitchMemoryCheck(source=fake))
+    assert bare.mode is not None  # by the state alone it would have gone ahead
+    hook.layout, hook.layout_placement = src, Placement(dev)
+    hook._on_decision(Decision("tp4pp4dp8", 128, "signal"), 10)
+    assert built == [] and hook.decision is None and hook._sync_target is None
+    assert hook.controller.done_with[-1][0] == "failed" and "do not fit" in hook.rejected[-1]
+
+
+# ----------------------------------------------------------------- issue 27, 3. B's RNG use
+def _dropout_masks_while_b_forks(isolate: bool, concurrent: bool) -> list:
+    """A draws dropout masks under the model-parallel tracker while B's thread sits inside
+    a tracker fork (as Transformer Engine's reset_parameters does at construction)."""
+    import threading
+
+    import torch
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from dynatrain_megatron.compat import prepare_runtime
+    from dynatrain_megatron.compat.private_rng import private_rng
+
+    def get_cuda_rng_tracker():  # looked up at each call, as megatron's modules do
+        return mrandom.get_cuda_rng_tracker()
+
+    prepare_runtime()
+    torch.manual_seed(7)
+    mrandom.model_parallel_cuda_manual_seed(11, tp_rank=0, ep_rank=0, etp_rank=0,
+                                            force_reset_rng=True)
+    inside, drawn = threading.Event(), threading.Event()
+
+    def b_build():
+        ctx = private_rng() if isolate else __import__("contextlib").nullcontext()
+        with ctx:
+            with get_cuda_rng_tracker().fork():  # TE's init_fn inside is a no-op for B
+                inside.set()
+                drawn.wait(10)
+
+    t = threading.Thread(target=b_build)
+    if concurrent:
+        t.start()
+        inside.wait(10)
+    x = torch.ones(64)
+    masks = []
+    for _ in range(3):
+        with get_cuda_rng_tracker().fork():
+            masks.append(torch.nn.functional.dropout(x, 0.1).eq(0))
+        masks.append(torch.nn.functional.dropout(x, 0.1).eq(0))  # the default generator
+    drawn.set()
+    if concurrent:
+        t.join()
+    for _ in range(2):  # after B's fork ended: the generators must have moved on as A's
+        with get_cuda_rng_tracker().fork():
+            masks.append(torch.nn.functional.dropout(x, 0.1).eq(0))
+        masks.append(torch.nn.functional.dropout(x, 0.1).eq(0))
+    return masks
+
+
+def test_b_construction_leaves_a_dropout_masks_unchanged():
+    import torch
+
+    ref = _dropout_masks_while_b_forks(isolate=True, concurrent=False)
+    iso = _dropout_masks_while_b_forks(isolate=True, concurrent=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, iso))
+    # the control: without the isolation B's fork changes A's masks
+    raw = _dropout_masks_while_b_forks(isolate=False, concurrent=True)
+    assert not all(torch.equal(a, b) for a, b in zip(ref, raw))
+
+
+# ----------------------------------------------------------------- issue 27, 4. votes, aborts
+def _vote_case(deadline: float) -> dict:
+    """On gloo ranks: votes that agree, a vote with one rank's error, a vote with a hung
+    peer and one with a dead peer (each on a fresh CPU group, as a broken one is gone)."""
+    import os
+    import time
+    import types
+
+    import torch.distributed as dist
+
+    from dynatrain_megatron.transition import switch as S
+
+    me, out = dist.get_rank(), {}
+    groups = [dist.new_group(backend="gloo") for _ in range(3)]
+    S.control_group = lambda: groups[0]
+    out["ok"] = S._agree([], deadline)
+    out["one"] = S._agree(["rank 1: boom"] if me == 1 else [], deadline)
+    aborted = []
+    S.abort_group = lambda g: aborted.append(g) or True
+    released = []
+    fake = types.SimpleNamespace(transfer="transfer", release_transfer=lambda: released.append(1))
+    if out["one"]:  # what the switch does after a failed commit vote: on every rank
+        S._release_transfer(fake, abort=True)
+    out["aborted"], out["released"] = aborted, released
+    for name, g in (("hung", groups[1]), ("dead", groups[2])):
+        S.control_group = lambda g=g: g
+        if me == 3:
+            if name == "dead":
+                os._exit(0)  # gone: its sockets close
+            time.sleep(deadline * 2.5)  # hung past everyone's deadline
+            out[name] = "skipped"
+            continue
+        t0 = time.monotonic()
+        try:
+            S._agree([], deadline)
+            out[name] = "result"
+        except S.VoteFailed as e:
+            out[name] = "VoteFailed"
+            out[name + "_msg"] = str(e)
+        out[name + "_s"] = time.monotonic() - t0
+    return out
+
+
+def test_votes_agree_and_a_dead_or_hung_peer_fails_every_vote_alike():
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    res = run_on_ranks(_vote_case, 4, 2.0, timeout=300)
+    live = res[:3]
+    assert res[3] is None  # the dead rank
+    assert all(r["ok"] == [] for r in live)
+    assert all(r["one"] == ["rank 1: boom"] for r in live)  # everyone sees rank 1's reason
+    # the failed vote's outcome is everyone's: every rank aborts and releases the transfer
+    assert all(r["aborted"] == ["transfer"] and r["released"] == [1] for r in live)
+    # a hung peer: every live rank's vote fails at its deadline, none gets a result
+    assert [r["hung"] for r in live] == ["VoteFailed"] * 3
+    assert all(1.5 < r["hung_s"] < 10 for r in live), [r["hung_s"] for r in live]
+    assert [r["dead"] for r in live] == ["VoteFailed"] * 3
+
+
+def test_votes_run_on_the_cpu_group_with_a_deadline(monkeypatch):
+    """Never on an NCCL communicator (whose abort hands a rank its own value back)."""
+    from dynatrain_megatron.transition import switch as S
+
+    cpu_group, seen = object(), []
+
+    class Work:
+        def wait(self, timeout=None):
+            seen.append(timeout.total_seconds())
+            raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
+
+    monkeypatch.setattr(S, "control_group", lambda: cpu_group)
+    monkeypatch.setattr(S, "collective_device", lambda g=None: torch.device(
+        "cpu" if g is cpu_group else "cuda"))
+    monkeypatch.setattr(S.dist, "all_reduce", lambda t, op=None, group=None, async_op=False:
+                        seen.append((t.device.type, group is cpu_group, async_op)) or Work())
+    with pytest.raises(S.VoteFailed, match="within 7 s"):
+        S._agree([], 7.0)
+    assert seen == [("cpu", True, True), 7.0]
+    assert S.vote_deadline(None) == S.VOTE_TIMEOUT_S and S.vote_deadline(1000.0) == 4000.0
+
+
+def test_nccl_error_handling_is_set_before_megatron_lm_makes_its_groups(monkeypatch):
+    """Plain torchrun + the patched pretrain_gpt.py: our argument provider (run by
+    Megatron-LM's parse_args, before torch.distributed exists) sets it; a user's value
+    is kept."""
+    import argparse
+
+    from dynatrain_megatron.megatron_lm.arguments import chain_extra_args_providers
+
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    chain_extra_args_providers(None)(argparse.ArgumentParser())
+    import os
+
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    chain_extra_args_providers(None)(argparse.ArgumentParser())
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+# ----------------------------------------------------------------- issue 27, 7. preparation deadline
+def _prepare_deadline_case(mode: str) -> dict:
+    """Rank 2's background preparation fails at once while its peers stay blocked (as in
+    an NCCL communicator's set-up that it never joins), or rank 2 stays blocked while
+    the others finish: every rank's ready vote gives up alike, in bounded time."""
+    import time
+
+    import torch.distributed as dist
+
+    from dynatrain_megatron.elastic import device_manager as DM
+    from dynatrain_megatron.vps.placement import Placement
+
+    me = dist.get_rank()
+
+    def build(layout, placement):
+        if mode == "fail" and me == 2:
+            raise RuntimeError("communicator set-up failed")
+        if (mode == "fail") or (mode == "hang" and me == 2):
+            time.sleep(30)  # blocked
+        return None
+
+    DM.build_groups = build
+    dm = DM.DeviceManager(deadline_s=2.0)
+    dm.prepare(Layout.parse("tp1", 4), Placement.default(4))
+    t0, polls = time.monotonic(), 0
+    while not dm.ready():
+        time.sleep(0.05)
+        polls += 1
+        if time.monotonic() - t0 > 20:
+            return dict(out="spun", s=time.monotonic() - t0)
+    waited = time.monotonic() - t0
+    try:
+        dm.take()
+        out = "took"
+    except RuntimeError as e:
+        out = str(e)
+    t1 = time.monotonic()
+    dm.abandon()
+    return dict(out=out, s=waited, abandon_s=time.monotonic() - t1)
+
+
+@pytest.mark.parametrize("mode", ["fail", "hang"])
+def test_background_preparation_has_a_deadline(mode):
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    res = run_on_ranks(_prepare_deadline_case, 4, mode, timeout=300)
+    assert all("failed on some rank" in r["out"] if mode == "fail" else
+               "passed its deadline of 2 s" in r["out"] for r in res), res
+    bound = 1.5 if mode == "fail" else 8.0  # a failure is seen at once; a hang at 2 s
+    assert all(r["s"] < bound and r["abandon_s"] < 1.0 for r in res), res
+    if mode == "hang":
+        assert all(r["s"] > 1.9 for r in res), res
+
+
+# ----------------------------------------------------------------- issue 27, 8. gloo groups
+def test_no_world_sized_gloo_group_per_switch_under_nccl(monkeypatch):
+    """B's CPU twin under NCCL: the control group where B spans the world, one group per
+    other device set for the life of the world; none is made again at the next switch."""
+    from dynatrain_megatron.elastic import communicators as cm
+
+    class World:  # a default group stand-in (weakly referenced)
+        pass
+
+    made, control = [], object()
+    worlds = [World()]
+    monkeypatch.setattr(cm, "is_nccl", lambda group=None: True)
+    monkeypatch.setattr(cm, "control_group", lambda: control)
+    monkeypatch.setattr(cm.dist, "get_world_size", lambda group=None: 8)
+    monkeypatch.setattr(cm.dist.distributed_c10d, "_get_default_group", lambda: worlds[-1])
+    monkeypatch.setattr(cm.dist, "new_group", lambda ranks=None, backend=None, **k:
+                        made.append((tuple(ranks), backend)) or object())
+    for _ in range(3):  # three switches among layouts on the whole world
+        assert cm.cpu_group_for((3, 1, 0, 2, 4, 5, 7, 6)) is control
+    first = [cm.cpu_group_for((0, 1, 2, 3)) for _ in range(3)]  # scale-in, and back, ...
+    assert made == [((0, 1, 2, 3), "gloo")] and first[0] is first[1] is first[2]
+    worlds.append(World())  # a new world (after a death): made again, once
+    cm.cpu_group_for((0, 1, 2, 3))
+    assert len(made) == 2
+
+
+# ----------------------------------------------------------------- issue 27, 9. B's options
+def test_b_groups_get_the_jobs_nccl_options(monkeypatch, tmp_path):
+    """Megatron-LM's --nccl-communicator-config-path and --high-priority-stream-groups:
+    each of B's NCCL groups so named is made with megatron's own options for that name
+    (as far as the CPU can tell: the options object is megatron-core's get_nccl_options's),
+    the others with torch's defaults."""
+    import types
+
+    import megatron.core.parallel_state as ps
+
+    from dynatrain_megatron.elastic import groups as G
+
+    cfg = tmp_path / "nccl.yaml"
+    cfg.write_text("tp: {max_ctas: 8}\ndp_cp: {net_name: IB, min_ctas: 2}\n")
+    args = types.SimpleNamespace(nccl_communicator_config_path=str(cfg),
+                                 high_priority_stream_groups=["pp"])
+    opts = G.GroupOptions.from_megatron_args(args)
+    assert opts.config() == {"tp": {"max_ctas": 8}, "dp_cp": {"net_name": "IB", "min_ctas": 2},
+                             "pp": {"is_high_priority_stream": True}}
+    made = []
+    monkeypatch.setattr(ps, "get_nccl_options", lambda name, c: ("megatron", name, str(c[name])))
+    monkeypatch.setattr(G, "is_nccl", lambda group=None: True)
+    monkeypatch.setattr(G, "group_device", lambda: None)
+    monkeypatch.setattr(G, "cpu_group_for", lambda dev: "cpu")
+    monkeypatch.setattr(G.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(G.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(G.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(G, "new_group", lambda ranks, **k: made.append((tuple(ranks), k)) or
+                        object())
+    G.set_group_options(opts)
+    try:
+        G.build_groups(Layout.parse("tp2pp2", 4))
+    finally:
+        G.set_group_options(G.GroupOptions())
+    with_opts = {k["pg_options"][1]: k["pg_options"] for _, k in made if k.get("pg_options")}
+    assert set(with_opts) == {"tp", "pp", "dp_cp"}
+    assert with_opts["pp"] == ("megatron", "pp", "{'is_high_priority_stream': True}")
+    # dp_cp has the same members as dp (cp 1) but its own group, with its options
+    dp_like = [r for r, k in made if r == (0,)]
+    assert len(dp_like) >= 2
+
+
+def test_options_we_cannot_honour_are_refused_at_start():
+    import types
+
+    from dynatrain_megatron.megatron_lm.support import unsupported_args
+
+    base = dict(transformer_impl="local", use_distributed_optimizer=True, seq_length=32)
+    assert not any("pad-buckets" in x or "sharp" in x
+                   for x in unsupported_args(types.SimpleNamespace(**base)))
+    bad = unsupported_args(types.SimpleNamespace(**base, ddp_pad_buckets_for_high_nccl_busbw=True,
+                                                 use_sharp=True))
+    assert any("--ddp-pad-buckets-for-high-nccl-busbw" in x for x in bad)
+    assert any("--use-sharp" in x for x in bad)
+
+
+# ----------------------------------------------------------------- issue 27, 5. scale-in destroy
+def _transfer_release_case() -> dict:
+    import torch.distributed as dist
+
+    from dynatrain_megatron.elastic import groups as G
+    from dynatrain_megatron.vps.placement import Placement
+
+    b = G.build_groups(Layout.parse("tp2", 2), Placement((0, 1)))  # scale-in: B on 0, 1
+    transfer, log = b.transfer, []
+    real = dist.destroy_process_group
+
+    def record(g=None):
+        log.append("transfer" if g is transfer else
+                   "member" if g != dist.GroupMember.NON_GROUP_MEMBER else "non-member")
+        real(g)
+
+    dist.destroy_process_group = record
+    try:
+        b.release_transfer()  # every rank, after the switch's last vote
+        at_release = list(log)
+        b.release_transfer()  # idempotent
+        b.destroy()  # later, with B's objects: only B's members hold communicators
+    finally:
+        dist.destroy_process_group = real
+    return dict(at_release=at_release, later=log[len(at_release):],
+                transfer_kept=any(g is transfer for g in b.created))
+
+
+def test_transfer_group_destroyed_by_every_rank_together_on_scale_in():
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    res = run_on_ranks(_transfer_release_case, 4, timeout=300)
+    assert [r["at_release"] for r in res] == [["transfer"]] * 4  # the leaving ranks too
+    assert not any(r["transfer_kept"] for r in res)
+    assert all("transfer" not in r["later"] and "non-member" not in r["later"] for r in res)
+    assert res[2]["later"] == res[3]["later"] == []  # nothing of B's on the leaving ranks
+    assert res[0]["later"] == res[1]["later"] and res[0]["later"]  # members, one order

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, checkpoint_tensors, differences, layout_flags,
-                              run_megatron_lm)
+                              load_common, run_megatron_lm)
 from megatron_lm_tree import copy_tree, require_snapshot
 
 pytestmark = pytest.mark.multirank
@@ -58,7 +58,7 @@ def run(tmp_path_factory):
 
 def _common(ckpt_dir):
     """The checkpoint's common (unsharded) part: args, iteration, scheduler, param groups."""
-    return torch.load(ckpt_dir / f"iter_{N:07d}" / "common.pt", weights_only=False)
+    return load_common(ckpt_dir / f"iter_{N:07d}" / "common.pt")
 
 
 def test_the_switch_lands_after_the_last_iteration(run):

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, checkpoint_tensors, differences, layout_flags,
-                              run_megatron_lm, run_operated)
+                              load_common, run_megatron_lm, run_operated)
 from megatron_lm_tree import copy_tree, require_snapshot
 
 pytestmark = pytest.mark.multirank
@@ -146,7 +146,7 @@ def test_evaluation_and_saves_run_on_the_layout_ranks(run):
 def test_final_checkpoint_is_whole_at_the_layout_that_saved_it(run):
     ckpt = run["w"] / "ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(N)
-    common = torch.load(ckpt / f"iter_{N:07d}" / "common.pt", weights_only=False)
+    common = load_common(ckpt / f"iter_{N:07d}" / "common.pt")
     args = common["args"]
     assert common["iteration"] == N and args.consumed_train_samples == 8 * N
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 2)

@@ -2,7 +2,8 @@
 layout's ranks take longer than the process-group timeout between two polls, and a job that
 ends with a switch still being prepared: one torchrun job on 4 gloo ranks, tp1pp2dp2.
 
-* The job's default group gets a 6 s timeout (`megatron_lm_short_timeout/sitecustomize.py`:
+* The job's default group gets a 6 s timeout once training starts
+  (`megatron_lm_short_timeout/sitecustomize.py`:
   Megatron-LM's `--distributed-timeout-minutes` counts whole minutes). After a request for
   tp1pp2dp1 on 2 ranks, ranks 2 and 3 wait on standby while the 2 layout ranks run an
   evaluation (`--eval-iters 100`) and a `--save` at iteration 4, longer than that timeout

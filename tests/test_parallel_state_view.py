@@ -86,9 +86,17 @@ def test_a_module_built_in_a_view_reads_its_metadata_in_it(process_state):
         assert ps.get_pipeline_model_parallel_rank() == 3
 
 
-def test_thread_args_answer_get_args_on_their_thread_only():
-    global_vars = pytest.importorskip("megatron.training.global_vars")
+def test_thread_args_answer_get_args_on_their_thread_only(monkeypatch):
     import argparse
+    import importlib
+
+    from megatron_lm_tree import require_snapshot
+
+    from dynatrain_megatron.compat.megatron_lm import prepare_megatron_lm
+
+    monkeypatch.syspath_prepend(str(require_snapshot()))  # megatron.training: Megatron-LM's
+    prepare_megatron_lm()  # what pretrain_gpt.py does first (the patch): the CPU runtime
+    global_vars = importlib.import_module("megatron.training.global_vars")
 
     mine, theirs = argparse.Namespace(x="B"), argparse.Namespace(x="A")
     global_vars._GLOBAL_ARGS = theirs

@@ -40,12 +40,10 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..transition.transport import collective_device, is_nccl, warm_up
+from ..transition.transport import CONTROL as _CONTROL
+from ..transition.transport import collective_device, control_group, is_nccl, warm_up
 
 log = logging.getLogger(__name__)
-
-_CONTROL: dict = {"group": None, "default": None}
-
 
 def rank_device() -> Optional[torch.device]:
     """This thread's CUDA device (the rank's, on the training thread), None without CUDA."""
@@ -100,19 +98,44 @@ def create_control_group() -> None:
     _CONTROL.update(group=dist.new_group(backend="gloo"), default=default)
 
 
+def ensure_control_group() -> None:
+    """`create_control_group` unless this world has one (collective over the default
+    group the first time: every rank calls it at the same point, e.g. when a host job's
+    session starts)."""
+    default = dist.distributed_c10d._get_default_group()
+    if _CONTROL["default"] is None or _CONTROL["default"]() is not default:
+        create_control_group()
+
+
 def forget_control_group() -> None:
-    """Drop this process's reference to the control group (its world is gone)."""
+    """Drop this process's reference to the control group and to the CPU groups made
+    for layouts (their world is gone)."""
     _CONTROL.update(group=None, default=None)
+    _CPU_GROUPS.update(default=None, groups={})
 
 
-def control_group() -> Optional[dist.ProcessGroup]:
-    """The group for small host-side agreements (None: the default group). Falls back to
-    the default group when the control group belongs to an earlier world."""
-    if not dist.is_initialized() or _CONTROL["default"] is None:
+# gloo groups over device sets (a layout's CPU twin under NCCL), made once per world
+_CPU_GROUPS: dict = {"default": None, "groups": {}}
+
+
+def cpu_group_for(devices) -> Optional[dist.ProcessGroup]:
+    """A gloo group over `devices` (members in global-rank order), made once per device
+    set and world: the control group itself where the devices are the whole world.
+    Collective over the default group when it makes one: every rank calls it for the
+    same device sets in the same order (the layouts' groups are built that way), so
+    every rank finds the same ones already made. None under gloo (use the layout's own)."""
+    if not is_nccl():
         return None
-    if _CONTROL["default"]() is not dist.distributed_c10d._get_default_group():
-        return None
-    return _CONTROL["group"]
+    key = tuple(sorted(devices))
+    default = dist.distributed_c10d._get_default_group()
+    if _CPU_GROUPS["default"] is None or _CPU_GROUPS["default"]() is not default:
+        _CPU_GROUPS.update(default=weakref.ref(default), groups={})
+    if key == tuple(range(dist.get_world_size())) and control_group() is not None:
+        return control_group()
+    groups = _CPU_GROUPS["groups"]
+    if key not in groups:
+        groups[key] = dist.new_group(list(key), backend="gloo")
+    return groups[key]
 
 
 def everyone_ok(ok: bool, group: Optional[dist.ProcessGroup] = None) -> bool:

@@ -20,6 +20,7 @@ step boundary is A's binding, one vote, the data movement and the commit.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -36,8 +37,10 @@ from .groups import ParallelGroups, build_groups
 
 log = logging.getLogger(__name__)
 
-_STOP, _WAIT, _READY = 0, 1, 2  # the least vote wins
-_VOTES = {_STOP: "stop", _WAIT: "wait", _READY: "ready"}
+# the least vote wins: a rank whose preparation passed its deadline, or failed, makes every
+# rank give up on it (unless the job stops anyway)
+_STOP, _LATE, _FAILED, _WAIT, _READY = 0, 1, 2, 3, 4
+_VOTES = {_STOP: "stop", _LATE: "late", _FAILED: "failed", _WAIT: "wait", _READY: "ready"}
 
 
 def _least(value: int, group: Any) -> int:
@@ -47,13 +50,32 @@ def _least(value: int, group: Any) -> int:
     return int(flag.item())
 
 
+PREPARE_TIMEOUT_S = 900.0  # the background preparation's deadline by default
+
+
+def prepare_deadline() -> float:
+    """Seconds the background preparation may take (`DYNATRAIN_PREPARE_TIMEOUT`)."""
+    return float(os.environ.get("DYNATRAIN_PREPARE_TIMEOUT", PREPARE_TIMEOUT_S))
+
+
 class DeviceManager:
     """`device`: the rank's device, which the preparation thread sets for itself (the
     current CUDA device is per thread); by default the current one of the thread that
-    creates the manager, the training thread (`communicators.rank_device`)."""
+    creates the manager, the training thread (`communicators.rank_device`).
 
-    def __init__(self, device: Optional[torch.device] = None) -> None:
+    `deadline_s`: how long the preparation may take on any rank. A rank whose thread
+    failed, or is still working past the deadline (blocked in a communicator's set-up
+    that a failed peer will never join), makes the ready vote give up on every rank
+    alike; the thread is left behind (daemon) and the switch is not made."""
+
+    def __init__(self, device: Optional[torch.device] = None,
+                 deadline_s: Optional[float] = None) -> None:
         self.device = device if device is not None else rank_device()
+        self.deadline_s = prepare_deadline() if deadline_s is None else deadline_s
+        if not self.deadline_s > 0:
+            raise ValueError(f"preparation deadline must be > 0 s, got {self.deadline_s}")
+        self._started = 0.0
+        self.given_up: Optional[str] = None  # the agreed reason, once the vote gave up
         self._thread: Optional[threading.Thread] = None
         self._result: Optional[ParallelGroups] = None
         self._prepared: Any = None
@@ -74,6 +96,7 @@ class DeviceManager:
         on B's new groups, which nothing else uses yet)."""
         self.target = (layout, placement)
         self._result, self._prepared, self._error = None, None, None
+        self._started, self.given_up = time.monotonic(), None
 
         def work() -> None:
             # the rank's device and a stream of its own (communicators.device_context)
@@ -99,8 +122,8 @@ class DeviceManager:
             work()
 
     def ready(self, layout_group: Any = None, standby: Any = None) -> bool:
-        """Collective: True when the groups (and the preparation) are done on every rank
-        (`vote`)."""
+        """Collective: True when the groups (and the preparation) are done on every rank,
+        or when the preparation was given up on every rank (`vote`; `take()` then raises)."""
         return self.vote(layout_group, standby) == "ready"
 
     def vote(self, layout_group: Any = None, standby: Any = None, stop: bool = False) -> str:
@@ -112,18 +135,43 @@ class DeviceManager:
         layout's ranks vote among themselves on `layout_group` (a CPU group, with the job's
         deadline; None on a standby rank), then with the standby ranks on their channel,
         where those wait as long as the job lives (`standby_channel.py`)."""
-        done = self._thread is None or not self._thread.is_alive()
-        mine = _STOP if stop else (_READY if done else _WAIT)
+        if self.given_up is not None:
+            return "ready"  # agreed at an earlier vote; `take()` raises
+        working = self._thread is not None and self._thread.is_alive()
+        late = working and time.monotonic() - self._started > self.deadline_s
+        if stop:
+            mine = _STOP
+        elif late:
+            mine = _LATE
+        elif not working and self._error is not None:
+            mine = _FAILED
+        else:
+            mine = _WAIT if working else _READY
         if standby is None:
             agreed = _least(mine, control_group())
         else:
             if layout_group is not None:
                 mine = _least(mine, layout_group)
             agreed = _least(mine, standby)
+        if agreed in (_LATE, _FAILED):
+            what = self.target[0] if self.target else "?"
+            self.given_up = (f"preparing {what} passed its deadline of {self.deadline_s:.0f} s "
+                             f"on some rank" if agreed == _LATE else
+                             f"preparing {what} failed on some rank")
+            if late:
+                log.error("rank %d: the background preparation of %s is still running after "
+                          "%.0f s; giving up (the thread is left behind)", dist.get_rank(),
+                          what, self.deadline_s)
+            return "ready"  # every rank goes to the switch, whose `take()` raises alike
         return _VOTES[agreed]
 
     def take(self) -> ParallelGroups:
         """The groups built; the preparation, if one was asked for, is `take_prepared()`."""
+        if self.given_up is not None:  # agreed by the ready vote: do not wait on a thread
+            reason, self.target = self.given_up, None
+            if self._error is not None:
+                reason += f" (here: {type(self._error).__name__}: {self._error})"
+            raise RuntimeError(reason)
         if self._thread is not None:
             self._thread.join()
         self._thread = None
@@ -149,13 +197,16 @@ class DeviceManager:
         it built, (groups, prepared), for the caller to free. A thread still blocked on a
         dead peer is left behind (daemon)."""
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(0 if self.given_up is not None else timeout)
             if self._thread.is_alive():
                 log.warning("the background preparation of %s did not end within %.0f s; "
                             "left behind", self.target[0] if self.target else "?", timeout)
                 self._thread, self.target = None, None
                 return None, None
         self._thread, self.target = None, None
+        if self.given_up is not None and self._result is not None:
+            # some peer never finished its communicators: abort ours, do not destroy them
+            self._result.destroy(broken=True)
         out = (self._result, self._prepared)
         self._result, self._prepared, self._error = None, None, None
         return out

@@ -33,10 +33,12 @@ from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
+from ..compat.torch_features import new_group
 from ..transition.transport import abort_group
 from ..vps.layout import GROUP_AXES, Layout
 from ..vps.placement import Placement
-from .communicators import group_device
+from ..transition.transport import is_nccl
+from .communicators import cpu_group_for, group_device
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,8 @@ class ParallelGroups:
     layout_group: object = None
     # a gloo twin of layout_group where the backend is NCCL (else layout_group itself):
     # megatron's construction-time object gathers, made while another layout trains, run
-    # on the CPU and never on the device's streams (elastic.communicators)
+    # on the CPU and never on the device's streams (elastic.communicators). Shared by
+    # every layout on the same devices and not destroyed with the layout
     layout_group_cpu: object = None
     # the layout's devices in global-rank order, where they are the job's first ranks and
     # others are left on standby: the default group Megatron-LM's code is given meanwhile
@@ -92,6 +95,16 @@ class ParallelGroups:
                         raise
         self.created.clear()
 
+    def release_transfer(self) -> None:
+        """Destroy the transfer group now (it serves only the switch into this layout).
+        Every rank of the world calls it at the same point (after the switch's last
+        vote): its members destroy it together, as NCCL wants."""
+        g, self.transfer = self.transfer, None
+        if g is None or g == dist.GroupMember.NON_GROUP_MEMBER:
+            return
+        self.created = [x for x in self.created if x is not g]
+        dist.destroy_process_group(g)
+
     def take_handles(self) -> list:
         """Move this object's references to its process-group handles out (after
         `destroy`), so that holding this object no longer keeps them alive: whoever takes
@@ -101,6 +114,78 @@ class ParallelGroups:
         self.pg_collection = self.transfer = self.layout_group = self.layout_group_cpu = None
         self.stand_in_world = None
         return handles
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """The job's per-group NCCL settings, by megatron's group name (`tp`, `dp_cp`, ...):
+    Megatron-LM's `--nccl-communicator-config-path` (a YAML of `{name: {cga_cluster_size,
+    max_ctas, min_ctas, net_name, is_high_priority_stream}}`) with
+    `--high-priority-stream-groups` folded in, as megatron-core folds them. B's groups get
+    the same options as the job's first ones (megatron's own `get_nccl_options` makes
+    them)."""
+
+    nccl: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
+
+    @classmethod
+    def from_config(cls, cfgs: Optional[dict], high_priority: Sequence[str] = ()) -> "GroupOptions":
+        merged: dict[str, dict] = {k: dict(v or {}) for k, v in (cfgs or {}).items()}
+        for name in high_priority or ():
+            merged.setdefault(name, {})["is_high_priority_stream"] = True
+        bad = [k for k, v in merged.items() if not isinstance(k, str) or not isinstance(v, dict)]
+        if bad:
+            raise ValueError(f"NCCL communicator config: entries {bad} are not name: mapping")
+        return cls(tuple(sorted((k, tuple(sorted(v.items()))) for k, v in merged.items())))
+
+    @classmethod
+    def from_megatron_args(cls, args) -> "GroupOptions":
+        path = getattr(args, "nccl_communicator_config_path", None)
+        cfgs = None
+        if path:
+            import yaml
+
+            cfgs = yaml.safe_load(_read_config(path))
+        return cls.from_config(cfgs, getattr(args, "high_priority_stream_groups", None) or ())
+
+    def config(self) -> dict[str, dict]:
+        return {name: dict(kv) for name, kv in self.nccl}
+
+
+def _read_config(path: str, limit: int = 1 << 20) -> bytes:
+    """A small config file read whole, without following a link: a regular file of this
+    user (or root) that nobody else may write."""
+    import os
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.getuid(), 0) \
+                or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_size > limit:
+            raise ValueError(f"NCCL communicator config {path}: not a regular file of this "
+                             f"user, writable by others, or over {limit} bytes")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit + 1)
+    finally:
+        os.close(fd)
+
+
+_OPTIONS: dict = {"value": GroupOptions()}
+
+
+def set_group_options(options: GroupOptions) -> None:
+    """The options every later `build_groups` gives its NCCL groups (set once, at start)."""
+    _OPTIONS["value"] = options
+
+
+def _pg_options(name: str):
+    """megatron-core's NCCL options for group `name` (None: torch's defaults)."""
+    cfg = _OPTIONS["value"].config()
+    if name not in cfg or not is_nccl():
+        return None
+    from megatron.core.parallel_state import get_nccl_options
+
+    return get_nccl_options(name, cfg)
 
 
 def optimizer_instance_groups(layout: Layout) -> dict[str, list[list[int]]]:
@@ -142,13 +227,15 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
 
     device = group_device()  # NCCL: each communicator created with its group, eagerly
 
-    def make(ranks: Sequence[int]):
-        key = tuple(ranks)
+    def make(ranks: Sequence[int], name: str = ""):
+        # groups with the same members are shared, unless the job gives a name options
+        options = _pg_options(name) if name else None
+        key = (tuple(ranks), name if options is not None else "")
         if key not in cache:
             # group rank = position; an ascending list keeps torch's default call (the
             # only one TorchComms' split path takes: transition.switch checks that)
-            g = dist.new_group(list(key), device_id=device,
-                               sort_ranks=list(key) == sorted(key))
+            g = new_group(key[0], device=device, keep_order=list(key[0]) != sorted(key[0]),
+                          pg_options=options)
             cache[key] = g
             created.append(g)
         return cache[key]
@@ -159,7 +246,7 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
     def add(name: str, groups_virtual: list[list[int]]) -> None:
         for gv in groups_virtual:
             ranks = [dev[v] for v in gv]
-            g = make(ranks)
+            g = make(ranks, name)
             if rank in ranks:
                 setattr(pgc, name, g)
                 mine[name] = ranks
@@ -185,12 +272,14 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
         pgc.intra_expt_dp = pgc.expt_dp
         mine["intra_dp_cp"] = mine["dp_cp"]
         mine["intra_expt_dp"] = mine["expt_dp"]
+    # under NCCL the layout's CPU twin: one per device set for the life of the world
+    # (communicators.cpu_group_for), not a new world-sized gloo group per switch; where one
+    # is made, its members connect lazily
     everyone_cpu = everyone
     if dist.get_backend() != "gloo":
-        with _lazy_gloo():  # world-sized: no full mesh of connections at creation
-            everyone_cpu = dist.new_group(list(dev), backend="gloo")
-        created.append(everyone_cpu)
-    transfer = dist.new_group(list(range(dist.get_world_size())), device_id=device)
+        with _lazy_gloo():
+            everyone_cpu = cpu_group_for(dev)
+    transfer = new_group(range(dist.get_world_size()), device=device)
     created.append(transfer)
     log.debug("built %d groups for %s", len(created), layout)
     return ParallelGroups(layout=layout, placement=placement, rank=rank, pg_collection=pgc,

@@ -93,7 +93,8 @@ def add_dynatrain_args(parser: argparse.ArgumentParser,
     g.add_argument("--dynatrain-device-memory", type=int, default=None,
                    help="bytes per device; a target whose state would not fit is refused, "
                         "and a switch whose A and B do not fit together is prepared in a "
-                        "degraded way (loop/memory_check.py)")
+                        "degraded way (loop/memory_check.py). On a GPU the check is on "
+                        "without it (the device is measured); this caps the device's size")
     g.add_argument("--dynatrain-activation-reserve", type=int, default=0,
                    help="bytes of A's activations per device where they cannot be measured "
                         "(CPU); on a GPU the allocator's peak is measured")

@@ -152,6 +152,8 @@ class DynatrainHook:
             self.start(trainer, trainer.objs.layout, trainer.objs.groups.placement)
         if self.faults is not None:
             self.faults.fail(dist.get_rank(), "step", trainer.iteration)
+        if self.memory is not None:
+            self.memory.step_boundary()  # the memory figures are the last step's
         if trainer.iteration >= self.builder.train.train_iters:
             return trainer  # the last step: no switch starts (`end_job` follows)
         if self.devices.pending:
@@ -299,6 +301,8 @@ class DynatrainHook:
             raise
         if released is not None and res.aborted:
             restore_grad_buffers(released)  # A trains on
+        if self.memory is not None:
+            self.memory.forget_peaks()  # this step's peak held A and B together
         if res.aborted:
             self.failed.append(res.aborted)
             self.controller.done(self.decision, "failed", res.aborted)

@@ -347,9 +347,14 @@ class MegatronBuilder:
         layout A trains with: megatron's parallel_state globals and the RNGs stay A's (every
         megatron-core 0.16.1 constructor we use takes its groups from `pg_collection`), so
         this may run in a background thread while A trains. `activate` makes them current
-        at the commit."""
-        return build_training_objects(self.spec, layout, groups, self.train, init_weights=False,
-                                      config_factory=self.config_factory)
+        at the commit. B's thread draws from no generator of the process and forks no RNG
+        tracker state (`compat.private_rng`): Transformer Engine's construction would
+        otherwise fork the process-wide tracker while A's dropout draws from it."""
+        from ..compat.private_rng import private_rng
+
+        with private_rng():
+            return build_training_objects(self.spec, layout, groups, self.train,
+                                          init_weights=False, config_factory=self.config_factory)
 
     def activate(self, objs: TrainingObjects) -> None:
         """Make `objs` the current layout: megatron's globals point at its groups and the

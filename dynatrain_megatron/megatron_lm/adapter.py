@@ -50,9 +50,10 @@ What this can do, and what it cannot (the honest part):
   comes back through `MegatronLMSession.rebind_loop` like a switch: from the survivors'
   memory with several distributed-optimizer instances, else (the dead rank's optimizer
   shards are lost) from Megatron-LM's last `--save`.
-* Not done: Megatron-LM's gloo twin groups
-  of the first layout are dropped and its first process groups are left alive (not
-  destroyed) because `parallel_state` may still hand them out elsewhere.
+* Megatron-LM's first process groups (and their gloo twins) belong to the first layout:
+  the switch that releases it destroys them on every rank, in one order, once megatron's
+  globals point at the new layout's groups (`megatron_first_groups`). Not freed: TE's
+  tp-comm-overlap user buffers (`--tp-comm-overlap` is off after a switch anyway).
 
 Importing this module needs megatron-core and this package only; Megatron-LM
 (`megatron.training`) is imported inside the functions that run within its loop.
@@ -198,8 +199,28 @@ def wrap_megatron_groups(layout: Layout):
         if g is not None:
             mine[name] = sorted(dist.get_process_group_ranks(g))
     return ParallelGroups(layout=layout, placement=Placement.default(layout.world_size),
-                          rank=rank, pg_collection=pgc, group_ranks=mine, created=[],
-                          layout_group=dist.group.WORLD)
+                          rank=rank, pg_collection=pgc, group_ranks=mine,
+                          created=megatron_first_groups(), layout_group=dist.group.WORLD)
+
+
+def megatron_first_groups() -> list:
+    """Every process group Megatron-LM's `initialize_model_parallel` left in megatron-core's
+    `parallel_state` globals (gloo twins included, the default group excluded), once
+    each, in the order of the globals' names: the same order on every rank. They are
+    handed to the first layout's `ParallelGroups` as its own, so a switch that releases
+    that layout destroys them (every rank, together, after `install` pointed every
+    global at B's groups); until then nothing changes. Without this they stayed in
+    torch's group registry for the whole job."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    out, seen = [], set()
+    for name, value in sorted(vars(ps).items()):
+        if (name.startswith("_") and isinstance(value, dist.ProcessGroup)
+                and value is not dist.group.WORLD and id(value) not in seen):
+            seen.add(id(value))
+            out.append(value)
+    return out
 
 
 def _check_live_state(spec: ModelSpec, train: TrainConfig, objs) -> None:
@@ -272,7 +293,13 @@ class MegatronLMSession:
         from ..loop.hook import DynatrainHook
         from ..mcore.training import Trainer
 
+        from ..elastic.communicators import ensure_control_group
+        from ..elastic.groups import GroupOptions, set_group_options
+
         check_switchable(args)
+        ensure_control_group()  # the votes' CPU group (every rank starts its session here)
+        # B's groups with the job's per-group NCCL options (elastic.groups.GroupOptions)
+        set_group_options(GroupOptions.from_megatron_args(args))
         for note in performance_differences(args):
             log.warning("dynatrain: %s", note)
         self.args = args

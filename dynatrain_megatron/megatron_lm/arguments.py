@@ -36,6 +36,11 @@ def chain_extra_args_providers(*providers: Optional[ExtraArgsProvider]) -> Extra
     chain = [p for p in providers if p is not None]
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        # Megatron-LM parses its arguments before it makes the process groups: NCCL's
+        # error handling must be in the environment by then (plain torchrun sets none)
+        from .. import process_env
+
+        process_env.apply()
         for p in chain:
             out = p(parser)
             parser = out if out is not None else parser
@@ -274,8 +279,6 @@ def performance_differences(args: Any) -> list[str]:
     if arg_value(args, "tp_comm_overlap", False):
         out.append("--tp-comm-overlap is off after a switch (its user buffers are set up for "
                    "the first layout's TP size)")
-    if arg_value(args, "check_for_nan_in_loss_and_grad", False):
-        out.append("the DDP NaN check on gradients is off after a switch")
     dropout = [f"--{n.replace('_', '-')} {arg_value(args, n)}" for n in
                ("hidden_dropout", "attention_dropout") if _is_set(arg_value(args, n, 0.0))]
     if dropout:

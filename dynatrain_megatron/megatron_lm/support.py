@@ -135,6 +135,14 @@ REFUSALS: tuple[Refusal, ...] = (
             "needs Hopper/Blackwell kernels or CUDA graphs: B would be built by Megatron-LM "
             "(TE's FP8 _extra_state is metadata like any other), but no switch has run there",
             _fp8),
+    Refusal("--ddp-pad-buckets-for-high-nccl-busbw", "not_yet",
+            "the switch plans with a buffer layout that does not pad buckets this way yet: "
+            "it would misread where each optimizer shard lives",
+            _flags("ddp_pad_buckets_for_high_nccl_busbw")),
+    Refusal("--use-sharp", "hardware",
+            "megatron-core turns SHARP on through the environment while it makes its own "
+            "data-parallel groups; B's groups, made later in the background, would not get it "
+            "(and no SHARP fabric has been lent)", _flags("use_sharp")),
     Refusal("--perform-rl-step", "not_yet",
             "the RL loop holds the first layout's inference objects", _flags("perform_rl_step")),
 )

@@ -16,13 +16,16 @@ Order of a switch (every rank of the union of A's and B's devices calls `switch_
 """
 from __future__ import annotations
 
+import datetime
 import logging
+import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..compat.torch_features import ordered_groups
 from ..adapters.live import (LiveState, optimizer_state_complete, optimizers_of,
                              read_optimizer_step, storage_fingerprint, write_optimizer_step)
 from ..adapters.verify import check_live_matches_analytic
@@ -38,12 +41,13 @@ from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
-from .vocab_padding import carry_vocab_padding
+from .vocab_padding import carry_vocab_padding, padding_plan
 from .executor import PACK_ALIGN, Executor
 from .faults import FaultPlan
 from .switch_types import (Builder, LayoutGroups, Prepared, Scalars, SwitchOptions,
                            SwitchReport, SwitchResult)
-from .transport import TorchP2PTransport, Transport, collective_device
+from .transport import (TorchP2PTransport, Transport, abort_group, collective_device,
+                        control_group)
 
 log = logging.getLogger(__name__)
 
@@ -159,17 +163,74 @@ def _next_attempt() -> int:
     return _ATTEMPTS["n"] % (1 << 30)
 
 
-def _agree(errors: list[str]) -> list[str]:
+VOTE_TIMEOUT_S = 600.0  # a vote's deadline by default (DYNATRAIN_VOTE_TIMEOUT overrides)
+_VOTE_MESSAGE_BYTES = 1024  # a failing rank's reasons, truncated, in a failed vote
+
+
+class VoteFailed(RuntimeError):
+    """A vote did not complete: a peer is gone or hung. No rank got a result (every
+    peer's contribution is needed for one), so all of them raise alike; the caller treats
+    the world as broken and recovers."""
+
+
+def vote_deadline(timeout: Optional[float]) -> float:
+    """A vote's deadline: well beyond a round's `timeout` (a peer that timed out in the
+    transfer still arrives), at least `VOTE_TIMEOUT_S` or its environment override."""
+    base = float(os.environ.get("DYNATRAIN_VOTE_TIMEOUT", VOTE_TIMEOUT_S))
+    return max(base, 4 * timeout) if timeout else base
+
+
+def _wait(work, deadline: float, what: str) -> None:
+    try:
+        done = work.wait(timeout=datetime.timedelta(seconds=deadline))
+    except RuntimeError as e:  # gloo: a timed-out or broken collective raises
+        raise VoteFailed(f"{what} did not complete within {deadline:.0f} s: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    if done is False:
+        raise VoteFailed(f"{what} did not complete within {deadline:.0f} s")
+
+
+def _agree(errors: list[str], deadline: float = VOTE_TIMEOUT_S) -> list[str]:
     """Collective over the world: everyone's errors (empty on every rank: all went well).
-    One 4-byte all-reduce when all went well (the vote is in the pause); the messages are
-    gathered only when some rank has one."""
-    flag = torch.tensor([1 if errors else 0], dtype=torch.int32, device=collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+
+    Runs on the job's CPU group (`elastic.communicators.control_group`: gloo, never an
+    NCCL communicator, whose abort would hand a rank its own value back as the result),
+    with a deadline. One 4-byte all-reduce when all went well; each rank's reasons
+    (truncated) are gathered only when some rank has one. A peer that is gone makes every
+    rank raise `VoteFailed` (no rank can complete the reduction without it), never some
+    ranks commit while others roll back."""
+    group = control_group()
+    device = collective_device(group)  # the CPU, unless a world without its CPU group
+    flag = torch.tensor([1 if errors else 0], dtype=torch.int32, device=device)
+    _wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True), deadline,
+          "the switch's vote")
     if not int(flag.item()):
         return []
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, errors)
-    return [e for errs in everyone for e in errs]
+    data = "\n".join(errors).encode()[:_VOTE_MESSAGE_BYTES]
+    mine = torch.zeros(_VOTE_MESSAGE_BYTES, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    mine = mine.to(device)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    _wait(dist.all_gather(everyone, mine, group=group, async_op=True), deadline,
+          "the switch's vote (reasons)")
+    out = []
+    for t in everyone:
+        text = bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+        out += [line for line in text.split("\n") if line]
+    return out
+
+
+def _release_transfer(groups: Optional[LayoutGroups], abort: bool) -> None:
+    """Every rank of the world, at the same point (after a vote, whose result they share):
+    B's transfer communicator is only for this switch. `abort`: the transfer failed, so
+    its NCCL communicator may hold operations that will never complete; every member
+    aborts it (not only the one that timed out) before it is destroyed. Then destroyed
+    by all its members together (NCCL synchronises a destroy across a node)."""
+    if groups is None or groups.transfer is None:
+        return
+    if abort:
+        abort_group(groups.transfer)
+    groups.release_transfer()
 
 
 def _aborted(src: Layout, dst: Layout, dst_placement: Placement, groups: Optional[LayoutGroups],
@@ -229,10 +290,11 @@ def choose_dst_placement(spec: ModelSpec, builder: Builder, src: Layout, src_pla
     kinds = KINDS if move_weights else OPT_KINDS
     choice = placement_choice(spec, src, src_placement, dst, devices, ranks_per_node,
                               (builder.bucket_size(src), builder.bucket_size(dst)), kinds)
-    if torch.distributed.config.use_torchcomms and choice.chosen != choice.default:
-        # TorchComms creates groups by splitting, which always sorts members by global rank
-        log.warning("TorchComms is on: groups cannot keep a member order, so B's placement "
-                    "is the best rank-ordered one")
+    if not ordered_groups() and choice.chosen != choice.default:
+        # TorchComms creates groups by splitting, and a torch without new_group(sort_ranks=)
+        # sorts them: members always in global-rank order
+        log.warning("this torch cannot keep a group's member order (TorchComms on, or no "
+                    "new_group(sort_ranks=)): B's placement is the best rank-ordered one")
         return best_rank_ordered(choice, ranks_per_node)[0]
     return choice.chosen
 
@@ -342,9 +404,11 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         log.error("rank %d: switch %s -> %s failed before any byte moved: %s", me, src, dst, e,
                   exc_info=True)
     t4 = t()
-    errors = _agree(errors)
+    deadline = vote_deadline(options.timeout)
+    errors = _agree(errors, deadline)
     phases["vote"] = t() - t4
     if errors:
+        _release_transfer(groups, abort=False)
         return _aborted(src, dst, dst_placement, groups, new_objs, "prepare", errors, phases,
                         background)
 
@@ -360,18 +424,25 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                   checksums=options.checksums, faults=faults)
     errors = list(ex.run(prepared.local_pieces, prepared.round_pieces))
     try:
-        # a collective: every rank calls it; after a death any surviving replica serves
-        carry_vocab_padding(old_live, new_live, kinds, main_only=not unavailable,
-                            src_padded=spec.padded_vocab_size(src.tp) > spec.vocab_size)
+        # only the holders of A's padding rows and the needers of B's exchange (pure plan,
+        # the same on every rank); after a death any surviving replica serves
+        pad_plan = padding_plan(
+            (analytic_layout(spec, src, builder.bucket_size(src)), src_placement),
+            (analytic_layout(spec, dst, builder.bucket_size(dst)), dst_placement), kinds,
+            unavailable)
+        _, pad_errors = carry_vocab_padding(pad_plan, me, old_live, new_live, ex.transport,
+                                            tag=attempt, timeout=options.timeout)
+        errors += pad_errors
         faults.fail(me, "commit", dst=str(dst))
     except Exception as e:  # noqa: BLE001
         errors.append(f"rank {me}: commit: {type(e).__name__}: {e}")
     phases["transfer"] = t() - t5
     # -- commit vote: every rank of the world agrees that everything arrived and checked
     t6 = t()
-    errors = _agree(errors)
+    errors = _agree(errors, deadline)
     phases["vote"] += t() - t6
     if errors:
+        _release_transfer(groups, abort=True)  # every rank, whatever it saw itself
         return _aborted(src, dst, dst_placement, groups, new_objs, "transfer", errors, phases,
                         background)
 
@@ -381,6 +452,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     dist.broadcast_object_list(box, src=next(d for d in src_placement.devices
                                              if d not in set(unavailable)))
     scalars = box[0]
+    _release_transfer(groups, abort=False)
     phases["sync"] = t() - t6
     t6 = t()
     if new_objs is not None:

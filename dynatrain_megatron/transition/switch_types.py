@@ -52,6 +52,9 @@ class LayoutGroups(Protocol):
     placement: Placement
     transfer: Optional[dist.ProcessGroup]
 
+    def release_transfer(self) -> None:
+        """Destroy `transfer` (every rank of the world calls it at the same point)."""
+
 
 @dataclass(frozen=True, slots=True)
 class SwitchOptions:

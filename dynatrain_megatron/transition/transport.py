@@ -20,7 +20,24 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..compat.torch_features import abort_group_now
+
 log = logging.getLogger(__name__)
+
+
+# the job's CPU group over the world (gloo; None where the default group is gloo itself)
+# and a weak reference to the default group it belongs to: `elastic.communicators` makes it
+CONTROL: dict = {"group": None, "default": None}
+
+
+def control_group() -> Optional[dist.ProcessGroup]:
+    """The group for small host-side agreements (None: the default group). Falls back to
+    the default group when the control group belongs to an earlier world."""
+    if not dist.is_initialized() or CONTROL["default"] is None:
+        return None
+    if CONTROL["default"]() is not dist.distributed_c10d._get_default_group():
+        return None
+    return CONTROL["group"]
 
 
 def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
@@ -65,7 +82,7 @@ def abort_group(group: Optional[dist.ProcessGroup]) -> bool:
     if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or not is_nccl(group):
         return False
     try:
-        group.abort()
+        abort_group_now(group)
     except Exception as e:  # noqa: BLE001 - best effort: the group is broken either way
         log.warning("aborting a broken NCCL group failed: %s", e)
         return False
