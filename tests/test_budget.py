@@ -12,7 +12,7 @@ from dynatrain_megatron.bench.budget import BudgetConstants, switch_budget
 REQUIRED = ("new_group calls (non-member)", "communicators created", "store operations",
             "gloo mesh set-up", "placement choice (with its plans)", "step skew",
             "votes (ready, preparation, prepare, commit)", "communicator warm-up",
-            "transfer (data)", "transfer (checksum phase)", "vocab-padding gather",
+            "transfer (data)", "transfer (checksum phase)", "vocab-padding exchange",
             "DP all-gather of weights (rebuild from masters)", "release of A + rebind",
             "data-iterator rebuild", "first step at B (extra)")
 
@@ -71,7 +71,7 @@ def test_padding_gather_is_priced_from_the_counted_bytes(report):
     c = BudgetConstants(nic_gbps=50, efficiency=0.8)
     b = switch_budget(spec, Layout.parse("tp2pp2", 4), Layout.parse("tp1pp4", 4), report,
                       counts, report["simulated_transfer"], c)
-    pad = next(t for t in b["terms"] if t["name"] == "vocab-padding gather")
+    pad = next(t for t in b["terms"] if t["name"] == "vocab-padding exchange")
     assert pad["seconds"] == pytest.approx(1.0)
 
 

@@ -155,10 +155,13 @@ def switch_budget(spec: ModelSpec, src: Layout, dst: Layout, report: dict[str, A
     else:
         t.append(Term("transfer", report["estimated_seconds"], "stall", "modelled",
                       "ideal links (routing.cost.estimate)"))
-    pad = k.get("switch_world_collective_bytes", {}).get("all_gather_object", 0)
-    t.append(Term("vocab-padding gather", pad / nic, "stall", "modelled",
-                  f"{pad / 1e9:.2f} GB received per rank (world x largest object, "
-                  f"emulated) / NIC {nic / 1e9:.0f} GB/s"))
+    gather = k.get("switch_world_collective_bytes", {}).get("all_gather_object", 0)
+    p2p = k.get("p2p_padding_bytes", 0)
+    t.append(Term("vocab-padding exchange", max(gather, p2p) / nic
+                  + (c.small_collective_s(2) if p2p else 0.0), "stall", "modelled",
+                  (f"{gather / 1e9:.2f} GB received per rank by a world all_gather_object"
+                   if gather else f"{p2p / 1e6:.2f} MB sent + received point to point by the "
+                   f"busiest sampled rank (emulated)") + f" / NIC {nic / 1e9:.0f} GB/s"))
     t.append(Term("scalars broadcast", c.small_collective_s(W), "stall", "modelled",
                   "one small world broadcast"))
     # rebuild from masters: each rank gathers its model-parallel shard of the weights

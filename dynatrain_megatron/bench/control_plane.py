@@ -87,6 +87,44 @@ class _NoBuild:
         raise AssertionError("nothing was built")
 
 
+class RecordingTransport:
+    """A transport that moves nothing: each batched exchange (the executor's rounds come
+    through `RecordingExecutor`; the vocab-padding exchange calls `start` itself) is
+    counted with its messages, bytes and peers."""
+
+    def __init__(self) -> None:
+        self.record = dict(exchanges=0, messages=0, bytes=0, peers=set())
+
+    def start(self, sends, recvs, tag: int = 0):
+        r = self.record
+        r["exchanges"] += 1
+        for box in (sends, recvs):
+            for peer, msgs in box.items():
+                r["peers"].add(peer)
+                r["messages"] += len(msgs)
+                r["bytes"] += sum(m.numel() * m.element_size() for m in msgs)
+        return self
+
+    def wait(self, timeout=None) -> None:
+        return None
+
+    def carry_padding(self, plan, me: int, old, new, transport=None, *, tag: int = 0,
+                      timeout=None) -> tuple[int, list[str]]:
+        """`transition.vocab_padding.carry_vocab_padding` without data: the plan's pieces
+        of this rank (`PaddingPlan.for_device`), remote ones posted as one batched
+        exchange (fp32: 4 bytes an element), as the real one posts them."""
+        sends, recvs = plan.for_device(me)
+        out = [p for p in sends if p.dst != me]
+        inc = [p for p in recvs if p.src != me]
+        if out or inc:
+            r = self.record
+            r["exchanges"] += 1
+            r["peers"].update({p.dst for p in out} | {p.src for p in inc})
+            r["messages"] += len(out) + len(inc)
+            r["bytes"] += 4 * sum(p.numel for p in out + inc)
+        return 0, []
+
+
 class RecordingExecutor:
     """The executor's messages without their data: per round and peer, the packed message
     of the small pieces and one per large piece (`transition.executor.Executor._split`),
@@ -97,7 +135,7 @@ class RecordingExecutor:
                  *, tag: int = 0, timeout=None, checksums: bool = True, faults=None) -> None:
         from ..transition.executor import ExecStats
 
-        self.rank, self.checksums = rank, checksums
+        self.rank, self.checksums, self.transport = rank, checksums, transport
         self.stats = ExecStats()
         self.record = dict(batched_exchanges=0, messages_sent=0, messages_recv=0,
                            bytes_sent=0, bytes_recv=0, peers=set(), checksum_messages=0,
@@ -146,11 +184,13 @@ class RecordingExecutor:
 
 
 @contextlib.contextmanager
-def recording(fake: RecordingDist, executors: list) -> Iterator[None]:
+def recording(fake: RecordingDist, executors: list,
+              wire: Optional[RecordingTransport] = None) -> Iterator[None]:
     """Every module of the control path sees `fake` as `torch.distributed` (and a CPU
     tensor for its small collectives, where a GPU job would use its device)."""
+    from ..compat import torch_features
     from ..elastic import communicators, groups
-    from ..transition import switch, transport, vocab_padding
+    from ..transition import switch, transport
 
     def make_executor(*a, **kw):
         ex = RecordingExecutor(*a, **kw)
@@ -159,12 +199,14 @@ def recording(fake: RecordingDist, executors: list) -> Iterator[None]:
 
     cpu = lambda group=None: torch.device("cpu")  # noqa: E731
     patches = [mock.patch.object(m, "dist", fake)
-               for m in (groups, communicators, switch, transport, vocab_padding)]
+               for m in (groups, communicators, switch, transport, torch_features)]
     patches += [mock.patch.object(m, "collective_device", cpu)
                 for m in (switch, communicators, transport)]
     patches += [mock.patch.object(groups, "group_device",
                                   lambda: FAKE_DEVICE if fake.backend == "nccl" else None),
                 mock.patch.object(switch, "Executor", make_executor),
+                mock.patch.object(switch, "carry_vocab_padding",
+                                  (wire or RecordingTransport()).carry_padding),
                 mock.patch.object(communicators, "_CONTROL", {"group": None, "default": None})]
     with contextlib.ExitStack() as stack:
         for p in patches:
@@ -210,7 +252,8 @@ def emulate_rank(spec: ModelSpec, src: Layout, src_placement: Placement, dst: La
                  backend: str = "nccl", ranks_per_node: int = 8,
                  memory_budget: Optional[int] = None) -> RankRecord:
     """One rank's control plane for the switch A -> B (module doc, steps 2-6)."""
-    from ..elastic.communicators import control_group, everyone_ok, warm_up_groups
+    from ..elastic.communicators import (control_group, create_control_group, everyone_ok,
+                                         warm_up_groups)
     from ..elastic.groups import build_groups
     from ..transition.switch import prepare_switch, switch_layout
     from ..transition.switch_types import SwitchOptions
@@ -220,7 +263,9 @@ def emulate_rank(spec: ModelSpec, src: Layout, src_placement: Placement, dst: La
     fake = RecordingDist(rank, world, backend,
                          object_bytes=lambda o: pad if isinstance(o, list) else 0)
     execs: list = []
-    with recording(fake, execs):
+    wire = RecordingTransport()
+    with recording(fake, execs, wire):
+        create_control_group()  # the job's CPU group over the world, made at start
         groups_a = build_groups(src, src_placement)
         at_start = fake.counts.as_dict()
         fake.counts = type(fake.counts)()
@@ -235,12 +280,16 @@ def emulate_rank(spec: ModelSpec, src: Layout, src_placement: Placement, dst: La
         warm_up_groups(groups_b)
         everyone_ok(True)  # the hook: every rank's preparation succeeded
         res = switch_layout(spec, builder, None, src, src_placement, dst, build_groups, None,
-                            options, prepared=prep)
+                            options, prepared=prep, transport=wire)
         if res.aborted:
             raise RuntimeError(res.aborted)
         groups_a.destroy()
     rec = execs[0].record if execs else {}
     p2p = {k: (len(v) if k == "peers" else v) for k, v in rec.items() if k != "rounds"}
+    # the exchanges made on the transport outside the executor's rounds: the padding rows
+    w = wire.record
+    p2p.update(padding_exchanges=w["exchanges"], padding_messages=w["messages"],
+               padding_bytes=w["bytes"], padding_peers=len(w["peers"]))
     return RankRecord(rank, role, at_start, fake.counts.as_dict(), p2p,
                       time.perf_counter() - t0)
 
@@ -279,7 +328,8 @@ class Emulation:
                 wc[name] = max(wc.get(name, 0), b)
         out["switch_world_collective_bytes"] = wc
         for k in ("batched_exchanges", "messages_sent", "messages_recv", "bytes_sent",
-                  "bytes_recv", "peers", "checksum_messages"):
+                  "bytes_recv", "peers", "checksum_messages", "padding_exchanges",
+                  "padding_messages", "padding_bytes", "padding_peers"):
             out[f"p2p_{k}"] = max((r.p2p.get(k, 0) for r in self.ranks), default=0)
         out.update(world=self.world, backend=self.backend, sampled_ranks=len(self.ranks),
                    roles=sorted({r.role.split("=")[0] for r in self.ranks}),

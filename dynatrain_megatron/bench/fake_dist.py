@@ -97,6 +97,16 @@ class Counts:
                 "world_collectives": list(self.world_collectives)}
 
 
+class _Done:
+    """The work handle of a collective that has completed."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 class _Config:
     use_torchcomms = False
 
@@ -207,7 +217,15 @@ class RecordingDist:
 
     def all_reduce(self, tensor: torch.Tensor, op=None, group=None, async_op: bool = False):
         self._record("all_reduce", group, tensor.numel() * tensor.element_size())
-        return None
+        return _Done() if async_op else None
+
+    def all_gather(self, tensor_list: list, tensor: torch.Tensor, group=None,
+                   async_op: bool = False):
+        self._record("all_gather", group,
+                     len(tensor_list) * tensor.numel() * tensor.element_size())
+        for t in tensor_list:
+            t.copy_(tensor)
+        return _Done() if async_op else None
 
     def barrier(self, group=None, async_op: bool = False, device_ids=None):
         self._record("barrier", group, 0)
