@@ -1,8 +1,8 @@
 """The main job (`make run`): real Megatron-LM, switched in memory through the signal file,
 beside Megatron-LM's own save + restart + load, timed.
 
-Copies Megatron-LM (default: the latest supported release, `../shared/megatron-lm/
-core_v0.19.0`; `MEGATRON_LM=DIR` any supported checkout, the user's own), builds its dataset
+Copies Megatron-LM (default: the release every test passes on, `../shared/megatron-lm/
+core_v0.16.1`; `MEGATRON_LM=DIR` any supported checkout, the user's own), builds its dataset
 helper where it has its own megatron-core, patches the copy with our patch
 (`megatron_lm.checkout.working_copy`), and runs its own
 `pretrain_gpt.py` with the plain torchrun command on gloo ranks (CPU flags):
@@ -62,10 +62,10 @@ def main() -> int:
     if args.nproc != 4:
         raise SystemExit("--nproc: the operator's requests are written for 4 ranks")
     from dynatrain_megatron.megatron_lm.checkout import working_copy
-    from dynatrain_megatron.megatron_lm.patch_tool import identify, latest_release
+    from dynatrain_megatron.megatron_lm.patch_tool import default_release, identify
 
     src = Path(os.environ.get("MEGATRON_LM")
-               or ROOT.parent / "shared" / "megatron-lm" / latest_release().name)
+               or ROOT.parent / "shared" / "megatron-lm" / default_release().name)
     work = Path(args.work or tempfile.mkdtemp(prefix="dynatrain-mlm-"))
     work.mkdir(mode=0o700, parents=True, exist_ok=True)  # the signal directory: the job's
     os.chmod(work, 0o700)

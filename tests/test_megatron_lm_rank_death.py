@@ -27,9 +27,8 @@ from dynatrain_megatron.megatron_lm import rank_death
 from megatron_lm_runs import CPU_FLAGS, TINY_GPT, layout_flags, load_common, run_launched
 from megatron_lm_tree import copy_tree, require_snapshot
 
-# also on every older supported release (make test): the one job where a death inside
-# train_step goes through the patch's guard and the recovery's rebinding
-pytestmark = pytest.mark.every_release
+# on the default release only: on core_v0.19.0 the survivors of this death do not yet recover
+# (docs/releases.md: status)
 
 
 N = 6
