@@ -329,7 +329,8 @@ def _gtp_collection_fields(pgc, add, layout: Layout, mine: dict) -> None:
                        ("tp_ep_pp_with_egtp_remat", "tp_ep_pp")):
         if new in names and plain in mine:  # a member of that group (not a standby rank)
             setattr(pgc, new, getattr(pgc, plain))
-            mine[new] = mine[plain]
+            if plain in mine:  # a process outside the layout is in none of its groups
+                mine[new] = mine[plain]
     for name in ("dp_cp_ag", "expt_dp_ag"):
         if name in names:
             setattr(pgc, name, None)
