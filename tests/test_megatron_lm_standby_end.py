@@ -2,16 +2,16 @@
 layout's ranks take longer than the process-group timeout between two polls, and a job that
 ends with a switch still being prepared: one torchrun job on 4 gloo ranks, tp1pp2dp2.
 
-* The job's default group gets a 10 s timeout once training starts
-  (`megatron_lm_short_timeout/sitecustomize.py`:
+* On ranks 2 and 3 the job's default group gets a 10 s timeout once training starts
+  (`megatron_lm_short_timeout/sitecustomize.py`; the layout's ranks keep theirs:
   Megatron-LM's `--distributed-timeout-minutes` counts whole minutes). After a request for
   tp1pp2dp1 on 2 ranks, ranks 2 and 3 wait on standby while the 2 layout ranks run an
-  evaluation (`--eval-iters 100`) and a `--save` (every 2 iterations), longer than that
+  evaluation (`--eval-iters 100`) and a `--save` (every 4 iterations), longer than that
   timeout (measured from Megatron-LM's own time stamps). Before the standby channel
   (`elastic/standby_channel.py`) the standby ranks waited on the default group and failed
   there (`Timed out waiting ... for recv`), and the job with them.
-* A request for tp1pp2dp2 on all 4 is written after iteration 5, taken at a later poll; the
-  preparation of B on rank 0 takes 20 s more (`DYNATRAIN_FAULTS` delay), so it is still
+* A request for tp1pp2dp2 on all 4 is written after iteration 7, taken at a later poll; the
+  preparation of B on rank 0 takes 60 s more (`DYNATRAIN_FAULTS` delay), so it is still
   pending when the job ends after iteration N. It is cancelled on every rank (the standby
   ranks hear it through the preparation's vote), its request is filed `not_applied` with
   the reason, no switch runs at the last step, and every process ends cleanly. Before, the
@@ -30,10 +30,10 @@ from megatron_lm_tree import copy_tree, require_snapshot
 
 pytestmark = pytest.mark.multirank
 
-N = 8
+N = 10
 TIMEOUT_S = 10
 SITE = Path(__file__).with_name("megatron_lm_short_timeout")
-REQUESTS = {1: ("tp1pp2dp1", 2), 5: ("tp1pp2dp2", 4)}
+REQUESTS = {1: ("tp1pp2dp1", 2), 7: ("tp1pp2dp2", 4)}
 STAMPED = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+(\d+)/")
 
 
@@ -44,14 +44,15 @@ def run(tmp_path_factory):
     w.chmod(0o700)
     tree = copy_tree(w / "patched", patched=True)
     signal = w / "switch.json"
-    slow = json.dumps({"delay_rank": 0, "delay_seconds": 20.0, "delay_phase": "prepare",
+    slow = json.dumps({"delay_rank": 0, "delay_seconds": 60.0, "delay_phase": "prepare",
                        "dst_layout": "tp1pp2dp2"})
     flags = CPU_FLAGS + TINY_GPT + layout_flags(1, 2) + [
-        "--train-iters", str(N), "--eval-interval", "2", "--eval-iters", "100",
-        "--save", str(w / "ckpt"), "--save-interval", "2",
+        "--train-iters", str(N), "--eval-interval", "4", "--eval-iters", "100",
+        "--save", str(w / "ckpt"), "--save-interval", "4",
         "--dynatrain", "--dynatrain-signal-file", str(signal)]
     text = run_operated(tree, 4, flags, w / "job.log", signal, REQUESTS, site=SITE,
                         env={"DYNATRAIN_TEST_PG_TIMEOUT_S": str(TIMEOUT_S),
+                             "DYNATRAIN_TEST_PG_TIMEOUT_RANKS": "2,3",
                              "DYNATRAIN_FAULTS": slow})
     return dict(w=w, text=text, signal=signal)
 

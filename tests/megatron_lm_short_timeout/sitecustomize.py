@@ -1,6 +1,6 @@
 """Test-only start-up code (on PYTHONPATH for the job of test_megatron_lm_standby_end.py):
 once Megatron-LM's `train()` starts, the job's default process group gets a timeout of
-$DYNATRAIN_TEST_PG_TIMEOUT_S seconds instead of `--distributed-timeout-minutes` (whole
+$DYNATRAIN_TEST_PG_TIMEOUT_S seconds (on the ranks in $DYNATRAIN_TEST_PG_TIMEOUT_RANKS) instead of `--distributed-timeout-minutes` (whole
 minutes, at least one), so that a wait longer than the process-group timeout costs seconds
 of test time. Set when training starts, not at start-up, where the ranks arrive seconds
 apart on a loaded machine. Megatron-LM's model-parallel groups keep their own timeout."""
@@ -10,6 +10,11 @@ import os
 import sys
 
 _SECONDS = os.environ.get("DYNATRAIN_TEST_PG_TIMEOUT_S")
+# only on these launch ranks (comma-separated; all when unset): a collective times out on
+# the process whose own wait passes its timeout
+_RANKS = os.environ.get("DYNATRAIN_TEST_PG_TIMEOUT_RANKS")
+if _SECONDS and _RANKS is not None and os.environ.get("RANK") not in _RANKS.split(","):
+    _SECONDS = None
 _MODULE = "megatron.training.training"
 
 
