@@ -14,14 +14,15 @@ for one switch, with `torch.distributed` replaced by a recording stand-in
   5. the switch itself (`transition.switch.switch_layout` with the prepared state): its
      two votes, the transfer's messages as the executor derives them from its pieces
      (`RecordingExecutor`: one batched exchange per round and one for its checksums),
-     the vocab-padding gather, the scalars' broadcast;
+     the vocab-padding exchange (the plan's pieces of this rank, point to point), the
+     scalars' broadcast;
   6. the release of A's groups.
 
 Counted per rank (`fake_dist.Counts`): `new_group` calls (member or not), communicators
 created, gloo groups and connections, store operations, collectives with their bytes
 and every one whose group is the world, plus point-to-point messages, bytes and peers.
-The vocab-padding gather moves objects the emulation has none of: their size is the
-modelled one (`padding_object_bytes`).
+The vocab-padding exchange is counted from its plan (`recording_padding`: fp32 messages
+of the plan's sizes; the emulation holds no state).
 """
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ from unittest import mock
 import torch
 
 from ..routing.piece import Piece
-from ..vps.fragment import OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
@@ -45,17 +45,6 @@ from .fake_dist import RecordingDist
 log = logging.getLogger(__name__)
 
 FAKE_DEVICE = "cuda:emulated"  # what `group_device` returns on a GPU job: eager NCCL init
-FP32 = 4
-
-
-def padding_object_bytes(spec: ModelSpec, src: Layout, kinds: Sequence[str] = OPT_KINDS) -> int:
-    """Modelled size of the largest object of the vocab-padding gather
-    (`transition.vocab_padding`): A's padding rows [V, V'_A) of the embedding and (untied)
-    output layer, every kind moved, fp32, as if one rank held them all (an upper bound:
-    the rows sit in the last TP rank's vocab shard, split over its DistOpt shards)."""
-    rows = spec.padded_vocab_size(src.tp) - spec.vocab_size
-    tensors = 1 if spec.tied else 2
-    return rows * spec.hidden_size * FP32 * len(kinds) * tensors
 
 
 @dataclass
@@ -145,12 +134,31 @@ class RecordingExecutor:
         return []
 
 
+def recording_padding(plan, me: int, old, new, transport, *, tag: int = 0,
+                      timeout=None) -> tuple[int, list[str]]:
+    """`transition.vocab_padding.carry_vocab_padding` without live state: this rank's
+    remote pieces of the padding plan, as fp32 messages, in one batched exchange."""
+    sends, recvs = plan.for_device(me)
+    out: dict[int, list] = {}
+    inbox: dict[int, list] = {}
+    for p in sends:
+        if p.dst != me:
+            out.setdefault(p.dst, []).append(torch.empty(p.numel, dtype=torch.float32))
+    for p in recvs:
+        if p.src != me:
+            inbox.setdefault(p.src, []).append(torch.empty(p.numel, dtype=torch.float32))
+    if out or inbox:
+        transport.start(out, inbox, tag).wait(timeout)
+    return 0, []
+
+
 @contextlib.contextmanager
 def recording(fake: RecordingDist, executors: list) -> Iterator[None]:
     """Every module of the control path sees `fake` as `torch.distributed` (and a CPU
     tensor for its small collectives, where a GPU job would use its device)."""
+    from ..compat import torch_features
     from ..elastic import communicators, groups
-    from ..transition import switch, transport, vocab_padding
+    from ..transition import switch, transport
 
     def make_executor(*a, **kw):
         ex = RecordingExecutor(*a, **kw)
@@ -158,14 +166,18 @@ def recording(fake: RecordingDist, executors: list) -> Iterator[None]:
         return ex
 
     cpu = lambda group=None: torch.device("cpu")  # noqa: E731
+    control = {"group": None, "default": None}
     patches = [mock.patch.object(m, "dist", fake)
-               for m in (groups, communicators, switch, transport, vocab_padding)]
+               for m in (groups, communicators, switch, transport, torch_features)]
     patches += [mock.patch.object(m, "collective_device", cpu)
                 for m in (switch, communicators, transport)]
     patches += [mock.patch.object(groups, "group_device",
                                   lambda: FAKE_DEVICE if fake.backend == "nccl" else None),
                 mock.patch.object(switch, "Executor", make_executor),
-                mock.patch.object(communicators, "_CONTROL", {"group": None, "default": None})]
+                mock.patch.object(switch, "carry_vocab_padding", recording_padding),
+                mock.patch.object(transport, "CONTROL", control),
+                mock.patch.object(communicators, "_CONTROL", control),
+                mock.patch.object(communicators, "_CPU_GROUPS", {"default": None, "groups": {}})]
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
@@ -216,9 +228,7 @@ def emulate_rank(spec: ModelSpec, src: Layout, src_placement: Placement, dst: La
     from ..transition.switch_types import SwitchOptions
 
     t0 = time.perf_counter()
-    pad = padding_object_bytes(spec, src)
-    fake = RecordingDist(rank, world, backend,
-                         object_bytes=lambda o: pad if isinstance(o, list) else 0)
+    fake = RecordingDist(rank, world, backend)
     execs: list = []
     with recording(fake, execs):
         groups_a = build_groups(src, src_placement)
@@ -321,4 +331,4 @@ def emulate_switch(spec: ModelSpec, src: Layout, dst: Layout, *, ranks_per_node:
 
 
 __all__ = ["Emulation", "RankRecord", "RecordingExecutor", "emulate_rank", "emulate_switch",
-           "padding_object_bytes", "recording", "role_sample"]
+           "recording", "recording_padding", "role_sample"]
