@@ -25,7 +25,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dynatrain_megatron.cli.plan import parse_kinds, plan_report  # noqa: E402
+from dynatrain_megatron.cli.plan import end_to_end, parse_kinds, plan_report  # noqa: E402
+from dynatrain_megatron.routing.fabric import Fabric  # noqa: E402
+from dynatrain_megatron.bench.scale_report import write_scale  # noqa: E402
 from dynatrain_megatron.configs import configs_dir, load_model  # noqa: E402
 from dynatrain_megatron.routing import clear_caches, placement_choice  # noqa: E402
 from dynatrain_megatron.routing.cost import CheckpointModel, estimate  # noqa: E402
@@ -44,7 +46,7 @@ def load(path: Path) -> dict:
     return d
 
 
-def run(sc: dict, repeat: int) -> dict:
+def run(sc: dict, repeat: int, emulate: bool = True) -> dict:
     spec = load_model(sc["model"])
     wf = sc.get("world_from", sc.get("world"))
     wt = sc.get("world_to", sc.get("world"))
@@ -56,7 +58,8 @@ def run(sc: dict, repeat: int) -> dict:
         clear_caches()
         r = plan_report(spec, src, dst, kinds=kinds, rpn=int(sc.get("ranks_per_node", 8)),
                         budget=budget, bucket=sc.get("bucket_size"),
-                        leaving=sc.get("leaving", "planner"))
+                        leaving=sc.get("leaving", "planner"),
+                        fabric=Fabric(ranks_per_node=int(sc.get("ranks_per_node", 8))))
         if best is None or r["plan_seconds"] < best["plan_seconds"]:
             best = r
     best["scenario"], best["file"] = sc.get("name", sc["file"]), sc["file"]
@@ -69,6 +72,8 @@ def run(sc: dict, repeat: int) -> dict:
     e = estimate(build_schedule(ch.chosen_plan, budget), LinkModel(), checksums=False)
     best["network_no_checksum_seconds"] = e.network_seconds
     best["balance"] = e.network_ratio_to_lower_bound
+    if emulate:  # the control plane emulated at this world, and the end-to-end budget
+        end_to_end(spec, src, dst, best, rpn=int(sc.get("ranks_per_node", 8)), budget=budget)
     return best
 
 
@@ -177,6 +182,8 @@ def main() -> None:
     ap.add_argument("--heatmap", default="llama70b-pp4-to-pp8",
                     help="scenario file stem for the node heat map")
     ap.add_argument("--repeat", type=int, default=1, help="best of N cold runs")
+    ap.add_argument("--no-emulation", action="store_true",
+                    help="skip the control-plane emulation and budget (docs/bench/scale.md)")
     ap.add_argument("--from-json", default=None, metavar="FILE",
                     help="re-render the table and plots from a previous run's reshard.json "
                          "(no planning; the heat map's scenario is planned again)")
@@ -189,7 +196,7 @@ def main() -> None:
     scs.sort(key=lambda s: (s["model"], s["file"]))
     rows = json.loads(Path(a.from_json).read_text()) if a.from_json else []
     for sc in ([] if a.from_json else scs):
-        r = run(sc, a.repeat)
+        r = run(sc, a.repeat, not a.no_emulation)
         rows.append(r)
         print(f"{r['scenario']:42s} plan {r['plan_seconds']:.3f} s  est "
               f"{_ms(r['estimated_seconds'])} ms  LB {_ms(r['bandwidth_lower_bound_seconds'])} "
@@ -248,6 +255,8 @@ def main() -> None:
     md += [f"![{m}]({m})" for m in made]
     (out / "reshard.md").write_text("\n".join(md) + "\n")
     (out / "reshard.json").write_text(json.dumps(rows, indent=1, default=float) + "\n")
+    if not a.no_emulation and rows and all("budget" in r for r in rows):
+        made += write_scale(rows, out)
     print(f"wrote {out / 'reshard.md'}, {out / 'reshard.json'}"
           + "".join(f", {out / m}" for m in made))
 

@@ -1,8 +1,8 @@
 """The main job (`make run`): real Megatron-LM, switched in memory through the signal file,
 beside Megatron-LM's own save + restart + load, timed.
 
-Copies Megatron-LM (default: the latest supported release, `../shared/megatron-lm/
-core_v0.19.0`; `MEGATRON_LM=DIR` any supported checkout, the user's own), builds its dataset
+Copies Megatron-LM (default: the release every test passes on, `../shared/megatron-lm/
+core_v0.16.1`; `MEGATRON_LM=DIR` any supported checkout, the user's own), builds its dataset
 helper where it has its own megatron-core, patches the copy with our patch
 (`megatron_lm.checkout.working_copy`), and runs its own
 `pretrain_gpt.py` with the plain torchrun command on gloo ranks (CPU flags):
@@ -15,9 +15,11 @@ helper where it has its own megatron-core, patches the copy with our patch
 2. restart: A trains to K and `--save`s (fully reshardable), exits; a new job `--load`s at
    tp1pp2dp2 and trains on: what Megatron-LM users do today.
 
-Printed: the switch summary, the losses of both up to the scale-in, and, measured the same
-way on both, the wall time from the end of iteration K at A to the end of iteration K+1 at
-B (one step at B plus the switch, or plus save + exit + restart + load), and their ratio.
+Printed: the switch summary, the losses of both up to the scale-in, the switch's stall
+(what the job lost to it: the slowest rank's, from `switches.jsonl`) with its parts beside
+the restart's, and, measured the same way on both, the wall time from the end of iteration
+K at A to the end of iteration K+1 at B (one step at B plus the switch, or plus save + exit
++ restart + load), and their ratio.
 
     python scripts/megatron_lm_job.py [--nproc 4] [--work DIR]
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import re
 import shutil
@@ -59,10 +62,10 @@ def main() -> int:
     if args.nproc != 4:
         raise SystemExit("--nproc: the operator's requests are written for 4 ranks")
     from dynatrain_megatron.megatron_lm.checkout import working_copy
-    from dynatrain_megatron.megatron_lm.patch_tool import identify, latest_release
+    from dynatrain_megatron.megatron_lm.patch_tool import default_release, identify
 
     src = Path(os.environ.get("MEGATRON_LM")
-               or ROOT.parent / "shared" / "megatron-lm" / latest_release().name)
+               or ROOT.parent / "shared" / "megatron-lm" / default_release().name)
     work = Path(args.work or tempfile.mkdtemp(prefix="dynatrain-mlm-"))
     work.mkdir(mode=0o700, parents=True, exist_ok=True)  # the signal directory: the job's
     os.chmod(work, 0o700)
@@ -87,10 +90,11 @@ def main() -> int:
 
     print(f"1. Megatron-LM switched in memory through its signal file ({args.nproc} ranks)")
     t0 = time.time()
+    shutil.rmtree(work / "logs", ignore_errors=True)
     sw = run_operated(tree, args.nproc, common + a + [
         "--dynatrain", "--dynatrain-schedule", str(sched),
-        "--dynatrain-signal-file", str(signal)], work / "switched.log", signal,
-        requests)
+        "--dynatrain-signal-file", str(signal), "--dynatrain-log-dir", str(work / "logs")],
+        work / "switched.log", signal, requests)
     t1 = time.time()
     print(f"2. Megatron-LM's restart: save at {k}, a new job loads at tp1pp2dp2")
     saved = run_megatron_lm(tree, args.nproc, common + a + [
@@ -116,8 +120,16 @@ def main() -> int:
                 k + 2: f"  <- the restart prints the mean of {k + 1} and {k + 2} "
                        f"(Megatron-LM's log, NVIDIA/Megatron-LM#6237)"}.get(i, "")
         print(f"{i:>9}  {l_sw[i]:<12}  {l_ref.get(i, '-'):<12}{note}")
-    print(f"\nthe tp2pp2 -> tp1pp2dp2 switch after iteration {k}: pause {max(pause):.3f} s "
-          "(slowest rank, from the log)")
+    rows = [json.loads(x) for x in (work / "logs" / "switches.jsonl").read_text().splitlines()]
+    first = next(r for r in rows if r["kind"] == "switch" and r["iteration"] == k)
+    slow = first["stall"]["slowest"]
+    print(f"\nthe tp2pp2 -> tp1pp2dp2 switch after iteration {k}: stall {slow['stall_s']:.3f} s "
+          f"(slowest rank r{slow['rank']}), pause {max(pause):.3f} s (slowest rank)")
+    print("  its parts: " + ", ".join(f"{n} {v:.3f}" for n, v in slow["parts"].items())
+          + f"; other {slow['unaccounted_s']:.3f} (sum of parts "
+          f"{sum(slow['parts'].values()):.3f} s)")
+    print(f"  --save + restart + --load instead: {ts_res[k + 1] - ts_saved[k]:.2f} s from the "
+          f"end of iteration {k} to the end of {k + 1} (the switch: {ours:.2f} s)")
     print(f"end of iteration {k} at A -> end of iteration {k + 1} at B:")
     print(f"  in memory:                       {ours:7.2f} s")
     print(f"  --save + restart + --load:       {theirs:7.2f} s "

@@ -7,23 +7,22 @@
 
 Sources: the layout grammar (`vps/layout.py:GRAMMAR_AXES`) and the Megatron-LM flag each
 axis sets (`megatron_lm/arguments.py:args_for_layout`, probed axis by axis); the releases
-the patch tool knows (`megatron_lm/patch_tool.py:RELEASES`); the model options a model spec
-accepts (`vps/model_spec.py`); and the options refused at start-up with their reasons
-(`megatron_lm/arguments.py:unsupported_args`, see `refusals()`).
+the patch tool knows (`megatron_lm/patch_tool.py:RELEASES`); the precisions a model spec
+accepts (`vps/model_spec.py`); what is checked to switch inside Megatron-LM, with the test
+that checks it (`megatron_lm/support.py:SUPPORTED`); and the options refused at start-up,
+with their class and reason (`megatron_lm/support.py:REFUSALS`, see `refusals()`).
 """
 from __future__ import annotations
 
 import argparse
-import ast
-import inspect
 import sys
-import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dynatrain_megatron.megatron_lm import arguments as mlm_args  # noqa: E402
+from dynatrain_megatron.megatron_lm import support  # noqa: E402
 from dynatrain_megatron.megatron_lm.patch_tool import RELEASES  # noqa: E402
 from dynatrain_megatron.vps import model_spec as ms  # noqa: E402
 from dynatrain_megatron.vps.layout import GRAMMAR_AXES, Layout  # noqa: E402
@@ -48,8 +47,6 @@ AXIS_MEANING = {
 # names of Megatron-LM args that follow from a layout but are no flag of it
 _DERIVED_ARGS = {"padded_vocab_size", "sequence_parallel", "data_parallel_size",
                  "num_layers_per_virtual_pipeline_stage"}
-# the attribute names a table of refusals may have (preferred over reading the function)
-_REFUSAL_TABLES = ("REFUSED", "REFUSALS", "UNSUPPORTED", "UNSUPPORTED_OPTIONS")
 
 
 def axis_flags() -> dict[str, str]:
@@ -74,68 +71,20 @@ def axis_flags() -> dict[str, str]:
     return out
 
 
+_CLASS = {"restart": "Megatron-LM's restart cannot either",
+          "hardware": "needs hardware not tested",
+          "not_yet": "not done yet"}
+
+
 def refusals() -> list[str]:
-    """The Megatron-LM options a job is refused for at start-up, each with its reason.
-
-    Read from a table in `megatron_lm/arguments.py` when there is one (items with `flag` or
-    `option`, and `reason`), else from the messages of the `refuse(condition, message)`
-    calls in `unsupported_args` (an f-string's expressions shown as `{...}`)."""
-    for name in _REFUSAL_TABLES:
-        table = getattr(mlm_args, name, None)
-        if table is not None:
-            items = table.values() if isinstance(table, dict) else table
-            rows = []
-            for it in items:
-                flag = getattr(it, "flag", None) or getattr(it, "option", None)
-                reason = getattr(it, "reason", "")
-                rows.append(f"{flag}: {reason}" if reason else str(flag))
-            return rows
-    tree = ast.parse(textwrap.dedent(inspect.getsource(mlm_args.unsupported_args)))
-    rows: list[str] = []
-    _collect(tree, {}, rows)
-    return rows
+    """The Megatron-LM options a job is refused for at start-up: one line per reason, with
+    the flags, why, and the class of the reason (`megatron_lm/support.py:REFUSALS`)."""
+    return [f"{r.flags}: {r.why} ({_CLASS.get(r.cls, r.cls)})" for r in support.REFUSALS]
 
 
-def _collect(node: ast.AST, env: dict[str, list[str]], rows: list[str]) -> None:
-    """Messages of `refuse(...)` calls under `node`; inside `for NAME in (constants):` the
-    message is rendered once per value of NAME."""
-    if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and isinstance(
-            node.iter, (ast.Tuple, ast.List)) and all(
-            isinstance(e, ast.Constant) for e in node.iter.elts):
-        env = dict(env, **{node.target.id: [e.value for e in node.iter.elts]})
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id == "refuse" and len(node.args) >= 2):
-        names = [n for n in env if any(isinstance(x, ast.Name) and x.id == n
-                                       for x in ast.walk(node.args[1]))]
-        if names:
-            for value in env[names[0]]:
-                rows.append(_text(node.args[1], {names[0]: value}))
-        else:
-            rows.append(_text(node.args[1], {}))
-        return
-    for child in ast.iter_child_nodes(node):
-        _collect(child, env, rows)
-
-
-def _text(node: ast.AST, bound: dict[str, object]) -> str:
-    """A message's text: an f-string's expressions evaluated where they use only a loop
-    variable, else shown as `...`."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    if isinstance(node, ast.JoinedStr):
-        parts = []
-        for v in node.values:
-            if isinstance(v, ast.Constant):
-                parts.append(str(v.value))
-                continue
-            used = {x.id for x in ast.walk(v.value) if isinstance(x, ast.Name)}
-            if used and used <= set(bound):
-                parts.append(str(eval(compile(ast.Expression(v.value), "<msg>", "eval"),
-                                      {"__builtins__": {}}, dict(bound))))
-            else:
-                parts.append("...")
-        return "".join(parts)
-    return ast.unparse(node)
+def supported() -> list[str]:
+    """What is checked to switch inside Megatron-LM, each with where it is checked."""
+    return [f"{what} ({where})" for what, where in support.SUPPORTED]
 
 
 def matrix() -> str:
@@ -147,17 +96,13 @@ def matrix() -> str:
     L = ["| layout axis | what | Megatron-LM flag |", "|---|---|---|"]
     L += [f"| `{a}` | {AXIS_MEANING[a]} | {flags[a]} |" for a in GRAMMAR_AXES]
     L += ["",
-          "| | supported |", "|---|---|",
-          "| Megatron-LM releases | " + ", ".join(f"`{r.name}`" for r in RELEASES) + " |",
-          "| precision (`--bf16`, `--fp16`, default fp32) | "
-          + ", ".join(ms.PARAMS_DTYPES) + " |",
-          "| position embeddings | " + ", ".join(ms.POSITION_EMBEDDING_TYPES) + " |",
-          "| normalization | " + ", ".join(ms.NORMALIZATIONS) + " |",
-          "| model | GPT (dense or MoE), SwiGLU or GeLU, GQA, QK layernorm, tied or untied "
-          "embeddings |",
-          "| optimizer | Adam, with `--use-distributed-optimizer` |",
+          "Megatron-LM releases: " + ", ".join(f"`{r.name}`" for r in RELEASES)
+          + ". Precisions: " + ", ".join(ms.PARAMS_DTYPES) + ". Optimizer: Adam with "
+          "`--use-distributed-optimizer`.",
           "",
-          "Refused at start-up, with the reason (the job does not start):", ""]
+          "Checked to switch inside Megatron-LM (the test that checks it):", ""]
+    L += [f"- {r}" for r in supported()]
+    L += ["", "Refused at start-up, with the reason (the job does not start):", ""]
     L += [f"- {r}" for r in refusals()]
     return "\n".join(L)
 

@@ -2,9 +2,9 @@
 
 `DYNATRAIN_MEGATRON_LM` chooses: a release name (`core_v0.19.0`, `core_v0.16.1`: the
 snapshot in `<project root>/../shared/megatron-lm/<name>`) or a checkout's directory;
-unset, the latest supported release (`patch_tool.latest_release()`). The suite runs in full
-on the latest release; `make test` runs the tests marked `every_release` again on each older
-one (docs/releases.md: the test matrix).
+unset, the default release (`patch_tool.default_release()`, the one the whole suite passes
+on). `make test` runs the suite in full on it, then the tests marked `every_release` on the
+other supported releases (docs/releases.md: the test matrix).
 
 A working copy (`copy_tree`) is made by `megatron_lm.checkout.working_copy`: a checkout with
 its own `megatron/core` gets its dataset helper built once (cached) and copied in.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dynatrain_megatron.megatron_lm.patch_tool import latest_release
+from dynatrain_megatron.megatron_lm.patch_tool import default_release
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "megatron-lm"
@@ -26,7 +26,7 @@ def _snapshot(choice: str) -> Path:
     return Path(choice)
 
 
-SNAPSHOT = _snapshot(os.environ.get("DYNATRAIN_MEGATRON_LM") or latest_release().name)
+SNAPSHOT = _snapshot(os.environ.get("DYNATRAIN_MEGATRON_LM") or default_release().name)
 
 
 def require_snapshot() -> Path:

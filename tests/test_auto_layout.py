@@ -35,11 +35,11 @@ def test_request_without_layout_moves_to_the_advisors_best(tmp_path, monkeypatch
     assert (d.target, d.world, d.rejected) == (str(best), 2, None)
     assert "request for 2 ranks without a layout" in d.note and str(best) in d.note
     # without an advisor the same request is refused with the reason, training goes on
-    write_request(path, None, 2)
+    req = write_request(path, None, 2)
     ctl.advise = None
     d = ctl._decide_on_rank0(4, 4)
     assert d.target is None and "no layout advisor" in d.rejected
-    filed = json.loads((tmp_path / "s.json.rejected.0").read_text())
+    filed = json.loads((tmp_path / f"s.json.rejected.{req.id}").read_text())
     assert "no layout advisor" in filed["reason"]
     # a device count no layout serves is refused, naming the advisor's reason
     write_request(path, None, 3)

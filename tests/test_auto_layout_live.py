@@ -38,7 +38,8 @@ def test_job_moves_to_the_advisors_layouts(tmp_path):
     adv = LayoutAdvisor(spec, TrainConfig(micro_batch_size=2, global_batch_size=8),
                         transformer_engine=False)
     best4, best2 = adv.ranking(4).best, adv.ranking(2).best
-    rows = [json.loads(x) for x in (run / "switches.jsonl").read_text().splitlines()]
+    rows = [r for r in map(json.loads, (run / "switches.jsonl").read_text().splitlines())
+            if r["kind"] == "switch"]
     assert [(r["source"], r["src"], r["dst"]) for r in rows] == [
         ("auto", "tp1pp1dp2", str(best4)), ("signal", str(best4), str(best2))]
     assert rows[0]["reason"].startswith("auto-layout: 4 processes, the layout uses 2: "
@@ -48,5 +49,7 @@ def test_job_moves_to_the_advisors_layouts(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["iteration"] == 300 and summary["layout"] == str(best2)
     assert summary["rejected"] == [] and summary["rolled_back"] == []
-    filed = json.loads((run / "switch.json.applied.0").read_text())
+    (record,) = run.glob("switch.json.applied.*")  # named after the request it answers
+    filed = json.loads(record.read_text())
     assert json.loads(filed["request"])["layout"] is None
+    assert record.name == f"switch.json.applied.{filed['id']}" == f"switch.json.applied.{rows[1]['request']}"

@@ -142,7 +142,8 @@ def test_each_reported_bad_input_is_one_line(tmp_path, files, no_spawn, capsys):
         (["launch", "--nproc", "0", script], "must be >= 1"),
         (["launch", "--nproc-per-node", "0", script], "must be >= 1"),
         (["launch", "--nproc-per-node", "2", tmp_path / "missing.py"], "not found"),
-        (["megatron-lm", "patch", patch_dir], "not UTF-8"),
+        # a non-UTF-8 file: refused as text we cannot read, or by its fingerprint
+        (["megatron-lm", "patch", patch_dir], ("not UTF-8", "is not supported")),
         (["megatron-lm", "patch", script], "not a directory"),
         (["layout", "--model", "tiny-gpt", "--layout", "tp2xx", "--world", "4"],
          "ppf,ppl,doi,dp"),
@@ -150,7 +151,8 @@ def test_each_reported_bad_input_is_one_line(tmp_path, files, no_spawn, capsys):
     for argv, expected in cases:
         rc, _, err = run_cli(argv, capsys)
         assert_one_line_error(rc, err, argv)
-        assert expected in err, (argv, err)
+        assert any(e in err for e in ((expected,) if isinstance(expected, str) else expected)), \
+            (argv, err)
     assert not no_spawn, no_spawn  # nothing was started
 
 
@@ -251,10 +253,12 @@ def _options(parser: argparse.ArgumentParser, words: tuple[str, ...]):
                     yield None, True  # a positional
 
 
-def test_fuzz_every_subcommands_arguments(tmp_path, files, no_spawn, capsys):
+def test_fuzz_every_subcommands_arguments(tmp_path, files, no_spawn, capsys, monkeypatch):
     """Each option of each subcommand given each hostile value (and each hostile file), the
     rest of the command valid: exit 0, or non-zero with one line on stderr. Any traceback
-    fails. (Tens of milliseconds a call: most values stop at parsing.)"""
+    fails. (Tens of milliseconds a call: most values stop at parsing.) Run in a scratch
+    directory: a value taken as a relative path (a request's signal file) is written there."""
+    monkeypatch.chdir(tmp_path)
     parser = cli.build_parser()
     values = HOSTILE + [str(p) for p in files.values()]
     calls = 0

@@ -47,14 +47,8 @@ def test_what_a_rank_creates_does_not_grow_with_the_world(emulations):
         for r in e.ranks:
             s = r.switch
             assert s["store_sets"] + s["store_gets"] <= s["member_groups"], s
-    # every collective moves a constant number of bytes; the vocab-padding exchange (the
-    # one batched point-to-point round outside the executor) never more at 4096 ranks
-    for name, b in large["switch_collective_bytes"].items():
-        if name == "batch_isend_irecv":
-            assert b <= small["switch_collective_bytes"][name], name
-        else:
-            assert b == small["switch_collective_bytes"][name], name
-    assert "all_gather_object" not in large["switch_collectives"]
+    # every collective moves a constant number of bytes
+    assert large["switch_collective_bytes"] == small["switch_collective_bytes"]
     assert large["switch_collectives"] == small["switch_collectives"]
     # the transfer: a rank's peers and messages per round do not grow with the world
     assert large["p2p_peers"] <= small["p2p_peers"] + 8
@@ -74,19 +68,14 @@ def test_non_member_new_group_calls_are_the_one_linear_count(emulations):
     assert 12 < ratio < 17  # ~ linear: 16x the world
 
 
-def test_the_padding_exchange_is_point_to_point_and_bounded(emulations):
-    """Issue 27: the vocab padding rows no longer travel in a world-wide object gather
-    (max object x world on every rank); the ranks that need them receive only theirs."""
-    spec = load_model(SPEC)
-    assert spec.padded_vocab_size(4) > spec.vocab_size  # there are padding rows to carry
-    small, large = (emulations[w].summary() for w in (256, 4096))
-    assert "all_gather_object" not in large["switch_collectives"]
-    # the sampled ranks keep their padding rows where they are (B's placement), or get
-    # their own rows: never more at 4096 ranks (test_gpu_path checks the plan's bytes)
-    got = [s["switch_collective_bytes"].get("batch_isend_irecv", 0) for s in (small, large)]
-    assert got[1] <= got[0], got
-    rows = spec.padded_vocab_size(4) - spec.vocab_size
-    assert got[0] <= rows * spec.hidden_size * 4 * 3 * 2  # at most its own rows, 3 kinds
+def test_the_padding_rows_travel_point_to_point_not_in_a_world_gather(emulations):
+    """transition.vocab_padding: only holders and needers exchange; no collective whose
+    bytes grow with the world is left."""
+    small, large = emulations[256].summary(), emulations[4096].summary()
+    for s in (small, large):
+        assert "all_gather_object" not in s["switch_collectives"]
+        assert set(s["switch_world_collective_bytes"].values()) <= {4}
+    assert large["p2p_padding_bytes"] <= small["p2p_padding_bytes"] + 1
 
 
 def test_the_plan_is_made_once_per_rank():

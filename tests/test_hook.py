@@ -1,5 +1,7 @@
 """The training-step hook with a signal file, on 4 gloo ranks (issue: Elastic Device Manager,
 controller and training-step hook)."""
+import re
+
 import pytest
 
 from dynatrain_megatron.testing.multiproc import run_on_ranks
@@ -19,7 +21,8 @@ def test_signal_file_switch_matches_checkpoint_path(res):
     # training went on; switched at the first boundary where every rank was ready
     it = r["iteration"]
     assert 3 <= it < 6 and r["layout"] == "tp1pp2dp2"
-    assert r["files"] == ["a.json.applied.0"]
+    records = [f for f in r["files"] if f != "a.json.job"]  # the job's presence file
+    assert len(records) == 1 and records[0].startswith("a.json.applied."), records
     # training while B was prepared is the plain run's, and the steps after the switch
     # equal a dist_checkpointing save at A and load at B at that iteration
     assert r["losses"][:it] == r["ckpt_losses_before"]
@@ -47,9 +50,12 @@ def test_bad_requests_are_rejected_and_training_goes_on(res):
     """A corrupt file, a malformed layout, an impossible one, and a world-writable file."""
     r = res["rejects"]
     assert r["layout"] == "tp2pp2dp1"
-    # the world-writable file is refused unread and kept beside its record
-    assert r["files"] == ["b.json.rejected.0", "b.json.rejected.1", "b.json.rejected.2",
-                          "b.json.rejected.3", "b.json.rejected.3.original"]
+    # records named after the requests' ids; the corrupt one (no id) and the world-writable
+    # one (refused unread, kept beside its record) numbered
+    files = [f for f in r["files"] if f != "b.json.job"]  # the job's presence file
+    assert sorted(f for f in files if re.fullmatch(r"b\.json\.rejected\.\d+", f)) == [
+        "b.json.rejected.0", "b.json.rejected.1"]
+    assert "b.json.rejected.1.original" in files and len(files) == 5, files
     assert "not valid JSON" in r["rejected"][0]
     assert "malformed layout" in r["rejected"][1]
     assert "tp*pp*cp = 8 does not divide world size 4" in r["rejected"][2]

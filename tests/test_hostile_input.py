@@ -258,10 +258,11 @@ def test_request_cli_bounds_and_validates(tmp_path, capsys):
     assert sf.read_request(p).layout == "tp2pp2"
 
 
-def test_placement_failure_rejects_the_switch_and_keeps_a(job, monkeypatch):
+def test_placement_failure_fails_the_switch_and_keeps_a(job, monkeypatch):
     """A layout the validator let through but the placement choice cannot handle (it raises
-    on every rank alike, outside the switch's transaction) is a rejected request: the
-    hook keeps layout A and files the request, never raising into training."""
+    on every rank alike): chosen in the background, it is a failed request at the switch;
+    chosen at the decision (B built in the pause), a rejected one. Either way the hook
+    keeps layout A, files the request under its id, never raising into training."""
     from dynatrain_megatron.loop import hook as H
     from dynatrain_megatron.mcore.train_config import TrainConfig
     from dynatrain_megatron.vps.layout import Layout
@@ -269,22 +270,30 @@ def test_placement_failure_rejects_the_switch_and_keeps_a(job, monkeypatch):
 
     ctl, sig_dir, outside, victim = job
     monkeypatch.setattr(H.dist, "get_rank", lambda *a: 0)
+    monkeypatch.setattr(H, "everyone_ok", lambda ok: ok)  # one rank stands for all here
 
     def boom(*a, **k):
         raise sf.RequestError("no rank-ordered placement")  # any exception type
 
     monkeypatch.setattr(H, "choose_dst_placement", boom)
-    hook = H.DynatrainHook(ctl.spec, TrainConfig(global_batch_size=8, micro_batch_size=2), ctl)
     a = Layout.parse("tp2pp2", 4)
-    hook.start(None, a, Placement((0, 1, 2, 3)))
-    sf.write_request(sig_dir / "switch.json", "tp2pp1dp2", 4)
-    d = ctl._decide_on_rank0(1, 4)
-    assert d.target == "tp2pp1dp2"
-    hook._on_decision(d, 1)
-    assert hook.layout == a and hook.decision is None and not hook.devices.pending
-    assert "no placement for tp2pp1dp2" in hook.rejected[-1]
-    rec = json.loads((sig_dir / "switch.json.rejected.0").read_text())
-    assert "no rank-ordered placement" in rec["reason"] and '"tp2pp1dp2"' in rec["request"]
+    for background, outcome in ((True, "failed"), (False, "rejected")):
+        hook = H.DynatrainHook(ctl.spec, TrainConfig(global_batch_size=8, micro_batch_size=2),
+                               ctl, background_groups=background)
+        hook.start(None, a, Placement((0, 1, 2, 3)))
+        req = sf.write_request(sig_dir / "switch.json", "tp2pp1dp2", 4)
+        d = ctl._decide_on_rank0(1, 4)
+        assert d.target == "tp2pp1dp2"
+        hook._on_decision(d, 1)
+        if background:  # the preparation thread chose no placement: the switch fails
+            hook.devices._thread.join()
+            assert hook._switch("trainer at A") == "trainer at A"
+            assert "no rank-ordered placement" in hook.failed[-1]
+        else:
+            assert "no placement for tp2pp1dp2" in hook.rejected[-1]
+        assert hook.layout == a and hook.decision is None and not hook.devices.pending
+        rec = json.loads((sig_dir / f"switch.json.{outcome}.{req.id}").read_text())
+        assert "no rank-ordered placement" in rec["reason"] and '"tp2pp1dp2"' in rec["request"]
 
 
 def test_failed_background_preparation_is_a_failed_request_and_keeps_a(job, monkeypatch):
@@ -310,5 +319,5 @@ def test_failed_background_preparation_is_a_failed_request_and_keeps_a(job, monk
     assert hook.layout == a and not hook.devices.pending and hook.decision is None
     assert "preparing tp2pp1dp2 failed: RuntimeError" in hook.failed[-1]
     assert "B does not fit" in hook.failed[-1]
-    rec = json.loads((sig_dir / "switch.json.failed.0").read_text())
+    (rec,) = [json.loads(p.read_text()) for p in sig_dir.glob("switch.json.failed.*")]
     assert rec["outcome"] == "failed" and "B does not fit" in rec["reason"]

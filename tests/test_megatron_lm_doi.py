@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, checkpoint_tensors, differences, layout_flags,
-                              run_megatron_lm)
+                              load_common, run_megatron_lm)
 from megatron_lm_tree import copy_tree, require_snapshot
 
 pytestmark = pytest.mark.multirank
@@ -58,13 +58,13 @@ def run(tmp_path_factory):
 
 def _common(ckpt_dir):
     """The checkpoint's common (unsharded) part: args, iteration, scheduler, param groups."""
-    return torch.load(ckpt_dir / f"iter_{N:07d}" / "common.pt", weights_only=False)
+    return load_common(ckpt_dir / f"iter_{N:07d}" / "common.pt")
 
 
 def test_the_switch_lands_after_the_last_iteration(run):
     lines = re.findall(r"iteration (\d+): switched (\S+) -> (\S+) .*", run["log"])
-    # every rank switched once (the log line is per rank), none rolled back
-    assert sorted(lines) == [(str(N), A, B)] * 4 and "rolled back" not in run["log"]
+    # one line for the switch (rank 0's), none rolled back
+    assert lines == [(str(N), A, B)] and "rolled back" not in run["log"]
     assert "wrapping Megatron-LM's tp1pp1doi2dp4 job" in run["log"]
 
 

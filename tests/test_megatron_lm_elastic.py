@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, checkpoint_tensors, differences, layout_flags,
-                              run_megatron_lm, run_operated)
+                              load_common, run_megatron_lm, run_operated)
 from megatron_lm_tree import copy_tree, require_snapshot
 
 pytestmark = pytest.mark.multirank
@@ -49,6 +49,9 @@ EVAL = re.compile(r"validation loss at iteration (\d+)( on \w+ set)? \| lm loss 
                   r"([0-9.E+-]+)")
 FLAGS = CPU_FLAGS + TINY_GPT + layout_flags(2, 2) + [
     "--train-iters", str(N), "--save-interval", "5", "--eval-interval", "5"]
+# Megatron-LM's iteration line: when it was printed, and the elapsed time it reports
+TIMED = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+(\d+)/\s*\d+ \|.*?"
+                   r"elapsed time per iteration \(ms\): ([0-9.]+)")
 
 
 def cosine_lr(iteration: int, *, lr=1e-3, min_lr=1e-4, batch=8, warmup=1, decay=N) -> float:
@@ -70,10 +73,11 @@ def run(tmp_path_factory):
     signal = w / "switch.json"
     text = run_operated(
         tree, 4, FLAGS + ["--save", str(w / "ckpt"), "--dynatrain",
-                          "--dynatrain-signal-file", str(signal)],
+                          "--dynatrain-signal-file", str(signal),
+                          "--dynatrain-log-dir", str(w / "logs")],
         w / "job.log", signal, REQUESTS)
     summary = re.findall(r"^\s+(\d+)\s+(tp\S+)\s+(tp\S+)\s+[0-9.]+\s", text, re.M)
-    switches = sorted({(int(i), a, b) for i, a, b in summary})  # every rank logs its own
+    switches = sorted({(int(i), a, b) for i, a, b in summary})  # rank 0's summary
     return dict(w=w, tree=tree, text=text, switches=switches)
 
 
@@ -93,9 +97,12 @@ def test_switches_and_standby_inside_megatron_lm(run):
     assert [(a, b) for _, a, b in switches] == [IN, OUT, IN], switches
     (inn, _, _), (out, _, _), (inn2, _, _) = switches
     assert 2 <= inn < out < inn2 < N
-    # two ranks left twice, came back once, at the scale-out's iteration in the loop's count
+    # one line per switch, from rank 0, with the stall of the slowest rank (the ranks that
+    # stood by only say so); no prefix twice, no unknown iteration
+    assert [ln[0] for ln in re.findall(r"iteration (\d+): switched (\S+) -> (\S+) .* stall "
+                                       r"[0-9.]+ s \[", text)] == [str(inn), str(out), str(inn2)]
     assert text.count("this rank is not in the new layout; on standby") == 4
-    assert re.findall(r"back from standby at iteration (\d+)", text) == [str(out)] * 2
+    assert "dynatrain: dynatrain:" not in text and "iteration None" not in text
     # rank 0 also reports the steps taken while the others were on standby
     assert {int(i) for i in re.findall(r"dynatrain: iteration (\d+) done at tp1pp2dp1 on 2 "
                                        r"of 4 ranks", text)} == (set(range(inn, out))
@@ -106,7 +113,18 @@ def test_refused_request_leaves_training_as_it_was(run):
     text, w = run["text"], run["w"]
     refusal = "layout tp3pp1dp1 cannot hold model 'megatron-lm': num_attention_heads 4 % tp 3"
     assert text.count(f"switch request rejected: {refusal}") == 1  # rank 0 decides
-    assert text.count(f"  - {refusal}") == 2  # in the summary of both layout ranks at the end
+    assert text.count(f"  - {refusal}") == 1  # in rank 0's summary at the end
+    # switches.jsonl: every request's outcome with its wall-clock time, the switches' stalls
+    # (a switch is recorded once its stall is known, stamped with the time it started)
+    rows = sorted((json.loads(x) for x in (w / "logs" / "switches.jsonl").read_text()
+                   .splitlines()), key=lambda r: r["time"])
+    assert [r["kind"] for r in rows] == ["switch", "rejected", "switch", "switch"], rows
+    assert refusal in rows[1]["reason"] and rows[1]["iteration"] is not None
+    refused = json.loads((w / f"switch.json.rejected.{rows[1]['request']}").read_text())
+    assert json.loads(refused["request"])["layout"] == "tp3pp1dp1"
+    assert all(r["request"] and (w / f"switch.json.{'applied' if r['kind'] == 'switch' else 'rejected'}"
+                                 f".{r['request']}").is_file() for r in rows)
+    assert all(r["time_utc"].endswith("+00:00") for r in rows)
     filed = [json.loads(p.read_text()) for p in w.glob("switch.json.rejected.*")]
     assert len(filed) == 1 and filed[0]["outcome"] == "rejected"
     assert refusal in filed[0]["reason"] and "tp3pp1dp1" in filed[0]["request"]
@@ -146,7 +164,7 @@ def test_evaluation_and_saves_run_on_the_layout_ranks(run):
 def test_final_checkpoint_is_whole_at_the_layout_that_saved_it(run):
     ckpt = run["w"] / "ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(N)
-    common = torch.load(ckpt / f"iter_{N:07d}" / "common.pt", weights_only=False)
+    common = load_common(ckpt / f"iter_{N:07d}" / "common.pt")
     args = common["args"]
     assert common["iteration"] == N and args.consumed_train_samples == 8 * N
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 2)
@@ -174,3 +192,32 @@ def test_final_checkpoint_loads_at_another_layout_as_it_was(run, reloaded):
     # 2 ranks computed theirs at tp1, are not compared (module doc)
     final = [(i, where) for i, where, _ in EVAL.findall(reloaded["text"])]
     assert final == [(str(N), " on validation set"), (str(N), " on test set")]
+
+
+def test_iteration_times_after_switches_and_standby(run):
+    """Megatron-LM's own iteration time stays right: each line's elapsed time is at most the
+    time since the previous line (plus print jitter), also for the first iteration after the
+    scale-out, printed by rank 3, which stood by since the scale-in (its timer restarts when
+    the switch that brings it back starts, not when it left); and the switching iterations
+    count the stall the switch records say they had."""
+    import datetime as dt
+
+    lines = {int(i): (dt.datetime.strptime(ts, "%Y-%m-%d %H:%M:%S.%f").timestamp(),
+                      float(ms) / 1000) for ts, i, ms in TIMED.findall(run["text"])}
+    assert sorted(lines) == list(range(1, N + 1))
+    _, out, _ = (i for i, _, _ in run["switches"])
+    for i in range(2, N + 1):
+        gap = lines[i][0] - lines[i - 1][0]
+        assert lines[i][1] <= gap + 0.25, (i, lines[i][1], gap)
+    rows = [json.loads(x) for x in (run["w"] / "logs" / "switches.jsonl").read_text().splitlines()]
+    for r in (r for r in rows if r["kind"] == "switch"):
+        # the stall and its parts, for every rank of B: they add up (a few percent of the
+        # window is the timers and logging between them)
+        for rank in r["stall"]["ranks"]:
+            assert abs(rank["unaccounted_s"]) <= 0.05 * rank["stall_s"] + 0.02, rank
+            assert rank["transfer_s"] > 0 and rank["parts"]["transfer"] == rank["transfer_s"]
+        assert r["stall"]["slowest"]["stall_s"] == max(x["stall_s"] for x in r["stall"]["ranks"])
+        # the switching iteration's line holds the stall of the slowest rank
+        it = r["iteration"] + 1
+        assert lines[it][1] >= 0.9 * r["stall"]["slowest"]["window_s"] - 0.05, (it, lines[it], r)
+    assert out + 1 in lines

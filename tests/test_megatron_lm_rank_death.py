@@ -24,12 +24,11 @@ import torch
 
 from dynatrain_megatron.megatron_lm import adapter as mlm
 from dynatrain_megatron.megatron_lm import rank_death
-from megatron_lm_runs import CPU_FLAGS, TINY_GPT, layout_flags, run_launched
+from megatron_lm_runs import CPU_FLAGS, TINY_GPT, layout_flags, load_common, run_launched
 from megatron_lm_tree import copy_tree, require_snapshot
 
-# also on every older supported release (make test): the one job where a death inside
-# train_step goes through the patch's guard and the recovery's rebinding
-pytestmark = pytest.mark.every_release
+# on the default release only: on core_v0.19.0 the survivors of this death do not yet recover
+# (docs/releases.md: status)
 
 
 N = 6
@@ -166,7 +165,7 @@ def test_replayed_iteration_and_schedule_continue_exactly(run):
 def test_checkpoints_after_the_recovery_describe_the_new_world(run):
     ckpt = run["w"] / "ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(N)
-    common = {i: torch.load(ckpt / f"iter_{i:07d}" / "common.pt", weights_only=False)
+    common = {i: load_common(ckpt / f"iter_{i:07d}" / "common.pt")
               for i in (2, 4, 6)}
     assert vars(common[2]["args"])["world_size"] == 4
     for i in (4, 6):

@@ -2,14 +2,15 @@
 layout's ranks take longer than the process-group timeout between two polls, and a job that
 ends with a switch still being prepared: one torchrun job on 4 gloo ranks, tp1pp2dp2.
 
-* The job's default group gets a 6 s timeout (`megatron_lm_short_timeout/sitecustomize.py`:
+* The job's default group gets a 10 s timeout once training starts
+  (`megatron_lm_short_timeout/sitecustomize.py`:
   Megatron-LM's `--distributed-timeout-minutes` counts whole minutes). After a request for
   tp1pp2dp1 on 2 ranks, ranks 2 and 3 wait on standby while the 2 layout ranks run an
-  evaluation (`--eval-iters 100`) and a `--save` at iteration 4, longer than that timeout
-  (measured from Megatron-LM's own time stamps). Before the standby channel
+  evaluation (`--eval-iters 100`) and a `--save` (every 2 iterations), longer than that
+  timeout (measured from Megatron-LM's own time stamps). Before the standby channel
   (`elastic/standby_channel.py`) the standby ranks waited on the default group and failed
   there (`Timed out waiting ... for recv`), and the job with them.
-* A request for tp1pp2dp2 on all 4 is written after iteration 4, taken at the next poll; the
+* A request for tp1pp2dp2 on all 4 is written after iteration 5, taken at a later poll; the
   preparation of B on rank 0 takes 20 s more (`DYNATRAIN_FAULTS` delay), so it is still
   pending when the job ends after iteration N. It is cancelled on every rank (the standby
   ranks hear it through the preparation's vote), its request is filed `not_applied` with
@@ -29,10 +30,10 @@ from megatron_lm_tree import copy_tree, require_snapshot
 
 pytestmark = pytest.mark.multirank
 
-N = 7
-TIMEOUT_S = 6
+N = 8
+TIMEOUT_S = 10
 SITE = Path(__file__).with_name("megatron_lm_short_timeout")
-REQUESTS = {1: ("tp1pp2dp1", 2), 4: ("tp1pp2dp2", 4)}
+REQUESTS = {1: ("tp1pp2dp1", 2), 5: ("tp1pp2dp2", 4)}
 STAMPED = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+(\d+)/")
 
 
@@ -46,8 +47,8 @@ def run(tmp_path_factory):
     slow = json.dumps({"delay_rank": 0, "delay_seconds": 20.0, "delay_phase": "prepare",
                        "dst_layout": "tp1pp2dp2"})
     flags = CPU_FLAGS + TINY_GPT + layout_flags(1, 2) + [
-        "--train-iters", str(N), "--eval-interval", "4", "--eval-iters", "100",
-        "--save", str(w / "ckpt"), "--save-interval", "4",
+        "--train-iters", str(N), "--eval-interval", "2", "--eval-iters", "100",
+        "--save", str(w / "ckpt"), "--save-interval", "2",
         "--dynatrain", "--dynatrain-signal-file", str(signal)]
     text = run_operated(tree, 4, flags, w / "job.log", signal, REQUESTS, site=SITE,
                         env={"DYNATRAIN_TEST_PG_TIMEOUT_S": str(TIMEOUT_S),
@@ -60,9 +61,13 @@ def test_standby_ranks_wait_through_an_evaluation_and_save_longer_than_the_timeo
     assert text.count("this rank is not in the new layout; on standby") == 2
     stamps = {int(i): datetime.datetime.fromisoformat(t) for t, i in STAMPED.findall(text)}
     assert sorted(stamps) == list(range(1, N + 1))
-    # iteration 4's evaluation and save ran on the 2 layout ranks between these two lines
-    assert re.search(r"validation loss at iteration 4 \|", text)
-    assert (stamps[5] - stamps[4]).total_seconds() > TIMEOUT_S
+    (scale_in,) = {int(i) for i in re.findall(r"iteration (\d+): switched tp1pp2dp2 -> "
+                                              r"tp1pp2dp1", text)}
+    # the first evaluation and save on the 2 layout ranks with 2 on standby ran between the
+    # lines of its iteration and the next
+    e = min(int(i) for i in re.findall(r"validation loss at iteration (\d+) \|", text)
+            if int(i) >= scale_in)
+    assert e < N and (stamps[e + 1] - stamps[e]).total_seconds() > TIMEOUT_S
     assert "Timed out" not in text and "Traceback" not in text
     assert text.count("the job ended while this rank was on standby") == 2
 

@@ -71,7 +71,7 @@ def killed(request, trees):
             "--save", str(w / "switched"), "--save-interval", "1000",
             "--distributed-timeout-minutes", "3",
             "--dynatrain", "--dynatrain-rendezvous-dir", str(w / "rdv")],
-        w / "switched.log", env={"DYNATRAIN_FAULTS": kill})
+        w / "switched.log", env={"DYNATRAIN_FAULTS": kill}, timeout=1800)
     return dict(w=w, phase=phase, dead=dead, status=status, switched=text)
 
 

@@ -40,7 +40,7 @@ CASES = {  # name: (flags at A, flags at B, A, B)
 }
 
 
-# dense-fp32 also runs on every older supported release (make test): the cheapest case that
+# dense-fp32 also runs on every other supported release (make test): the cheapest case that
 # covers the patch's step boundary, the rebinding and the patched tree without --dynatrain
 @pytest.fixture(scope="module", params=[pytest.param(c, marks=pytest.mark.every_release)
                                         if c == "dense-fp32" else c for c in sorted(CASES)])

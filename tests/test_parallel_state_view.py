@@ -86,20 +86,36 @@ def test_a_module_built_in_a_view_reads_its_metadata_in_it(process_state):
         assert ps.get_pipeline_model_parallel_rank() == 3
 
 
-def test_thread_args_answer_get_args_on_their_thread_only():
-    global_vars = pytest.importorskip("megatron.training.global_vars")
-    import argparse
+_THREAD_ARGS = """
+import argparse, threading
+from dynatrain_megatron.compat.megatron_lm import prepare_megatron_lm
+prepare_megatron_lm()  # what pretrain_gpt.py does first (the patch): the CPU runtime
+from megatron.training import global_vars, get_args
+from dynatrain_megatron.compat import parallel_state_view as psv
+global_vars._GLOBAL_ARGS = argparse.Namespace(x="A")
+seen = {}
+def in_b():
+    with psv.thread_args(argparse.Namespace(x="B")):
+        seen["b"] = (global_vars.get_args().x, get_args().x)
+t = threading.Thread(target=in_b); t.start(); t.join()
+print("RESULT", seen["b"], global_vars.get_args().x, get_args().x)
+"""
 
-    mine, theirs = argparse.Namespace(x="B"), argparse.Namespace(x="A")
-    global_vars._GLOBAL_ARGS = theirs
-    try:
-        def in_b():
-            with psv.thread_args(mine):
-                return global_vars.get_args().x
-        assert _in_thread(in_b) == "B"
-        assert global_vars.get_args().x == "A"
-    finally:
-        global_vars._GLOBAL_ARGS = None
+
+def test_thread_args_answer_get_args_on_their_thread_only():
+    """With Megatron-LM's own global_vars (the snapshot's, in its own interpreter): the
+    thread's args through the module and through a name imported before the view."""
+    import subprocess
+    import sys
+
+    from megatron_lm_runs import job_env
+    from megatron_lm_tree import require_snapshot
+
+    tree = require_snapshot()
+    proc = subprocess.run([sys.executable, "-c", _THREAD_ARGS], env=job_env(tree), cwd=tree,
+                          capture_output=True, text=True, timeout=600)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line == ["RESULT ('B', 'B') A A"], proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def test_a_private_rng_build_leaves_the_process_generators_alone():

@@ -48,10 +48,14 @@ def test_world_writable_file_is_refused(tmp_path):
 
 def test_archive_keeps_outcome_and_reason(tmp_path):
     p = tmp_path / "s.json"
-    write_request(p, "tp2pp2")
+    r1 = write_request(p, "tp2pp2")
     a = archive(p, "rejected", "bad layout")
-    b = (write_request(p, "tp2pp2"), archive(p, "rejected", "again"))[1]
-    assert not p.exists() and a.name == "s.json.rejected.0" and b.name == "s.json.rejected.1"
+    r2, b = write_request(p, "tp2pp2"), archive(p, "rejected", "again")
+    # named after the request they answer; one without an id is numbered
+    assert not p.exists() and a.name == f"s.json.rejected.{r1.id}" != b.name
+    assert b.name == f"s.json.rejected.{r2.id}"
+    p.write_text('{"layout": "tp2pp2"}')
+    assert archive(p, "rejected", "no id").name == "s.json.rejected.0"
     rec = json.loads(a.read_text())
     assert rec["outcome"] == "rejected" and rec["reason"] == "bad layout"
     assert json.loads(rec["request"])["layout"] == "tp2pp2"
@@ -107,15 +111,18 @@ def test_a_request_written_during_a_switch_is_the_next_one_not_filed_with_it(tmp
     spec = ModelSpec.from_yaml(Path(__file__).parent.parent / "configs/models/tiny-gpt.yaml")
     path = tmp_path / "s.json"
     ctl = C.Controller(spec, str(path))
-    write_request(path, "tp4pp1dp1")
+    req1 = write_request(path, "tp4pp1dp1")
     first = ctl._decide_on_rank0(9, 4)
     assert first.target == "tp4pp1dp1" and not path.exists()
-    write_request(path, "tp2pp1dp1", 2)  # arrives while the first switch is prepared
+    req2 = write_request(path, "tp2pp1dp1", 2)  # arrives while the first switch is prepared
     ctl.done(first, "applied", "switched at iteration 11")
-    filed = json.loads((tmp_path / "s.json.applied.0").read_text())
+    # each record is named after the request it answers (`dynatrain request --wait`)
+    filed = json.loads((tmp_path / f"s.json.applied.{req1.id}").read_text())
+    assert filed["id"] == req1.id
     assert json.loads(filed["request"])["layout"] == "tp4pp1dp1"
     assert filed["reason"] == "switched at iteration 11"
     second = ctl._decide_on_rank0(12, 4)
     assert (second.target, second.world) == ("tp2pp1dp1", 2)
     ctl.done(second, "applied", "switched at iteration 13")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json.applied.0", "s.json.applied.1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"s.json.applied.{req1.id}", f"s.json.applied.{req2.id}"])

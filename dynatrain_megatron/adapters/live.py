@@ -28,7 +28,7 @@ from ..vps.errors import FragmentMismatchError
 from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.naming import analytic_param_name
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 _OPT_STATE_KEY = {"main_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
@@ -266,14 +266,20 @@ class LiveState:
 
     @staticmethod
     def _canonical_key(sharded_key: str, local_name: str, prepended: tuple[int, ...]) -> str:
-        """Layout-independent key: the module path with global layer / expert indices."""
+        """Layout-independent key: the module path with global layer / expert indices.
+
+        The global layer is the first prepended axis of a decoder layer's sharded tensor,
+        or, where megatron-core keys the layers one by one (layers that differ, e.g. a
+        dense/MoE `moe_layer_freq` pattern), the index in its key; the global expert is the
+        next prepended axis."""
         if not sharded_key.startswith("decoder.layers."):
             return sharded_key  # embedding, output layer (or its tied copy), final norm
+        own = _LAYER.match(sharded_key)
+        layer, rest = (int(own.group(1)), prepended) if own else (prepended[0], prepended[1:])
         # TE's fused norm parameters keep the separate norm's logical key
-        key = _LAYER.sub(f"decoder.layers.{prepended[0]}.", analytic_param_name(local_name),
-                         count=1)
-        if len(prepended) > 1:
-            key = _EXPERT.sub(f".mlp.experts.{prepended[1]}.", key, count=1)
+        key = _LAYER.sub(f"decoder.layers.{layer}.", analytic_param_name(local_name), count=1)
+        if rest:
+            key = _EXPERT.sub(f".mlp.experts.{rest[0]}.", key, count=1)
         return key
 
     # ------------------------------------------------------------------ optimizer

@@ -152,9 +152,10 @@ def load_calibration(path: str | Path, base: Calibration = Calibration()
     if not p.is_file():
         raise AdvisorError(f"calibration file {str(p)!r} not found")
     try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise AdvisorError(f"calibration file {str(p)!r} does not parse: {e}") from None
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise AdvisorError(f"calibration file {str(p)!r} does not parse: {first}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

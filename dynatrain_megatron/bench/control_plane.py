@@ -14,15 +14,14 @@ for one switch, with `torch.distributed` replaced by a recording stand-in
   5. the switch itself (`transition.switch.switch_layout` with the prepared state): its
      two votes, the transfer's messages as the executor derives them from its pieces
      (`RecordingExecutor`: one batched exchange per round and one for its checksums),
-     the vocab-padding exchange (the plan's pieces of this rank, point to point), the
-     scalars' broadcast;
+     the vocab-padding gather, the scalars' broadcast;
   6. the release of A's groups.
 
 Counted per rank (`fake_dist.Counts`): `new_group` calls (member or not), communicators
 created, gloo groups and connections, store operations, collectives with their bytes
 and every one whose group is the world, plus point-to-point messages, bytes and peers.
-The vocab-padding exchange is counted from its plan (`recording_padding`: fp32 messages
-of the plan's sizes; the emulation holds no state).
+The vocab-padding gather moves objects the emulation has none of: their size is the
+modelled one (`padding_object_bytes`).
 """
 from __future__ import annotations
 
@@ -37,14 +36,26 @@ from unittest import mock
 import torch
 
 from ..routing.piece import Piece
+from ..vps.fragment import OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from .fake_dist import RecordingDist
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 FAKE_DEVICE = "cuda:emulated"  # what `group_device` returns on a GPU job: eager NCCL init
+FP32 = 4
+
+
+def padding_object_bytes(spec: ModelSpec, src: Layout, kinds: Sequence[str] = OPT_KINDS) -> int:
+    """Modelled size of the largest object of the vocab-padding gather
+    (`transition.vocab_padding`): A's padding rows [V, V'_A) of the embedding and (untied)
+    output layer, every kind moved, fp32, as if one rank held them all (an upper bound:
+    the rows sit in the last TP rank's vocab shard, split over its DistOpt shards)."""
+    rows = spec.padded_vocab_size(src.tp) - spec.vocab_size
+    tensors = 1 if spec.tied else 2
+    return rows * spec.hidden_size * FP32 * len(kinds) * tensors
 
 
 @dataclass
@@ -76,6 +87,44 @@ class _NoBuild:
         raise AssertionError("nothing was built")
 
 
+class RecordingTransport:
+    """A transport that moves nothing: each batched exchange (the executor's rounds come
+    through `RecordingExecutor`; the vocab-padding exchange calls `start` itself) is
+    counted with its messages, bytes and peers."""
+
+    def __init__(self) -> None:
+        self.record = dict(exchanges=0, messages=0, bytes=0, peers=set())
+
+    def start(self, sends, recvs, tag: int = 0):
+        r = self.record
+        r["exchanges"] += 1
+        for box in (sends, recvs):
+            for peer, msgs in box.items():
+                r["peers"].add(peer)
+                r["messages"] += len(msgs)
+                r["bytes"] += sum(m.numel() * m.element_size() for m in msgs)
+        return self
+
+    def wait(self, timeout=None) -> None:
+        return None
+
+    def carry_padding(self, plan, me: int, old, new, transport=None, *, tag: int = 0,
+                      timeout=None) -> tuple[int, list[str]]:
+        """`transition.vocab_padding.carry_vocab_padding` without data: the plan's pieces
+        of this rank (`PaddingPlan.for_device`), remote ones posted as one batched
+        exchange (fp32: 4 bytes an element), as the real one posts them."""
+        sends, recvs = plan.for_device(me)
+        out = [p for p in sends if p.dst != me]
+        inc = [p for p in recvs if p.src != me]
+        if out or inc:
+            r = self.record
+            r["exchanges"] += 1
+            r["peers"].update({p.dst for p in out} | {p.src for p in inc})
+            r["messages"] += len(out) + len(inc)
+            r["bytes"] += 4 * sum(p.numel for p in out + inc)
+        return 0, []
+
+
 class RecordingExecutor:
     """The executor's messages without their data: per round and peer, the packed message
     of the small pieces and one per large piece (`transition.executor.Executor._split`),
@@ -86,7 +135,7 @@ class RecordingExecutor:
                  *, tag: int = 0, timeout=None, checksums: bool = True, faults=None) -> None:
         from ..transition.executor import ExecStats
 
-        self.rank, self.checksums = rank, checksums
+        self.rank, self.checksums, self.transport = rank, checksums, transport
         self.stats = ExecStats()
         self.record = dict(batched_exchanges=0, messages_sent=0, messages_recv=0,
                            bytes_sent=0, bytes_recv=0, peers=set(), checksum_messages=0,
@@ -134,26 +183,9 @@ class RecordingExecutor:
         return []
 
 
-def recording_padding(plan, me: int, old, new, transport, *, tag: int = 0,
-                      timeout=None) -> tuple[int, list[str]]:
-    """`transition.vocab_padding.carry_vocab_padding` without live state: this rank's
-    remote pieces of the padding plan, as fp32 messages, in one batched exchange."""
-    sends, recvs = plan.for_device(me)
-    out: dict[int, list] = {}
-    inbox: dict[int, list] = {}
-    for p in sends:
-        if p.dst != me:
-            out.setdefault(p.dst, []).append(torch.empty(p.numel, dtype=torch.float32))
-    for p in recvs:
-        if p.src != me:
-            inbox.setdefault(p.src, []).append(torch.empty(p.numel, dtype=torch.float32))
-    if out or inbox:
-        transport.start(out, inbox, tag).wait(timeout)
-    return 0, []
-
-
 @contextlib.contextmanager
-def recording(fake: RecordingDist, executors: list) -> Iterator[None]:
+def recording(fake: RecordingDist, executors: list,
+              wire: Optional[RecordingTransport] = None) -> Iterator[None]:
     """Every module of the control path sees `fake` as `torch.distributed` (and a CPU
     tensor for its small collectives, where a GPU job would use its device)."""
     from ..compat import torch_features
@@ -166,7 +198,6 @@ def recording(fake: RecordingDist, executors: list) -> Iterator[None]:
         return ex
 
     cpu = lambda group=None: torch.device("cpu")  # noqa: E731
-    control = {"group": None, "default": None}
     patches = [mock.patch.object(m, "dist", fake)
                for m in (groups, communicators, switch, transport, torch_features)]
     patches += [mock.patch.object(m, "collective_device", cpu)
@@ -174,10 +205,9 @@ def recording(fake: RecordingDist, executors: list) -> Iterator[None]:
     patches += [mock.patch.object(groups, "group_device",
                                   lambda: FAKE_DEVICE if fake.backend == "nccl" else None),
                 mock.patch.object(switch, "Executor", make_executor),
-                mock.patch.object(switch, "carry_vocab_padding", recording_padding),
-                mock.patch.object(transport, "CONTROL", control),
-                mock.patch.object(communicators, "_CONTROL", control),
-                mock.patch.object(communicators, "_CPU_GROUPS", {"default": None, "groups": {}})]
+                mock.patch.object(switch, "carry_vocab_padding",
+                                  (wire or RecordingTransport()).carry_padding),
+                mock.patch.object(communicators, "_CONTROL", {"group": None, "default": None})]
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
@@ -222,15 +252,20 @@ def emulate_rank(spec: ModelSpec, src: Layout, src_placement: Placement, dst: La
                  backend: str = "nccl", ranks_per_node: int = 8,
                  memory_budget: Optional[int] = None) -> RankRecord:
     """One rank's control plane for the switch A -> B (module doc, steps 2-6)."""
-    from ..elastic.communicators import control_group, everyone_ok, warm_up_groups
+    from ..elastic.communicators import (control_group, create_control_group, everyone_ok,
+                                         warm_up_groups)
     from ..elastic.groups import build_groups
     from ..transition.switch import prepare_switch, switch_layout
     from ..transition.switch_types import SwitchOptions
 
     t0 = time.perf_counter()
-    fake = RecordingDist(rank, world, backend)
+    pad = padding_object_bytes(spec, src)
+    fake = RecordingDist(rank, world, backend,
+                         object_bytes=lambda o: pad if isinstance(o, list) else 0)
     execs: list = []
-    with recording(fake, execs):
+    wire = RecordingTransport()
+    with recording(fake, execs, wire):
+        create_control_group()  # the job's CPU group over the world, made at start
         groups_a = build_groups(src, src_placement)
         at_start = fake.counts.as_dict()
         fake.counts = type(fake.counts)()
@@ -245,12 +280,16 @@ def emulate_rank(spec: ModelSpec, src: Layout, src_placement: Placement, dst: La
         warm_up_groups(groups_b)
         everyone_ok(True)  # the hook: every rank's preparation succeeded
         res = switch_layout(spec, builder, None, src, src_placement, dst, build_groups, None,
-                            options, prepared=prep)
+                            options, prepared=prep, transport=wire)
         if res.aborted:
             raise RuntimeError(res.aborted)
         groups_a.destroy()
     rec = execs[0].record if execs else {}
     p2p = {k: (len(v) if k == "peers" else v) for k, v in rec.items() if k != "rounds"}
+    # the exchanges made on the transport outside the executor's rounds: the padding rows
+    w = wire.record
+    p2p.update(padding_exchanges=w["exchanges"], padding_messages=w["messages"],
+               padding_bytes=w["bytes"], padding_peers=len(w["peers"]))
     return RankRecord(rank, role, at_start, fake.counts.as_dict(), p2p,
                       time.perf_counter() - t0)
 
@@ -289,7 +328,8 @@ class Emulation:
                 wc[name] = max(wc.get(name, 0), b)
         out["switch_world_collective_bytes"] = wc
         for k in ("batched_exchanges", "messages_sent", "messages_recv", "bytes_sent",
-                  "bytes_recv", "peers", "checksum_messages"):
+                  "bytes_recv", "peers", "checksum_messages", "padding_exchanges",
+                  "padding_messages", "padding_bytes", "padding_peers"):
             out[f"p2p_{k}"] = max((r.p2p.get(k, 0) for r in self.ranks), default=0)
         out.update(world=self.world, backend=self.backend, sampled_ranks=len(self.ranks),
                    roles=sorted({r.role.split("=")[0] for r in self.ranks}),
@@ -331,4 +371,4 @@ def emulate_switch(spec: ModelSpec, src: Layout, dst: Layout, *, ranks_per_node:
 
 
 __all__ = ["Emulation", "RankRecord", "RecordingExecutor", "emulate_rank", "emulate_switch",
-           "recording", "recording_padding", "role_sample"]
+           "padding_object_bytes", "recording", "role_sample"]

@@ -66,16 +66,6 @@ class FakeGroup:
         return self.ranks.index(global_rank)
 
 
-class _Done:
-    """A work handle that has completed."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
 @dataclass
 class Counts:
     """What one emulated rank did, by kind of work (module doc)."""
@@ -105,6 +95,16 @@ class Counts:
                 "collectives": dict(self.collectives),
                 "collective_bytes": dict(self.collective_bytes),
                 "world_collectives": list(self.world_collectives)}
+
+
+class _Done:
+    """The work handle of a collective that has completed."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class _Config:
@@ -221,23 +221,11 @@ class RecordingDist:
 
     def all_gather(self, tensor_list: list, tensor: torch.Tensor, group=None,
                    async_op: bool = False):
-        self._record("all_gather", group, len(tensor_list) * tensor.numel() * tensor.element_size())
+        self._record("all_gather", group,
+                     len(tensor_list) * tensor.numel() * tensor.element_size())
+        for t in tensor_list:
+            t.copy_(tensor)
         return _Done() if async_op else None
-
-    # -- point to point: one batched exchange, counted by the bytes this rank receives
-    def isend(self, tensor, dst=None, group=None, tag: int = 0):
-        raise NotImplementedError("the emulation posts batches only")
-
-    def irecv(self, tensor, src=None, group=None, tag: int = 0):
-        raise NotImplementedError("the emulation posts batches only")
-
-    def P2POp(self, op, tensor, peer, group=None, tag: int = 0):  # noqa: N802 - torch's name
-        return (op, tensor, peer, group)
-
-    def batch_isend_irecv(self, ops: list) -> list:
-        recv = sum(t.numel() * t.element_size() for op, t, _, _ in ops if op == self.irecv)
-        self._record("batch_isend_irecv", ops[0][3] if ops else None, recv)
-        return [_Done()]
 
     def barrier(self, group=None, async_op: bool = False, device_ids=None):
         self._record("barrier", group, 0)

@@ -20,12 +20,14 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
 from ..configs import load_model
+from ..routing.fabric import Fabric, simulate_transfer
 from ..routing.cost import (CheckpointModel, bandwidth_lower_bound, checkpoint_estimate,
                             describe, estimate)
 from ..routing.links import LinkModel
@@ -200,8 +202,10 @@ def plan_report(spec: ModelSpec, src: Layout, dst: Layout, *, kinds=KINDS, rpn: 
                 budget: Optional[int] = None, bucket=None, unit_size=None,
                 default_placement: bool = False, leaving: str = "planner",
                 links: LinkModel = LinkModel(),
-                ckpt: CheckpointModel = CheckpointModel()) -> dict[str, Any]:
-    """Everything `dynatrain plan` prints, as a dict (JSON-ready)."""
+                ckpt: CheckpointModel = CheckpointModel(),
+                fabric: Optional[Fabric] = None) -> dict[str, Any]:
+    """Everything `dynatrain plan` prints, as a dict (JSON-ready). With `fabric`, also
+    the transfer simulated on it (`routing.fabric`), as `simulated_transfer`."""
     t0 = time.perf_counter()
     Wa, Wb = src.world_size, dst.world_size
     if rpn < 1:
@@ -269,7 +273,26 @@ def plan_report(spec: ModelSpec, src: Layout, dst: Layout, *, kinds=KINDS, rpn: 
         "default_peak_extra_bytes_per_rank": dsched.max_peak_staging,
         "parameters": describe(links, ckpt),
     }
+    if fabric is not None:
+        if fabric.ranks_per_node != rpn:
+            fabric = replace(fabric, ranks_per_node=rpn)
+        out["simulated_transfer"] = simulate_transfer(sched, fabric).as_dict()
     return out
+
+
+def end_to_end(spec: ModelSpec, src: Layout, dst: Layout, r: dict[str, Any], *,
+               rpn: int = 8, budget: Optional[int] = None) -> dict[str, Any]:
+    """`r` (from `plan_report` with a fabric) with the control plane emulated at its
+    world (`bench.control_plane`: per-rank counts of a sample covering every role) and
+    the end-to-end budget (`bench.budget`) added, as `control_plane` and `budget`."""
+    from ..bench.budget import switch_budget
+    from ..bench.control_plane import emulate_switch
+
+    emu = emulate_switch(spec, src, dst, ranks_per_node=rpn, memory_budget=budget, extra=0)
+    r["control_plane"] = emu.summary()
+    r["budget"] = switch_budget(spec, src, dst, r, r["control_plane"],
+                                r.get("simulated_transfer"))
+    return r
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -343,7 +366,10 @@ def run_plan(args: argparse.Namespace) -> int:
         r = plan_report(spec, src, dst, kinds=c["kinds"], rpn=c["rpn"], budget=c["budget"],
                         bucket=c["bucket"], unit_size=args.unit_size,
                         default_placement=args.default_placement, leaving=c["leaving"],
-                        links=links, ckpt=ckpt)
+                        links=links, ckpt=ckpt,
+                        fabric=Fabric(ranks_per_node=c["rpn"]) if args.json else None)
+        if args.json:  # the budget: control plane emulated, transfer simulated
+            r = end_to_end(spec, src, dst, r, rpn=c["rpn"], budget=c["budget"])
     except (DynatrainError, argparse.ArgumentTypeError) as e:
         print(f"dynatrain plan: error: {e}", file=sys.stderr)
         return 2

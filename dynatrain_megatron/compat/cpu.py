@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 _CPU = torch.device("cpu")
 _state = {"applied": False, "mode": None, "thread": None}

@@ -57,7 +57,7 @@ import torch
 
 from ..vps.errors import DynatrainError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 # what Megatron-LM imports beyond megatron-core and this package (setup.py: extra "megatron-lm")
 EXTRA_MODULES = ("six", "regex", "pydantic", "einops", "psutil")

@@ -79,6 +79,20 @@ def _install_parallel_state() -> None:
         _installed["parallel_state"] = True
 
 
+def _holds_groups(value: Any) -> bool:
+    """A process group, or a container of them (a view must not keep another layout's
+    communicators alive, nor hand them out)."""
+    import torch.distributed as dist
+
+    if isinstance(value, dist.ProcessGroup):
+        return True
+    if isinstance(value, (list, tuple)) and value:
+        return any(isinstance(v, dist.ProcessGroup) for v in value)
+    if isinstance(value, dict) and value:
+        return any(isinstance(v, dist.ProcessGroup) for v in value.values())
+    return False
+
+
 class ParallelStateView:
     """`parallel_state`'s functions over a namespace of their own: a copy of the module's
     globals that `fill(namespace_module)` sets to a layout's groups (the same setter that
@@ -91,6 +105,9 @@ class ParallelStateView:
         module = types.ModuleType(ps.__name__, ps.__doc__)
         ns = module.__dict__
         ns.update(vars(ps))
+        for name, value in list(ns.items()):  # the process's own groups stay out of it
+            if _holds_groups(value):
+                ns[name] = None
         self.functions: dict[str, Callable] = {}
         for name, orig in _originals.items():
             fn = types.FunctionType(orig.__code__, ns, orig.__name__, orig.__defaults__,

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 @functools.cache

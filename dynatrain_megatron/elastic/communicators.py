@@ -43,7 +43,7 @@ import torch.distributed as dist
 from ..transition.transport import CONTROL as _CONTROL
 from ..transition.transport import collective_device, control_group, is_nccl, warm_up
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 def rank_device() -> Optional[torch.device]:
     """This thread's CUDA device (the rank's, on the training thread), None without CUDA."""

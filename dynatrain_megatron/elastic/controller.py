@@ -22,7 +22,7 @@ from ..vps.validate import validate_layout
 from . import signal_file as sf
 from .join import JoinReviewer, JoinVerdict
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +73,8 @@ class Controller:
         # requests at each poll; every rank keeps the verdicts it was sent
         self.joins: Optional[JoinReviewer] = None
         self._claimed: Optional[Path] = None  # rank 0: the accepted request's file
+        # rank 0: the id of the last request read from the signal file (None: it had none)
+        self.last_request: Optional[str] = None
         self._next_entry = 0  # every rank: the first schedule entry not yet run
         self._unmovable: set[tuple[int, int, int]] = set()  # rank 0: refused, left in place
         self.join_verdicts: list[JoinVerdict] = []
@@ -150,6 +152,12 @@ class Controller:
             return self._refuse_in_place(path, e)
         if claimed is None:
             return Decision(None, None, "signal")
+        self.last_request = None
+        try:
+            self.last_request = sf.request_id_in(claimed.read_bytes()[:sf.MAX_REQUEST_BYTES]) \
+                if claimed.is_file() and not claimed.is_symlink() else None
+        except OSError:
+            pass
         try:
             req = sf.read_request(claimed)
             if req is None:  # gone between the rename and the read

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from ..transition.transport import collective_device
 from .communicators import control_group, device_context, rank_device, warm_up_groups
 from .groups import ParallelGroups, build_groups
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 # the least vote wins: a rank whose preparation passed its deadline, or failed, makes every
 # rank give up on it (unless the job stops anyway)
@@ -82,19 +82,25 @@ class DeviceManager:
         self._error: Optional[BaseException] = None
         self.build_seconds = 0.0
         self.prepare_seconds = 0.0
+        self.placement_seconds = 0.0
         self.target: Optional[tuple[Layout, Placement]] = None
 
     @property
     def pending(self) -> bool:
         return self.target is not None
 
-    def prepare(self, layout: Layout, placement: Placement, background: bool = True,
+    def prepare(self, layout: Layout,
+                placement: Union[Placement, Callable[[Layout], Placement]],
+                background: bool = True,
                 then: Optional[Callable[[ParallelGroups], Any]] = None) -> None:
         """Start building `layout`'s groups on `placement` (every rank, same order); then,
         in the same thread, `then(groups)` (the switch's preparation: B's objects built,
         bound and planned while A trains; it must not raise and must only communicate
-        on B's new groups, which nothing else uses yet)."""
-        self.target = (layout, placement)
+        on B's new groups, which nothing else uses yet). `placement` may be a pure
+        function of the layout, run first in the thread (the same answer on every rank):
+        `target` holds the placement once it is chosen, the groups carry it."""
+        chosen = placement if isinstance(placement, Placement) else None
+        self.target = (layout, chosen)
         self._result, self._prepared, self._error = None, None, None
         self._started, self.given_up = time.monotonic(), None
 
@@ -103,7 +109,11 @@ class DeviceManager:
             with runtime_in_this_thread(), device_context(self.device):
                 t0 = time.perf_counter()
                 try:
-                    self._result = build_groups(layout, placement)
+                    where = chosen if chosen is not None else placement(layout)
+                    self.target = (layout, where)
+                    self.placement_seconds = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    self._result = build_groups(layout, where)
                 except BaseException as e:  # surfaced by take()
                     self._error = e
                 self.build_seconds = time.perf_counter() - t0

@@ -40,7 +40,7 @@ from ..vps.placement import Placement
 from ..transition.transport import is_nccl
 from .communicators import cpu_group_for, group_device
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 
@@ -327,7 +327,7 @@ def _gtp_collection_fields(pgc, add, layout: Layout, mine: dict) -> None:
     add("expt_gtp_remat", single)
     for new, plain in (("dp_cp_gtp_remat", "dp_cp"), ("expt_dp_gtp_remat", "expt_dp"),
                        ("tp_ep_pp_with_egtp_remat", "tp_ep_pp")):
-        if new in names and hasattr(pgc, plain):
+        if new in names and plain in mine:  # a member of that group (not a standby rank)
             setattr(pgc, new, getattr(pgc, plain))
             mine[new] = mine[plain]
     for name in ("dp_cp_ag", "expt_dp_ag"):

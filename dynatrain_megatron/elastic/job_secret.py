@@ -26,7 +26,7 @@ from typing import Mapping, MutableMapping, Optional
 from ..vps.errors import DynatrainError
 from .safe_files import ReadRules, UnsafeFileError, create_new, read_bytes
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 ENV_VAR = "DYNATRAIN_JOB_SECRET"
 DEFAULT_FILE_NAME = "job_secret"  # inside --dynatrain-rendezvous-dir when no file is named

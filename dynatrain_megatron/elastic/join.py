@@ -48,7 +48,7 @@ from ..vps.errors import DynatrainError
 from .job_secret import ENV_VAR, JobSecret, load_secret
 from .safe_files import UnsafeFileError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 PROTOCOL = "dynatrain-join-v1"
 PREFIX = "dynatrain/join"

@@ -24,7 +24,7 @@ from .communicators import (create_control_group, forget_control_group, rank_dev
                              warm_up_default)
 from .safe_files import ReadRules, checked_directory, open_checked
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ import stat
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 from ..vps.errors import DynatrainError
 
@@ -276,22 +276,24 @@ def create_new(directory: str | Path, name: str, data: bytes, mode: int = 0o600)
     anything: False (nothing written) when the name is taken. The directory is checked
     (`checked_directory`); UnsafeFileError / OSError when it is unsafe or the write fails
     (then no file is left behind)."""
-    return _place_new(directory, [name], data, mode) is not None
+    return create_first_free(directory, [name], data, mode) is not None
 
 
 def create_numbered(directory: str | Path, stem: str, data: bytes, mode: int = 0o600,
                     limit: int = 1 << 20) -> Path:
     """`directory/<stem>.<n>` for the first free n, made as `create_new` makes a file."""
     names = (f"{stem}.{n}" for n in range(limit))
-    name = _place_new(directory, names, data, mode)
-    if name is None:
+    dst = create_first_free(directory, names, data, mode)
+    if dst is None:
         raise UnsafeFileError(f"no free name {stem}.<n> in {directory}")
-    return Path(directory) / name
+    return dst
 
 
-def _place_new(directory: str | Path, names, data: bytes, mode: int) -> Optional[str]:
-    """Write `data` once to a temporary file, then give it the first of `names` that is
-    free (None: none was)."""
+def create_first_free(directory: str | Path, names: Iterable[str], data: bytes,
+                      mode: int = 0o600) -> Optional[Path]:
+    """A new file holding `data` under the first of `names` (in `directory`) that is free,
+    made as `create_new` makes one: written once under a temporary name, then renamed
+    without replacing anything. None when every name is taken."""
     with checked_directory(directory, mode=0o700) as dfd:  # made for private files
         tmp = None
         try:
@@ -304,7 +306,7 @@ def _place_new(directory: str | Path, names, data: bytes, mode: int) -> Optional
                 except FileExistsError:
                     continue
                 tmp = None
-                return name
+                return Path(directory) / name
             return None
         finally:
             if tmp is not None:

@@ -109,6 +109,8 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges, explicit keys win
+                continue
             key = self.construct_object(key_node, deep=True)
             try:
                 again = key in seen

@@ -1,6 +1,8 @@
 """Switch requests through a signal file, read as hostile input.
 
-A request is a small JSON object `{"layout": "tp4pp1dp1", "world": 4, "origin": ...}`.
+A request is a small JSON object `{"layout": "tp4pp1dp1", "world": 4, "origin": ...,
+"id": ...}`; `id` (optional, `[A-Za-z0-9_-]`, at most 64 characters) names the request's
+outcome record, `<path>.<outcome>.<id>`, which `dynatrain request --wait` waits for.
 Writers must put it in place with a rename (write a temporary file in the same directory,
 fsync, rename), as `dynatrain request` does: the job claims whatever sits at the path at
 its poll, so a file written in place may be read half-written (it is then rejected, never
@@ -21,7 +23,8 @@ The job handles the path as input from anyone who can write to its directory:
   read from that descriptor only;
 * the content must match a strict schema (known keys only, exact types, no duplicate keys,
   an ASCII layout string, bounded numbers);
-* the outcome is filed in a fresh file `<path>.<outcome>.<n>`, mode 0600, holding the
+* the outcome is filed in a fresh file `<path>.<outcome>.<id>` (the request's id; one
+  without an id, or whose id's record exists already: `<path>.<outcome>.<n>`), mode 0600, holding the
   reason and the request (a bounded excerpt where it is not a valid request): written
   whole under a temporary name, then renamed to a name that was free (never written
   through an existing name; `safe_files.create_numbered`). A record that cannot be
@@ -43,6 +46,8 @@ import json
 import logging
 import math
 import os
+import re
+import secrets
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -65,7 +70,10 @@ EXCERPT_BYTES = 120
 MAX_LAYOUT_CHARS = 64
 MAX_ORIGIN_CHARS = 256
 MAX_WORLD = 1 << 20
-_KEYS = ("layout", "world", "origin", "requested_at")
+_KEYS = ("layout", "world", "origin", "requested_at", "id")
+MAX_ID_CHARS = 64
+_ID = re.compile(r"[A-Za-z0-9_-]{1,%d}" % MAX_ID_CHARS, re.ASCII)
+OUTCOMES = ("applied", "rejected", "failed", "not_applied")
 # the job's user's regular file, one name, nobody else may write it (module docstring)
 _RULES = ReadRules("signal file", MAX_REQUEST_BYTES, single_link=True)
 
@@ -84,6 +92,7 @@ class SwitchRequest:
     world: Optional[int] = None
     origin: str = ""
     requested_at: float = 0.0
+    id: Optional[str] = None  # names the outcome record (`dynatrain request --wait`)
 
     def __post_init__(self) -> None:
         lay = self.layout
@@ -108,6 +117,9 @@ class SwitchRequest:
         if type(t) not in (int, float) or not math.isfinite(t):
             raise RequestError(f"request 'requested_at' must be a finite number, got "
                                f"{excerpt(repr(t))}")
+        if self.id is not None and (type(self.id) is not str or not _ID.fullmatch(self.id)):
+            raise RequestError(f"request 'id' must be 1 to {MAX_ID_CHARS} characters of "
+                               f"[A-Za-z0-9_-], got {excerpt(repr(self.id))}")
 
     @classmethod
     def from_json(cls, data: bytes, where: str = "request") -> "SwitchRequest":
@@ -172,7 +184,9 @@ def write_request(path: str | Path, layout: Optional[str],
     req = SwitchRequest(layout=layout, world=world,
                         origin=f"{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}"[
                             :MAX_ORIGIN_CHARS],
-                        requested_at=time.time())
+                        requested_at=time.time(),
+                        id=f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}"
+                           f"-{secrets.token_hex(4)}")
     try:
         placed = create_new(path.parent, path.name, json.dumps(asdict(req)).encode(), 0o600)
     except (UnsafeFileError, OSError) as e:  # an unsafe directory, no permission, no space
@@ -254,21 +268,43 @@ def claim(path: str | Path) -> Optional[Path]:
     raise RequestError(f"no free name to claim {path}")
 
 
-def _create_record(path: Path, outcome: str, data: bytes) -> Path:
-    """A fresh `<path>.<outcome>.<n>` (mode 0600) holding `data`, put in place whole."""
+def request_id_in(data: bytes) -> Optional[str]:
+    """The id of a request's bytes when they hold a well-formed one (even if the rest of
+    the request is refused), else None: its outcome record is then named after it."""
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) and _ID.fullmatch(rid) else None
+
+
+def outcome_path(path: str | Path, outcome: str, request_id: str) -> Path:
+    """Where the outcome record of the request with `request_id` is filed."""
+    return Path(path).with_name(f"{Path(path).name}.{outcome}.{request_id}")
+
+
+def _create_record(path: Path, outcome: str, data: bytes,
+                   request_id: Optional[str] = None) -> Path:
+    """A fresh `<path>.<outcome>.<id>` (the id taken: `.<n>`; mode 0600) holding `data`,
+    put in place whole."""
+    if request_id is not None:
+        dst = outcome_path(path, outcome, request_id)
+        if create_new(path.parent, dst.name, data, 0o600):
+            return dst
     return create_numbered(path.parent, f"{path.name}.{outcome}", data, 0o600)
 
 
 def archive(path: str | Path, outcome: str, reason: str = "",
             request_file: str | Path | None = None) -> Optional[Path]:
-    """File the handled request as a new `<path>.<outcome>.<n>` holding the outcome, the
+    """File the handled request as a new `<path>.<outcome>.<id>` holding the outcome, the
     reason and the request. The request is read (safely, bounded) from `request_file`
     (where `claim` put it), by default from `path` itself; see the module docstring for
     what becomes of it. Never raises: a record that cannot be written is logged with the
     outcome and its reason (None is returned) and the request is left where it was."""
     path = Path(path)
     src = Path(request_file) if request_file is not None else path
-    body, regular = "", False
+    body, regular, rid = "", False, None
     try:
         fd, _ = _open_checked(src)
         try:
@@ -278,11 +314,13 @@ def archive(path: str | Path, outcome: str, reason: str = "",
         regular = True
         body = (data.decode("utf-8", errors="replace") if len(data) <= MAX_REQUEST_BYTES
                 else excerpt(data, 4096))
+        rid = request_id_in(data) if len(data) <= MAX_REQUEST_BYTES else None
     except (OSError, RequestError):
         pass
-    record = {"outcome": outcome, "reason": reason[:4 * MAX_REQUEST_BYTES], "request": body}
+    record = {"outcome": outcome, "reason": reason[:4 * MAX_REQUEST_BYTES], "request": body,
+              "id": rid, "filed_at": time.time()}
     try:
-        dst = _create_record(path, outcome, json.dumps(record).encode())
+        dst = _create_record(path, outcome, json.dumps(record).encode(), rid)
     except Exception as e:  # noqa: BLE001 - filing must never end training nor hide why
         log.error("could not file the request %s as %s (%s: %s); it was %s because: %s",
                   src, outcome, type(e).__name__, e, outcome, excerpt(reason, 400))

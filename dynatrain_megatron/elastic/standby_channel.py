@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 # long enough to outlive any job; short enough for gloo's millisecond counters
 NO_DEADLINE = datetime.timedelta(days=365)

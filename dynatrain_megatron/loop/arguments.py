@@ -88,6 +88,9 @@ def add_dynatrain_args(parser: argparse.ArgumentParser,
     g.add_argument("--dynatrain-schedule", default=None,
                    help="YAML list of {iteration, layout} switches to run")
     g.add_argument("--dynatrain-log-dir", default=None, help="where switch reports are written")
+    g.add_argument("--dynatrain-log-all-ranks", action="store_true",
+                   help="every rank prints its dynatrain lines (debugging); by default rank 0 "
+                        "prints one line per event and the others only warnings and errors")
     g.add_argument("--dynatrain-default-placement", action="store_true",
                    help="pin Megatron's default rank order instead of the chosen placement")
     g.add_argument("--dynatrain-device-memory", type=int, default=None,

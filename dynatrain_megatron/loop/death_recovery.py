@@ -36,7 +36,9 @@ from ..mcore.session import release, start_job
 from ..mcore.train_config import TrainConfig
 from ..mcore.training import Trainer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
+
+QUIET_SECONDS = 10.0  # the roster closes once no survivor announced itself for this long
 
 
 def fit_layout(spec: ModelSpec, train: TrainConfig, old: Layout, n: int) -> Layout:
@@ -155,7 +157,10 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
             return len(survivors)
         return target(len(survivors))[0].world_size
 
-    nw = reform_world(store, old_rank, old_world, generation, keep)
+    # survivors blocked on a survivor learn of the death one after another, each as the
+    # previous one lets go of the broken world (slow on a loaded host): a quiet period of
+    # several seconds keeps a late one in the roster, at that cost to every recovery
+    nw = reform_world(store, old_rank, old_world, generation, keep, quiet_seconds=QUIET_SECONDS)
     what = lost_state(spec, src, dead_of(nw.survivors), pa, bs).describe()
     updating = mid_update(nw.survivors)
     if updating:

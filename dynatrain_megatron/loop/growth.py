@@ -33,7 +33,7 @@ from ..mcore.session import freeze_long_lived_objects
 from ..mcore.train_config import TrainConfig
 from ..mcore.training import Trainer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 PREFIX = "dynatrain/grow"
 _PROTOCOL = "dynatrain-grow-v1"

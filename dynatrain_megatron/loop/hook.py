@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch.distributed as dist
 
+from ..elastic import job_presence
 from ..elastic.controller import Controller, Decision
 from ..elastic.schedule import load_schedule
 from ..elastic.communicators import everyone_ok
@@ -32,34 +32,18 @@ from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from ..mcore.builders import MegatronBuilder, TrainingObjects, bucket_size_of, validator_options
+from ..mcore.session import collect_released
+from .logs import ONCE, configure as configure_logging
 from .memory_check import SwitchMemoryCheck, release_grad_buffers, restore_grad_buffers
 from .memory_check import from_args as memory_check_from_args
 from .auto_layout import LayoutAdvisor
-from .switching import WorldBroken, prepared_switch_args, start_preparation, switch_trainer
+from .stall_tracker import StallTracker
+from .switch_log import SwitchRecord, landing_note, layout_scalars, summary
+from .switching import is_dead_peer, prepared_switch_args, start_preparation, switch_trainer
 from ..mcore.train_config import TrainConfig
 from ..mcore.training import Trainer
 
 log = logging.getLogger("dynatrain")
-
-
-@dataclass
-class SwitchRecord:
-    """One row of the end-of-run summary."""
-
-    iteration: int
-    src: str
-    dst: str
-    placement: str
-    bytes_moved: int
-    lower_bound_bytes: int
-    pause_s: float
-    groups_s: float  # building the new layout's groups
-    phases: dict = field(default_factory=dict)
-    groups_in_pause: bool = False  # True only with background_groups=False (comparison)
-    # B's build, binding, check and plan, done in the background while A trained
-    prepared: dict = field(default_factory=dict)
-    source: str = "signal"  # who asked: "signal", "schedule", "auto"
-    reason: str = ""  # when the job chose the layout: why, and the advisor's top rows
 
 
 class DynatrainHook:
@@ -114,10 +98,12 @@ class DynatrainHook:
         if advisor is not None:
             controller.advise = advisor.advise
             controller.auto_layout = auto_layout
+        self.stall = StallTracker(self.outputs)  # loop/stall_tracker.py
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig,
                   builder: Optional[MegatronBuilder] = None) -> "DynatrainHook":
+        configure_logging(dist.get_rank(), getattr(args, "dynatrain_log_all_ranks", False))
         schedule = (load_schedule(args.dynatrain_schedule, train.train_iters)
                     if args.dynatrain_schedule else None)
         ctl = Controller(spec, args.dynatrain_signal_file, args.dynatrain_poll_interval, schedule,
@@ -141,6 +127,8 @@ class DynatrainHook:
         the job's world (DynatrainError, on every rank alike, before the first step)."""
         self.controller.check_schedule(layout.world_size)
         self.layout, self.layout_placement = layout, placement
+        if self.controller.signal_path and dist.get_rank() == 0:
+            job_presence.announce(self.controller.signal_path)  # for `request --wait`
         if dist.is_initialized():
             self.channel.renew()  # collective: every process starts here
 
@@ -148,10 +136,18 @@ class DynatrainHook:
         """Call after every optimizer step, on every rank of the layout. Returns the
         (rebound) trainer, or None when this rank left the layout (scale-in): it is then on
         standby and calls `standby()`."""
+        self.stall.next_step_boundary()  # may report the last switch's stall (collective)
+        try:
+            return self._after_step(trainer)
+        finally:
+            self.stall.left()
+
+    def _after_step(self, trainer: Trainer) -> Optional[Trainer]:
         if self.layout is None:
             self.start(trainer, trainer.objs.layout, trainer.objs.groups.placement)
         if self.faults is not None:
             self.faults.fail(dist.get_rank(), "step", trainer.iteration)
+        self.stall.report.metrics(trainer.iteration, layout_scalars(self.layout))  # every step
         if self.memory is not None:
             self.memory.step_boundary()  # the memory figures are the last step's
         if trainer.iteration >= self.builder.train.train_iters:
@@ -159,8 +155,10 @@ class DynatrainHook:
         if self.devices.pending:
             return self._switch_when_due(trainer)
         layout_group, standby = self._groups(trainer)
+        t0 = time.perf_counter()
         d = self.controller.poll(trainer.iteration, self.layout.world_size, layout_group,
                                  standby)
+        self.stall.lap("controller", t0)
         trainer = self._admit(trainer, d)
         self._on_decision(d, trainer.iteration, trainer.objs)
         if self._sync_target is not None:
@@ -175,14 +173,17 @@ class DynatrainHook:
         iteration, waiting there for whatever of the preparation is left."""
         at = self.decision.at if self.decision is not None else None
         groups = self._groups(trainer)
+        t0 = time.perf_counter()
         if at is None:
-            return self._switch(trainer) if self.devices.ready(*groups) else trainer
+            ready = self.devices.ready(*groups)
+            self.stall.lap("wait_for_b", t0)
+            return self._switch(trainer) if ready else trainer
         if trainer.iteration < at:
             return trainer
-        t0 = time.perf_counter()
         while not self.devices.ready(*groups):  # collective: every rank loops the same times
             time.sleep(0.005)
         self._waited_s = time.perf_counter() - t0
+        self.stall.lap("wait_for_b", t0)
         return self._switch(trainer)
 
     def standby(self) -> Optional[Trainer]:
@@ -198,7 +199,7 @@ class DynatrainHook:
                     self.stopped = True
                     return None
                 if vote == "ready":
-                    trainer = self._switch(None)
+                    trainer = self._switch_from_standby()
                     if trainer is not None:
                         return trainer
                 continue
@@ -209,63 +210,89 @@ class DynatrainHook:
             self._admit(None, d)
             self._on_decision(d, None)
             if self._sync_target is not None:
-                trainer = self._switch(None)
+                trainer = self._switch_from_standby()
                 if trainer is not None:
                     return trainer
+
+    def _switch_from_standby(self) -> Optional[Trainer]:
+        """The switch starts now on this standby rank: so does its window (and host timer)."""
+        self.stall.enter_from_standby()
+        return self._switch(None)
 
     def _on_decision(self, d: Decision, iteration: Optional[int],
                      objs: Optional[TrainingObjects] = None) -> None:
         if d.rejected:
             self.rejected.append(d.rejected)
+            self._record_outcome("rejected", d, iteration, d.rejected)
         if d.target is None:
             return
         src = self.layout
         if d.target == str(src) and d.world == src.world_size:
-            log.info("already at layout %s: nothing to do", src)
+            log.info("already at layout %s: nothing to do", src, extra=ONCE)
             self.controller.done(d, "applied", "already at this layout")
             return
+        when = f"iteration {iteration}: " if iteration is not None else ""
         if d.note:
-            log.info("iteration %s: %s", iteration, d.note)
-        try:  # the same pure computation on every rank: all refuse alike, A untouched
-            dst = Layout.parse(d.target, d.world)
-            placement = choose_dst_placement(self.spec, self.builder, src, self.layout_placement,
-                                             dst, tuple(range(dst.world_size)), self.placement,
-                                             self.ranks_per_node)
-        except Exception as e:  # noqa: BLE001 - a request must never end training
-            reason = f"no placement for {d.target} on {d.world} ranks: {type(e).__name__}: {e}"
-            log.error("switch to %s rejected: %s; training continues at %s", d.target, reason,
-                      src)
-            self.rejected.append(reason)
-            self.controller.done(d, "rejected", reason)
-            return
+            log.info("%s%s", when, d.note, extra=ONCE)
+        dst = Layout.parse(d.target, d.world)  # the controller validated it
         self.decision = d
-        in_pause = False
+        in_pause = not self.background_groups
+        placement: Optional[Placement] = None
+        if self.memory is not None or in_pause:
+            # needed now (the memory plan, or B built in the pause); else chosen in the background
+            t0 = time.perf_counter()
+            try:  # the same pure computation on every rank: all refuse alike, A untouched
+                placement = self._choose_placement(dst)
+            except Exception as e:  # noqa: BLE001 - a request must never end training
+                reason = f"no placement for {d.target} on {d.world} ranks: {type(e).__name__}: {e}"
+                log.error("switch to %s rejected: %s; training continues at %s", d.target,
+                          reason, src)
+                self.rejected.append(reason)
+                self.controller.done(d, "rejected", reason)
+                self._record_outcome("rejected", d, iteration, reason)
+                self.decision = None
+                return
+            t0 = self.stall.lap("placement", t0)
         if self.memory is not None:  # collective; the same decision on every rank
             mem = self.memory.plan(self.spec, self.builder, src, self.layout_placement, dst,
                                    placement)
-            (log.info if mem.mode == "background" else log.warning)("%s", mem.describe())
+            (log.info if mem.mode == "background" else log.warning)("%s", mem.describe(), extra=ONCE)
+            self.stall.lap("memory_check", t0)
             if not mem.fits:
                 self.rejected.append(mem.describe())
                 self.controller.done(d, "failed", mem.describe())
+                self._record_outcome("failed", d, iteration, mem.describe())
                 self.decision = None
                 return
-            in_pause = mem.mode in ("in_pause", "release_a_grads")
+            in_pause = in_pause or mem.mode in ("in_pause", "release_a_grads")
             self._release_a_grads = mem.mode == "release_a_grads"
-        if not self.background_groups or in_pause:
-            log.info("iteration %s: switch %s (%d ranks) -> %s (%d ranks) requested; groups "
-                     "built inside the switch", iteration, src, src.world_size, dst,
-                     dst.world_size)
+        if in_pause:
+            log.info("%sswitch %s (%d ranks) -> %s (%d ranks) requested; groups built inside "
+                     "the switch", when, src, src.world_size, dst, dst.world_size, extra=ONCE)
             self._sync_target = (dst, placement)
             return
-        log.info("iteration %s: switch %s (%d ranks) -> %s (%d ranks) requested; building "
-                 "its groups and objects in the background while training goes on",
-                 iteration, src, src.world_size, dst, dst.world_size)
+        log.info("%sswitch %s (%d ranks) -> %s (%d ranks) requested; choosing its placement, "
+                 "building its groups and objects in the background while training goes on",
+                 when, src, src.world_size, dst, dst.world_size, extra=ONCE)
         start_preparation(self.devices, self.builder, src, self.layout_placement, dst,
-                          dst_placement=placement, ranks_per_node=self.ranks_per_node,
+                          dst_placement=placement, choose_placement=self._choose_placement,
+                          ranks_per_node=self.ranks_per_node,
                           memory_budget=self.memory_budget, faults=self.faults, src_objs=objs)
 
+    def _choose_placement(self, dst: Layout) -> Placement:
+        """B's placement from the current layout (pure: every rank alone gets the same)."""
+        return choose_dst_placement(self.spec, self.builder, self.layout, self.layout_placement,
+                                    dst, tuple(range(dst.world_size)), self.placement,
+                                    self.ranks_per_node)
+
+    def _record_outcome(self, outcome: str, d: Decision, it: Optional[int], reason: str) -> None:
+        self.stall.report.outcome(outcome, d, it, self.layout, self.controller.last_request,
+                                  reason)
+
     def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
+        self.stall.before_switch()  # the last switch's stall, if not reported yet
         src, src_placement = self.layout, self.layout_placement
+        decision = self.decision
         # A's objects whose gradient buffers this switch frees (restored if it rolls back)
         released = trainer.objs if self._release_a_grads and trainer is not None else None
         self._release_a_grads = False
@@ -275,29 +302,41 @@ class DynatrainHook:
             (dst, dst_placement), self._sync_target = self._sync_target, None
             if released is not None:
                 release_grad_buffers(released)  # room for B (the memory plan's degraded mode)
+            t1 = time.perf_counter()
             kw = dict(new_groups=build_groups(dst, dst_placement))  # B built in the pause too
-            groups_s = time.perf_counter() - t0
+            groups_s = self.stall.lap("groups", t1) - t1
         else:
             dst, dst_placement = self.devices.target
             kw, error = {}, None
+            t1 = time.perf_counter()
             try:
                 kw = prepared_switch_args(self.devices)
             except Exception as e:  # noqa: BLE001 - B's groups or preparation failed
                 error = e
-            if not everyone_ok(error is None):  # every rank gives up alike, A untouched
+            t1 = self.stall.lap("warm_up", t1)
+            ok = everyone_ok(error is None)
+            self.stall.lap("votes", t1)
+            if not ok:  # every rank gives up alike, A untouched
                 return self._preparation_failed(trainer, dst, kw, error)
+            if kw.get("new_groups") is not None:
+                dst_placement = kw["new_groups"].placement  # chosen in the background
             groups_s = self.devices.build_seconds
             t0 = time.perf_counter()
+        timings: dict[str, float] = {}
+        # A's memory is collected after B's first steps unless the memory plan needs it now
+        defer = released is None and "groups" not in self.stall.laps and trainer is not None
         try:
             trainer, res = switch_trainer(trainer, self.builder, src, src_placement,
                                           dst, dst_devices=dst_placement.devices,
                                           ranks_per_node=self.ranks_per_node,
                                           memory_budget=self.memory_budget,
-                                          timeout=self.timeout, **kw)
+                                          timeout=self.timeout, timings=timings,
+                                          release_a_later=defer, **kw)
         except Exception:
             if released is not None:
                 restore_grad_buffers(released)
             self.controller.done(self.decision, "failed", "switch raised; see the job log")
+            self._record_outcome("failed", decision, None, "switch raised; see the job log")
             raise
         if released is not None and res.aborted:
             restore_grad_buffers(released)  # A trains on
@@ -306,48 +345,42 @@ class DynatrainHook:
         if res.aborted:
             self.failed.append(res.aborted)
             self.controller.done(self.decision, "failed", res.aborted)
+            self._record_outcome("failed", decision, trainer.iteration if trainer else None,
+                                 res.aborted)
             log.error("switch rolled back; training continues at %s", src)
             return trainer
         self.layout, self.layout_placement = dst, res.placement
+        self.stall.collect_pending = self.stall.collect_pending or (defer and trainer is not None)
         pause = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if decision is not None:
+            self.controller.done(decision, "applied", f"switched at iteration {trainer.iteration}"
+                                 if trainer is not None else "switched")
+        self.stall.lap("controller", t1)
         if trainer is None:
             log.info("switched %s -> %s: this rank is not in the new layout; on standby",
                      src, dst)
+            if defer:  # on standby: nothing to measure first
+                collect_released()
             return None
         r = res.report
         phases = {k: round(v, 4) for k, v in r.phases.items()}
         if not self.background_groups:
             phases["groups"] = round(groups_s, 4)
+        prepared = {k: round(v, 4) for k, v in r.background.items()} | (
+            {"placement": round(self.devices.placement_seconds, 4)} if r.background else {})
         rec = SwitchRecord(trainer.iteration, str(src), str(dst), r.placement, r.bytes_moved,
                            r.lower_bound_bytes, pause, groups_s, phases,
-                           groups_in_pause=not self.background_groups,
-                           prepared={k: round(v, 4) for k, v in r.background.items()},
-                           source=self.decision.source if self.decision else "signal",
-                           reason=self.decision.note if self.decision else "")
+                           groups_in_pause="groups" in self.stall.laps, prepared=prepared,
+                           source=decision.source if decision else "signal",
+                           reason=decision.note if decision else "")
         self.history.append(rec)
-        at = self.decision.at if self.decision is not None else None
-        waited, self._waited_s = self._waited_s, 0.0
-        when = "" if at is None else (
-            f" as scheduled (waited {waited:.3f} s for B)" if trainer.iteration == at else
-            f", {trainer.iteration - at} iteration(s) late (scheduled after iteration {at})")
-        self.controller.done(self.decision, "applied", f"switched at iteration {trainer.iteration}")
-        log.info("iteration %d: switched %s -> %s (placement %s): %.2f MB moved (lower bound "
-                 "%.2f MB), pause %.3f s [bind %.3f, plan %.3f, transfer %.3f, rebuild %.3f], "
-                 "groups %.3f s %s%s%s", trainer.iteration, src, dst, r.placement,
-                 r.bytes_moved / 1e6, r.lower_bound_bytes / 1e6, pause, r.phases.get("bind", 0),
-                 r.phases.get("plan", 0), r.phases.get("transfer", 0), r.phases.get("rebuild", 0),
-                 groups_s, "inside the pause" if rec.groups_in_pause else "in the background",
-                 "; B built %.3f s, bound %.3f s, planned %.3f s in the background" % (
-                     r.background.get("build", 0), r.background.get("bind", 0),
-                     r.background.get("plan", 0)) if r.background else "", when)
-        self._log_event(asdict(rec))
+        when, self._waited_s = landing_note(decision.at if decision else None,
+                                            trainer.iteration, self._waited_s), 0.0
+        self.stall.begin(rec, r.phases, timings, dict(
+            when=when, request=self.controller.last_request if decision else None,
+            transfer_s=r.phases.get("transfer", 0.0), groups=trainer.objs.groups, dst=dst))
         return trainer
-
-    def _log_event(self, entry: dict) -> None:
-        """One line of `switches.jsonl` in the log directory (rank 0); a write that fails
-        is logged once and training goes on (`safe_files.OutputDir`)."""
-        if self.outputs is not None and dist.get_rank() == 0:
-            self.outputs.append_json_line("switches.jsonl", entry)
 
     def _admit(self, trainer: Optional[Trainer], d: Decision) -> Optional[Trainer]:
         """Grow the world with the joiners accepted at this poll (every process calls it
@@ -394,6 +427,8 @@ class DynatrainHook:
             growth.announce(store, prefix, world, self.layout, self.layout_placement,
                             reviewer.secret)
         self._drop_preparation(broken=False)  # it belongs to the old world
+        if trainer is not None:
+            self.stall.finish()  # the last switch's, over the old world's layout
         self.channel.forget()
         t0 = time.perf_counter()
         trainer = growth.grow_world(trainer, self.spec, self.builder.train, store, prefix,
@@ -445,18 +480,10 @@ class DynatrainHook:
         self.devices = DeviceManager()
 
     def can_recover(self, error: BaseException) -> bool:
-        """Whether `error` looks like a dead peer and this job can recover from it: a
-        rendezvous directory is set, the recovery budget is not spent, and the error is
-        a failed communication (never a bug of ours or of the model, which would repeat)."""
-        if not self.rendezvous_dir or len(self.recoveries) >= self.max_recoveries:
-            return False
-        if isinstance(error, WorldBroken) or isinstance(error, getattr(dist, "DistError", ())):
-            return True
-        text = str(error)
-        return isinstance(error, RuntimeError) and any(
-            m in text for m in ("Connection closed by peer", "Connection reset by peer",
-                                "Broken pipe", "NCCL communicator was aborted",
-                                "NCCL error", "Timed out"))
+        """Whether `error` is a dead peer's (`is_dead_peer`) and this job can recover from
+        it: a rendezvous directory is set and the recovery budget is not spent."""
+        return (bool(self.rendezvous_dir) and len(self.recoveries) < self.max_recoveries
+                and is_dead_peer(error))
 
     def recover(self, trainer: Optional[Trainer], error: str) -> tuple[str, Optional[Trainer]]:
         """Every survivor calls this after a failed communication (see `can_recover`).
@@ -466,6 +493,7 @@ class DynatrainHook:
         from .death_recovery import recover_after_death
 
         log.error("communication failed (%s): a rank is gone; recovering", error[:200])
+        self.stall.drop()  # the last switch's ranks cannot share its stall any more
         self._drop_preparation(broken=True)  # built for the old world: cannot finish
         self.channel.forget()  # the broken world's: its sockets must close
         self._sync_target = None
@@ -489,7 +517,8 @@ class DynatrainHook:
         if rec.world.rank is None:
             return "leave", None
         self.channel.renew()  # collective: every member of the new world is here
-        self._log_event(entry)
+        if dist.get_rank() == 0:
+            self.stall.report.record("recovery", entry)
         if rec.trainer is None:
             return "standby", None
         return "train", rec.trainer
@@ -547,7 +576,8 @@ class DynatrainHook:
         (its collectives run on B's groups, with peers doing the same), free it, and file
         the request as not applied, with `reason`."""
         target = self.devices.target[0] if self.devices.target else "?"
-        self._drop_preparation(broken=False, wait=None)
+        # a healthy preparation ends within its deadline; one blocked on a dead peer is left
+        self._drop_preparation(broken=False, wait=self.devices.deadline_s)
         reason = f"not applied: {reason} (switch to {target})"
         log.warning("%s", reason)
         if self.decision is not None:
@@ -557,30 +587,15 @@ class DynatrainHook:
     def finish(self, trainer: Trainer, checkpoint_seconds: Optional[float] = None) -> str:
         """At the end of training, on every rank holding training state: tell the launcher
         this worker completed (`loop/launch.py`), then the summary table of all switches
-        (logged on rank 0, returned)."""
+        (logged on rank 0, returned). The last switch's stall is shared here if it was not."""
         from .launch import report_completed
 
+        self.stall.finish()
         report_completed()
-        lines = ["", "dynatrain switches:",
-                 f"{'iter':>5} {'from':>18} {'to':>18} {'moved MB':>9} {'pause s':>8} "
-                 f"{'transfer s':>10} {'groups s (bg)':>13}"
-                 + (f" {'ckpt path s':>11} {'speedup':>8}" if checkpoint_seconds else "")]
-        for h in self.history:
-            row = (f"{h.iteration:>5} {h.src:>18} {h.dst:>18} {h.bytes_moved / 1e6:>9.2f} "
-                   f"{h.pause_s:>8.3f} {h.phases.get('transfer', 0):>10.3f} {h.groups_s:>13.3f}")
-            if checkpoint_seconds:
-                row += f" {checkpoint_seconds:>11.2f} {checkpoint_seconds / h.pause_s:>7.1f}x"
-            lines.append(row)
-        if self.rejected:
-            lines.append(f"rejected requests: {len(self.rejected)}")
-            lines += [f"  - {r}" for r in self.rejected]
-        if self.failed:
-            lines.append(f"switches rolled back: {len(self.failed)}")
-            lines += [f"  - {r}" for r in self.failed]
-        for r in self.recoveries:
-            lines.append(f"recovered from the death of ranks {r['dead']}: {r['src']} -> "
-                         f"{r['dst']} ({'in memory' if r['mode'] == 'memory' else 'from the checkpoint'})"
-                         + (f", pause {r['pause_s']:.3f} s" if r['pause_s'] else ""))
-        text = "\n".join(lines)
-        log.info(text)
+        if self.controller.signal_path and dist.get_rank() == 0:
+            job_presence.withdraw(self.controller.signal_path)
+        text = summary(self.history, self.stall.stalls, self.rejected, self.failed,
+                       self.recoveries, checkpoint_seconds)
+        log.info(text, extra=ONCE)
         return text
+

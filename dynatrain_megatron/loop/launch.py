@@ -32,7 +32,7 @@ from typing import Collection, Optional, Sequence
 
 from .. import process_env
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 def free_port() -> int:

@@ -30,6 +30,9 @@ def setup_logging() -> None:
                         format=f"[%(asctime)s r{rank}] %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its INFO dumps configs per build
+    from .logs import configure
+
+    configure(rank)  # the hook's from_args sets it again with the job's --dynatrain-log-all-ranks
 
 
 def format_iteration(r: StepResult, train_iters: int, consumed: int, gbs: int, layout) -> str:

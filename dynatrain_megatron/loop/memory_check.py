@@ -48,7 +48,7 @@ from ..vps.memory import SwitchMemoryPlan, switch_memory_plan
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 MiB = 1 << 20
 DEFAULT_NCCL_COMM_BYTES = 256 * MiB

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+import time
+from typing import Any, Callable, Optional, Sequence
 
+import torch.distributed as dist
 
 from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import ParallelGroups, build_groups, install
@@ -17,7 +19,7 @@ from ..mcore.builders import MegatronBuilder, TrainingObjects
 from ..mcore.session import freeze_long_lived_objects, release
 from ..mcore.training import Trainer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: Layout,
@@ -26,17 +28,25 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
                    ranks_per_node: int = 8, memory_budget: Optional[int] = None,
                    move_weights: bool = False, new_groups: Optional[ParallelGroups] = None,
                    timeout: Optional[float] = None, faults: Optional[FaultPlan] = None,
-                   prepared: Optional[Prepared] = None) -> tuple[Optional[Trainer], SwitchResult]:
+                   prepared: Optional[Prepared] = None, timings: Optional[dict] = None,
+                   release_a_later: bool = False) -> tuple[Optional[Trainer], SwitchResult]:
     """Every rank of the world calls this at the same step boundary.
 
     `prepared`: B made ready in the background (`elastic.device_manager`), which leaves
     only the data movement to the pause.
+
+    `timings`, when given, gets the seconds of what this adds around the switch itself:
+    "scalars" (reading them), "release_a" (A's objects and groups freed), "rebind".
+    `release_a_later`: A's objects and groups are released, but the collection that frees
+    their memory is left to the caller (`mcore.session.collect_released`).
 
     Returns the trainer rebound to layout B (None on a rank that is not part of B) and the
     switch result; A's objects and process groups are released. If the switch aborted
     (`result.aborted`), B is discarded and the *same* trainer is returned, at A, with its
     groups and RNG states as before the attempt.
     """
+    timings = {} if timings is None else timings
+    t0 = time.perf_counter()
     if trainer is None:
         freeze_long_lived_objects()  # a joining rank: as start_job does on the others
     old = trainer.objs if trainer is not None else None
@@ -46,6 +56,7 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
                             memory_budget=memory_budget, move_weights=move_weights,
                             timeout=timeout)
     rng = _RngSnapshot.take()
+    timings["scalars"] = time.perf_counter() - t0
     broken = None
     try:
         res = switch_layout(builder.spec, builder, old, src, src_placement, dst, build_groups,
@@ -71,8 +82,11 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
             install(old.groups)  # B is only activated at the commit: a safety net
         rng.restore()
         return trainer, res
+    t0 = time.perf_counter()
     if old is not None:
-        release(old)
+        release(old, collect_later=release_a_later)
+    timings["release_a"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     if res.objs is None:
         res.groups.destroy()
         return None, res
@@ -83,6 +97,7 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
         trainer.rebind(res.objs)
     trainer.iteration = res.scalars.iteration
     trainer.consumed_samples = res.scalars.consumed_samples
+    timings["rebind"] = time.perf_counter() - t0
     return trainer, res
 
 
@@ -90,6 +105,18 @@ class WorldBroken(DynatrainError):
     """A collective of the switch itself failed: a rank died (or its link did). The
     trainer is still at A, untouched, but A's communicators may be broken: the caller
     recovers (`loop.death_recovery.recover_after_death`) instead of training on."""
+
+
+def is_dead_peer(error: BaseException) -> bool:
+    """Whether `error` is a failed communication (a peer died, or its link), never a bug of
+    ours or of the model, which would repeat."""
+    if isinstance(error, WorldBroken) or isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        m in text for m in ("Connection closed by peer", "Connection reset by peer",
+                            "Broken pipe", "NCCL communicator was aborted", "NCCL error",
+                            "Timed out"))
 
 
 class _RngSnapshot:
@@ -151,19 +178,24 @@ def free_layout(objs: Optional[TrainingObjects], groups: Optional[ParallelGroups
 def start_preparation(manager: DeviceManager, builder: MegatronBuilder, src: Layout,
                       src_placement: Placement, dst: Layout, *,
                       dst_placement: Optional[Placement] = None, placement: str = "best",
+                      choose_placement: Optional[Callable[[Layout], Placement]] = None,
                       ranks_per_node: int = 8, memory_budget: Optional[int] = None,
                       move_weights: bool = False, faults: Optional[FaultPlan] = None,
                       src_objs: Any = None) -> DeviceManager:
-    """What happens when a request is accepted (every rank, same order): B's placement
-    (unless given), then, in `manager`'s background thread, B's groups and the switch's
-    preparation (`prepare_switch`) while A trains on. At each step boundary the caller asks
+    """What happens when a request is accepted (every rank, same order), in `manager`'s
+    background thread while A trains on: B's placement (unless given; by
+    `choose_placement(dst)`, or the `placement` policy), B's groups and the switch's
+    preparation (`prepare_switch`). At each step boundary the caller asks
     `manager.ready()` (collective) and, once true, switches with
-    `**prepared_switch_args(manager)`. `src_objs`: A's objects on this rank (None where
-    it holds none), bound in the background too once A has taken a step."""
-    if dst_placement is None:
-        dst_placement = choose_dst_placement(builder.spec, builder, src, src_placement, dst,
-                                             tuple(range(dst.world_size)), placement,
-                                             ranks_per_node, move_weights)
+    `**prepared_switch_args(manager)` (B's groups carry the placement chosen). `src_objs`:
+    A's objects on this rank (None where it holds none), bound in the background too once
+    A has taken a step."""
+    def choose(layout: Layout) -> Placement:
+        if choose_placement is not None:
+            return choose_placement(layout)
+        return choose_dst_placement(builder.spec, builder, src, src_placement, layout,
+                                    tuple(range(layout.world_size)), placement,
+                                    ranks_per_node, move_weights)
 
     def prepare(groups: ParallelGroups) -> Prepared:
         options = SwitchOptions(ranks_per_node=ranks_per_node, memory_budget=memory_budget,
@@ -171,7 +203,8 @@ def start_preparation(manager: DeviceManager, builder: MegatronBuilder, src: Lay
         return prepare_switch(builder.spec, builder, src, src_placement, dst, groups, options,
                               background=True, faults=faults, src_objs=src_objs)
 
-    manager.prepare(dst, dst_placement, background=True, then=prepare)
+    manager.prepare(dst, dst_placement if dst_placement is not None else choose, background=True,
+                    then=prepare)
     return manager
 
 

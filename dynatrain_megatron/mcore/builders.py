@@ -22,7 +22,7 @@ from ..vps.validate import validate_layout
 from ..elastic.groups import ParallelGroups
 from .train_config import TrainConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

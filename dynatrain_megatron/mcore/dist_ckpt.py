@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 _METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
              "singleton_local_shards": False, "chained_optim_avoid_prefix": True}

@@ -20,7 +20,7 @@ from .builders import MegatronBuilder, TrainingObjects
 from .train_config import TrainConfig
 from .training import Trainer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 def init_distributed(timeout_s: float = 300.0) -> None:
@@ -100,9 +100,14 @@ def freeze_long_lived_objects() -> None:
     _FROZEN["done"] = True
 
 
-def release(objs: TrainingObjects, broken: bool = False) -> None:
+def release(objs: TrainingObjects, broken: bool = False, collect_later: bool = False) -> None:
     """Drop a layout's objects, free their memory now, and destroy their process groups
     (`broken`: a rank died and the groups may be unusable; see ParallelGroups.destroy).
+    `collect_later`: the caller runs the collection that frees the memory itself, later
+    (`collect_released`): a full collection holds the interpreter lock for its whole
+    length, so a thread would not take it out of the training thread's way; after a
+    switch it can wait until B's first steps are measured (the devices held both layouts
+    during the switch anyway).
 
     megatron's objects reference each other in cycles (the TransformerConfig holds bound
     methods of the DDP wrappers, which hold the config), so dropping references is not
@@ -121,12 +126,21 @@ def release(objs: TrainingObjects, broken: bool = False) -> None:
     objs.optimizer = None
     objs.scheduler = None
     _clear_module_caches()
-    gc.collect()
-    process_env.release_free_memory()  # what the allocator kept of it (see there)
+    if not collect_later or broken:
+        collect_released()
     if broken:
         handles.clear()  # after a death: the sockets close now, on this thread
     else:
         drop_in_background(handles)
+
+
+def collect_released() -> None:
+    """Free what a released layout held: its reference cycles, and what the allocator
+    kept of their memory (process_env.release_free_memory)."""
+    import gc
+
+    gc.collect()
+    process_env.release_free_memory()
 
 
 def drop_in_background(holder: list) -> threading.Thread:

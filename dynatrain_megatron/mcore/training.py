@@ -21,7 +21,7 @@ from .builders import TrainingObjects
 from .data import SyntheticGPTData, iterators_for_chunks
 from .train_config import TrainConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 @dataclass

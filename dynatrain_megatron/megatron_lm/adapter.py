@@ -64,6 +64,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -295,7 +296,9 @@ class MegatronLMSession:
 
         from ..elastic.communicators import ensure_control_group
         from ..elastic.groups import GroupOptions, set_group_options
+        from ..loop.logs import configure
 
+        configure(dist.get_rank(), arg_value(args, "dynatrain_log_all_ranks", False))
         check_switchable(args)
         ensure_control_group()  # the votes' CPU group (every rank starts its session here)
         # B's groups with the job's per-group NCCL options (elastic.groups.GroupOptions)
@@ -325,6 +328,9 @@ class MegatronLMSession:
             args, self.spec, self.train,
             builder=MegatronLMBuilder(self.spec, self.train, args=copy.copy(args),
                                       intents=self.intents, model_provider=_model_provider()))
+        from .metrics import attach
+
+        attach(self.hook)  # its TensorBoard/W&B writers and iteration timer (metrics.py)
         self.test_data_iterator: Any = None
         self.latest: Optional[LoopObjects] = None
         self.launch_layout = layout  # Megatron-LM's log line does not show a later one
@@ -374,6 +380,9 @@ class MegatronLMSession:
             self.forget_iterators()
         # until the next call, Megatron-LM's code on this rank sees the layout as its world
         self.enter_layout_world()
+        meter = self.hook.stall.switch_meter
+        if meter is not None:  # B's first step starts now: the end of the stall's window
+            meter.resume()
         return loop if o is before else self.latest
 
     def _log_layout(self, iteration: int, out: bool, world: int) -> None:
@@ -400,17 +409,23 @@ class MegatronLMSession:
         `flops`: the floating-point operations so far, when a checkpoint set them back)."""
         import torch.distributed as dist
 
+        t0 = time.perf_counter()
         self.trainer = t
         o = t.objs
         self.args.consumed_train_samples = t.consumed_samples
         self.set_args_for(o.layout)
         _prepare_config(self.args, o.model, o.optimizer, o.config, old_config)
+        t1 = time.perf_counter()
         with stand_in_world.stand_in(_stand_in_world(o, dist.get_world_size())):
             train_it, valid_it, test_it = _rebuild_data_iterators(self.args, len(o.model))
+        # the last iterators are dropped here: their worker processes end
         self.test_data_iterator = test_it
         self.latest = LoopObjects(o.model, o.optimizer, o.scheduler, train_it, valid_it,
                                   o.config, test_it, changed=True, iteration=t.iteration,
                                   flops=flops)
+        meter = self.hook.stall.switch_meter  # the stall's parts (loop/stall.py)
+        if meter is not None:
+            meter.add_all({"rebind": t1 - t0, "data_iterators": time.perf_counter() - t1})
         return self.latest
 
     def set_args_for(self, layout: Layout) -> None:

@@ -258,6 +258,7 @@ def _args_for_layout(layout: Layout, spec: ModelSpec, sequence_parallel: bool) -
         "expert_model_parallel_size": layout.ep,
         "expert_tensor_parallel_size": layout.etp,
         "data_parallel_size": layout.dp,
+        "world_size": layout.world_size,  # its throughput line divides by it
         "num_distributed_optimizer_instances": layout.doi,
         "decoder_first_pipeline_num_layers": layout.ppf or None,
         "decoder_last_pipeline_num_layers": layout.ppl or None,

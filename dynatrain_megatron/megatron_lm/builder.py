@@ -45,6 +45,10 @@ from .transformer_config import JobIntents, args_at
 log = logging.getLogger("dynatrain")
 
 
+# Megatron-LM's flag for gloo twins of the data-parallel groups, by release
+_GLOO_FLAGS = ("enable_gloo_process_groups", "use_gloo_process_groups")
+
+
 def _no_init(tensor: Any) -> Any:
     """An init method that leaves the tensor as allocated (the switch fills it)."""
     return tensor
@@ -100,7 +104,9 @@ class MegatronLMBuilder(MegatronBuilder):
         if torch.distributed.get_backend() != "gloo":
             # B's groups have no gloo twins on NCCL (they serve only Megatron-LM's legacy
             # checkpoint formats, which read the globals activate() installs)
-            out.enable_gloo_process_groups = False
+            for name in _GLOO_FLAGS:
+                if hasattr(out, name):
+                    setattr(out, name, False)
         return out
 
     def build(self, layout: Layout, groups: ParallelGroups,
@@ -162,7 +168,7 @@ class MegatronLMBuilder(MegatronBuilder):
         config.timers = get_timers()
         optimizer = _call_with_supported(
             get_megatron_optimizer, config, model, config_overrides=overrides,
-            use_gloo_process_groups=args.enable_gloo_process_groups,
+            use_gloo_process_groups=any(getattr(args, n, False) for n in _GLOO_FLAGS),
             dump_param_to_param_group_map=getattr(args, "dump_param_to_param_group_map", None))
         return optimizer, lm_training.get_optimizer_param_scheduler(optimizer)
 

@@ -81,17 +81,15 @@ def _layer_pattern(a: Any) -> list[str]:
     if (_v(a, "position_embedding_type", "learned_absolute") == "learned_absolute"
             and _v(a, "max_position_embeddings") not in (None, _v(a, "seq_length"))):
         out.append("--max-position-embeddings other than --seq-length (learned positions)")
-    if _v(a, "ddp_num_buckets") is not None:
-        out.append("--ddp-num-buckets")
     return out
 
 
-def _fp8(a: Any) -> list[str]:
+def _hardware(a: Any) -> list[str]:
     out = [f for f, n in (("--fp8-format", "fp8"), ("--fp4-format", "fp4")) if _set(_v(a, n))]
     impl = _v(a, "cuda_graph_impl", "none")
     if impl not in (None, "none"):
         out.append(f"--cuda-graph-impl {impl}")
-    return out
+    return out + _flags("use_sharp")(a)
 
 
 REFUSALS: tuple[Refusal, ...] = (
@@ -116,8 +114,8 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("--mtp-num-layers, --moe-grouped-gemm, --multi-latent-attention with TE layers, "
             "--spec, "
             "--heterogeneous-layers-config-path, --experimental-attention-variant, "
-            "--moe-router-enable-expert-bias, --ddp-num-buckets, ...", "not_yet",
-            "their parameters (or buffers, or bucket sizes) are not in the planning layout's "
+            "--moe-router-enable-expert-bias, ...", "not_yet",
+            "their parameters (or buffers) are not in the planning layout's "
             "naming table yet (vps/naming.py); B itself would be built right by Megatron-LM",
             _layer_pattern),
     Refusal("--use-tp-pp-dp-mapping, --pipeline-model-parallel-layout, "
@@ -131,18 +129,16 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("--rampup-batch-size, --decrease-batch-size-if-needed", "not_yet",
             "the batch-size ramp's position is not carried by a switch",
             _flags("rampup_batch_size", "decrease_batch_size_if_needed")),
-    Refusal("--fp8-format, --fp4-format, --cuda-graph-impl", "hardware",
-            "needs Hopper/Blackwell kernels or CUDA graphs: B would be built by Megatron-LM "
-            "(TE's FP8 _extra_state is metadata like any other), but no switch has run there",
-            _fp8),
-    Refusal("--ddp-pad-buckets-for-high-nccl-busbw", "not_yet",
-            "the switch plans with a buffer layout that does not pad buckets this way yet: "
-            "it would misread where each optimizer shard lives",
-            _flags("ddp_pad_buckets_for_high_nccl_busbw")),
-    Refusal("--use-sharp", "hardware",
-            "megatron-core turns SHARP on through the environment while it makes its own "
-            "data-parallel groups; B's groups, made later in the background, would not get it "
-            "(and no SHARP fabric has been lent)", _flags("use_sharp")),
+    Refusal("--ddp-num-buckets, --ddp-pad-buckets-for-high-nccl-busbw", "not_yet",
+            "the planning layout cuts DDP buckets by --ddp-bucket-size, unpadded: it would "
+            "misread where each optimizer shard lives",
+            _flags("ddp_num_buckets", "ddp_pad_buckets_for_high_nccl_busbw")),
+    Refusal("--fp8-format, --fp4-format, --cuda-graph-impl, --use-sharp", "hardware",
+            "needs Hopper/Blackwell kernels, CUDA graphs or a SHARP fabric: B would be built by "
+            "Megatron-LM (TE's FP8 _extra_state is metadata like any other), but no switch "
+            "has run there; SHARP is turned on through the environment while megatron-core "
+            "makes its own data-parallel groups, which B's, made later, would not get",
+            _hardware),
     Refusal("--perform-rl-step", "not_yet",
             "the RL loop holds the first layout's inference objects", _flags("perform_rl_step")),
 )

@@ -33,7 +33,7 @@ from .checksum import checksums
 from .faults import FaultPlan
 from .transport import Pending, Transport
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 PACK_ALIGN = 8  # elements: every piece starts at a multiple of this in a message

@@ -29,7 +29,7 @@ import torch
 
 from ..vps.errors import DynatrainError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 STEP_PHASES = ("forward", "backward", "pp_send", "grad_sync", "optimizer", "optimizer_update")
 PHASES = ("prepare", "round", "commit", "step") + STEP_PHASES

@@ -49,7 +49,7 @@ from .switch_types import (Builder, LayoutGroups, Prepared, Scalars, SwitchOptio
 from .transport import (TorchP2PTransport, Transport, abort_group, collective_device,
                         control_group)
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement: Placement,

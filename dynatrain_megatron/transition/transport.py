@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..compat.torch_features import abort_group_now
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dynatrain")
 
 
 # the job's CPU group over the world (gloo; None where the default group is gloo itself)

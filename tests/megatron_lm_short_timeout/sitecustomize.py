@@ -1,22 +1,52 @@
 """Test-only start-up code (on PYTHONPATH for the job of test_megatron_lm_standby_end.py):
-the job's default process group gets a timeout of $DYNATRAIN_TEST_PG_TIMEOUT_S seconds
-instead of Megatron-LM's `--distributed-timeout-minutes` (whole minutes, at least one), so
-that a wait longer than the process-group timeout costs seconds of test time, not minutes.
-Megatron-LM's own model-parallel groups keep their timeout (they are made with it)."""
+once Megatron-LM's `train()` starts, the job's default process group gets a timeout of
+$DYNATRAIN_TEST_PG_TIMEOUT_S seconds instead of `--distributed-timeout-minutes` (whole
+minutes, at least one), so that a wait longer than the process-group timeout costs seconds
+of test time. Set when training starts, not at start-up, where the ranks arrive seconds
+apart on a loaded machine. Megatron-LM's model-parallel groups keep their own timeout."""
+import importlib.abc
+import importlib.machinery
 import os
+import sys
 
 _SECONDS = os.environ.get("DYNATRAIN_TEST_PG_TIMEOUT_S")
-if _SECONDS:
+_MODULE = "megatron.training.training"
+
+
+def _shorten(train):
     import datetime
     import functools
 
-    import torch.distributed as _dist
+    @functools.wraps(train)
+    def shortened(*args, **kwargs):
+        from torch.distributed import distributed_c10d
 
-    _init = _dist.init_process_group
+        distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=float(_SECONDS)))
+        return train(*args, **kwargs)
 
-    @functools.wraps(_init)
-    def _init_with_short_timeout(*args, **kwargs):
-        kwargs["timeout"] = datetime.timedelta(seconds=float(_SECONDS))
-        return _init(*args, **kwargs)
+    return shortened
 
-    _dist.init_process_group = _init_with_short_timeout
+
+class _WrapTrain(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds megatron.training.training as usual, then wraps its `train` once executed."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None:
+            return None
+        self._inner = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        module.train = _shorten(module.train)
+
+
+if _SECONDS:
+    sys.meta_path.insert(0, _WrapTrain())

@@ -1,0 +1,153 @@
+"""The stall's accounting (loop/stall.py, loop/switch_log.py): the breakdown type refuses
+parts that cannot add up, the meter measures the window and B's first step against the
+steady ones, and the records carry wall-clock timestamps. Pure: no process group."""
+import json
+import os
+
+import pytest
+
+from dynatrain_megatron.loop.stall import (PART_NAMES, STEADY_STEPS, StallBreakdown, StallError,
+                                           StallMeter, slowest, stall_parts)
+from dynatrain_megatron.loop.switch_log import SwitchLog
+
+
+def test_breakdown_refuses_unknown_repeated_unordered_or_negative_parts():
+    ok = dict(iteration=3, rank=1, src="tp2pp2dp1", dst="tp1pp2dp2", window_s=0.5)
+    with pytest.raises(StallError, match="unknown parts \\['coffee'\\]"):
+        StallBreakdown(**ok, parts=(("coffee", 0.1),))
+    with pytest.raises(StallError, match="unique and in PART_NAMES order"):
+        StallBreakdown(**ok, parts=(("transfer", 0.1), ("bind", 0.1)))
+    with pytest.raises(StallError, match="unique and in PART_NAMES order"):
+        StallBreakdown(**ok, parts=(("bind", 0.1), ("bind", 0.1)))
+    with pytest.raises(StallError, match="finite non-negative"):
+        StallBreakdown(**ok, parts=(("transfer", -0.1),))
+    with pytest.raises(StallError, match="window_s must be finite"):
+        StallBreakdown(**{**ok, "window_s": float("nan")}, parts=())
+    with pytest.raises(StallError, match="unknown stall part 'coffee'"):
+        StallMeter(1, 0, "a", "b", started=0.0).add("coffee", 1.0)
+
+
+def test_meter_measures_window_parts_and_first_step_over_steady():
+    m = StallMeter(7, 2, "tp2pp2dp1", "tp1pp2dp2", started=100.0)
+    m.add_all({"votes": 0.01, "transfer": 0.2}, {"transfer": 0.05, "rebuild": 0.1})
+    m.resume(now=100.4)  # the loop's own work after the hook, then B's first step starts
+    m.left(now=100.4)
+    steps = [0.9, 0.5, 0.6, 0.4]  # first at B, then STEADY_STEPS steady ones
+    t = 100.4
+    for i, dt in enumerate(steps):
+        t += dt
+        done = m.step(t)
+        m.left(now=t)
+        assert done == (i == STEADY_STEPS)
+    b = m.finish()
+    assert b.window_s == pytest.approx(0.4)
+    assert b.first_step_s == pytest.approx(0.9) and b.steady_step_s == pytest.approx(0.5)
+    assert b.first_step_extra_s == pytest.approx(0.4)
+    assert b.stall_s == pytest.approx(0.8)
+    assert dict(b.parts) == pytest.approx({"votes": 0.01, "transfer": 0.25, "rebuild": 0.1,
+                                           "first_step": 0.4})
+    assert [n for n, _ in b.parts] == ["votes", "transfer", "rebuild", "first_step"]
+    assert b.accounted_s == pytest.approx(0.76) and b.unaccounted_s == pytest.approx(0.04)
+    assert str(b).startswith("stall 0.800 s [votes 0.010, transfer 0.250, rebuild 0.100, "
+                             "first_step 0.400; other 0.040]")
+    d = b.as_dict()
+    assert d["stall_s"] == pytest.approx(0.8) and d["parts"]["first_step"] == pytest.approx(0.4)
+
+
+def test_meter_without_steady_steps_leaves_the_first_step_unmeasured():
+    m = StallMeter(7, 0, "a", "b", started=10.0)
+    m.resume(now=10.3)
+    b = m.finish()  # the job ended (or switched again) before B took a step
+    assert b.first_step_s is None and b.first_step_extra_s == 0 and "first_step" not in dict(b.parts)
+    assert b.stall_s == pytest.approx(0.3)
+
+
+def test_slowest_rank_and_phase_mapping():
+    mk = lambda r, w: StallBreakdown(1, r, "a", "b", w, ())  # noqa: E731
+    assert slowest([mk(0, 0.2), mk(1, 0.5), mk(2, 0.5), mk(3, 0.1)]).rank == 1
+    with pytest.raises(StallError):
+        slowest([])
+    parts = stall_parts({"bind": 0.1, "verify": 0.05, "vote": 0.02, "transfer": 0.3, "sync": 0.01,
+                         "rebuild": 0.2}, {"scalars": 0.01, "release_a": 0.1, "rebind": 0.03})
+    assert parts == pytest.approx({"bind": 0.15, "votes": 0.02, "transfer": 0.3, "scalars": 0.02,
+                                   "rebuild": 0.2, "release_a": 0.1, "rebind": 0.03})
+    assert set(parts) <= set(PART_NAMES)
+
+
+def test_records_have_wall_clock_time_and_refuse_a_planted_link(tmp_path):
+    from dynatrain_megatron.elastic.safe_files import OutputDir
+
+    d = tmp_path / "logs"
+    log = SwitchLog(OutputDir(d))
+    rec = log.record("rejected", dict(iteration=4, reason="num_attention_heads 4 % tp 3"),
+                     epoch=1_700_000_000.25)
+    assert rec["time"] == 1_700_000_000.25 and rec["time_utc"] == "2023-11-14T22:13:20.250+00:00"
+    log.record("switch", dict(iteration=5))
+    rows = [json.loads(x) for x in (d / "switches.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["rejected", "switch"] and rows[0]["iteration"] == 4
+    # a link planted where the records go is never written through
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    os.symlink(victim, other / "switches.jsonl")
+    assert SwitchLog(OutputDir(other)).record("switch", dict(iteration=1)) is None
+    assert SwitchLog(None).record("switch", dict(iteration=1)) is None  # no log directory
+    assert victim.read_text() == "keep"
+
+
+def test_metrics_reach_megatron_writers_and_a_failing_sink_is_dropped(caplog):
+    from dynatrain_megatron.loop.switch_log import layout_scalars
+    from dynatrain_megatron.megatron_lm.metrics import MegatronWriters
+    from dynatrain_megatron.vps.layout import Layout
+
+    class Writer:  # TensorBoard's SummaryWriter / a W&B run, as far as we call them
+        def __init__(self):
+            self.calls = []
+
+        def add_scalar(self, tag, value, step):
+            self.calls.append(("scalar", tag, value, step))
+
+        def add_text(self, tag, value, step):
+            self.calls.append(("text", tag, value, step))
+
+        def log(self, values, step):
+            self.calls.append(("log", values, step))
+
+    tb, wb = Writer(), Writer()
+    report = SwitchLog(None)
+    report.sinks.append(MegatronWriters(tb, wb))
+    report.sinks.append(lambda it, s: 1 / 0)
+    scalars = {"dynatrain/stall_s": 0.5, "dynatrain/placement": "0,2,1,3",
+               **layout_scalars(Layout.parse("tp1pp2dp2", 4))}
+    report.metrics(7, scalars)
+    report.metrics(8, {"dynatrain/stall_s": 0.25})
+    assert ("scalar", "dynatrain/stall_s", 0.5, 7) in tb.calls
+    assert ("text", "dynatrain/placement", "0,2,1,3", 7) in tb.calls
+    assert ("scalar", "dynatrain/layout/dp", 2, 7) in tb.calls
+    assert ("scalar", "dynatrain/layout/tp", 1, 7) in tb.calls
+    assert wb.calls == [("log", scalars, 7), ("log", {"dynatrain/stall_s": 0.25}, 8)]
+    assert len(report.sinks) == 1  # the failing one was dropped, training went on
+
+
+def test_one_logger_one_prefix_once_lines_on_rank_zero(capsys):
+    import logging
+
+    from dynatrain_megatron.loop.logs import ONCE, configure
+
+    log = configure(rank=0)
+    logging.getLogger("dynatrain").info("dynatrain: iteration 3: switched", extra=ONCE)
+    logging.getLogger("dynatrain").info("iteration 4 done")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("r0] dynatrain: iteration 3: switched")
+    assert out[1].endswith("r0] dynatrain: iteration 4 done")
+    configure(rank=1)
+    log.info("the job's line is rank 0's", extra=ONCE)
+    log.info("this rank's own state")
+    log.warning("a warning about the job", extra=ONCE)
+    assert [ln.split("] ", 1)[1] for ln in capsys.readouterr().out.splitlines()] == [
+        "dynatrain: this rank's own state", "dynatrain: a warning about the job"]
+    configure(rank=1, all_ranks=True)
+    log.info("unless asked", extra=ONCE)
+    assert "unless asked" in capsys.readouterr().out
+    configure(rank=0)
