@@ -415,7 +415,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     # -- transfer: A is only read; B is written. Checksummed, under a timeout.
     t5 = t()
     xfer_group = groups.transfer
-    ex = Executor(me, transport or TorchP2PTransport(xfer_group),
+    transport = transport or TorchP2PTransport(xfer_group)
+    ex = Executor(me, transport,
                   src_view=lambda p: (src_views[p] if p in src_views else
                                       old_live.view(p.kind, p.src_chunk, p.src_local_name,
                                                     p.src_local_box)),
@@ -430,7 +431,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
             (analytic_layout(spec, src, builder.bucket_size(src)), src_placement),
             (analytic_layout(spec, dst, builder.bucket_size(dst)), dst_placement), kinds,
             unavailable)
-        _, pad_errors = carry_vocab_padding(pad_plan, me, old_live, new_live, ex.transport,
+        _, pad_errors = carry_vocab_padding(pad_plan, me, old_live, new_live, transport,
                                             tag=attempt, timeout=options.timeout)
         errors += pad_errors
         faults.fail(me, "commit", dst=str(dst))
