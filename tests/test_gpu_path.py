@@ -462,6 +462,8 @@ def test_hook_prepares_b_as_the_memory_plan_decides(monkeypatch, memory_gib, exp
     background, B at the step boundary (degraded, logged), or no switch (request failed)."""
     from dynatrain_megatron.elastic.controller import Decision
     from dynatrain_megatron.loop import hook as H
+
+    monkeypatch.setattr(H.DynatrainHook, "_record_outcome", lambda self, *a, **k: None)
     from dynatrain_megatron.loop import memory_check as MC
     from dynatrain_megatron.mcore.train_config import TrainConfig
     from dynatrain_megatron.vps.placement import Placement
@@ -474,6 +476,7 @@ def test_hook_prepares_b_as_the_memory_plan_decides(monkeypatch, memory_gib, exp
 
     class Ctl:
         done_with: list = []
+        last_request = None
 
         def done(self, d, outcome, reason=""):
             self.done_with.append((outcome, reason))
@@ -501,6 +504,8 @@ def test_released_a_grads_come_back_when_the_switch_rolls_back(monkeypatch):
     import types
 
     from dynatrain_megatron.loop import hook as H
+
+    monkeypatch.setattr(H.DynatrainHook, "_record_outcome", lambda self, *a, **k: None)
     from dynatrain_megatron.mcore.train_config import TrainConfig
     from dynatrain_megatron.vps.placement import Placement
 
@@ -520,6 +525,8 @@ def test_released_a_grads_come_back_when_the_switch_rolls_back(monkeypatch):
     monkeypatch.setattr(H, "switch_trainer", lambda tr, *a, **k: (tr, aborted))
 
     class Ctl:
+        last_request = None
+
         def done(self, d, outcome, reason=""):
             calls.append(outcome)
 
@@ -677,6 +684,8 @@ def test_switch_that_does_not_fit_the_measured_device_is_refused_before_b_exists
     nothing of B is built (no groups, no preparation)."""
     from dynatrain_megatron.elastic.controller import Decision
     from dynatrain_megatron.loop import hook as H
+
+    monkeypatch.setattr(H.DynatrainHook, "_record_outcome", lambda self, *a, **k: None)
     from dynatrain_megatron.loop import memory_check as MC
     from dynatrain_megatron.mcore.train_config import TrainConfig
     from dynatrain_megatron.vps.memory import switch_memory_plan
@@ -705,6 +714,7 @@ def test_switch_that_does_not_fit_the_measured_device_is_refused_before_b_exists
 
     class Ctl:
         done_with: list = []
+        last_request = None
 
         def done(self, d, outcome, reason=""):
             self.done_with.append((outcome, reason))
