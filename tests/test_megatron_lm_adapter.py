@@ -410,7 +410,10 @@ class _Hook:
     """What `MegatronLMSession.step` asks of the hook, recorded."""
 
     def __init__(self, layout):
+        from types import SimpleNamespace
+
         self.layout, self.calls = layout, []
+        self.stall = SimpleNamespace(switch_meter=None)  # no switch in flight
 
     def after_step(self, trainer):
         self.calls.append("after_step")
