@@ -4,8 +4,7 @@
 It polls the controller, starts building the target layout's groups in the background,
 and at a later step boundary, once every rank has them, switches the training state and
 rebinds the trainer (model, optimizer, scheduler, data position, forward-backward function,
-micro-batch count). Importing it needs megatron-core only, not Megatron-LM.
-"""
+micro-batch count). Importing it needs megatron-core only, not Megatron-LM."""
 from __future__ import annotations
 
 import argparse
