@@ -100,11 +100,13 @@ def test_te_param_specs_name_te_params_with_analytic_keys(spec):
 
 
 def test_live_key_of_te_fused_norm_is_the_analytic_key():
+    # stacked layers: megatron-core's sharded key has no layer index (it is the prepended
+    # axis); the local name has the chunk's own index
     key = LiveState._canonical_key
-    assert key("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+    assert key("decoder.layers.self_attention.linear_qkv.layer_norm_weight",
                "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", (5,)) == \
         "decoder.layers.5.input_layernorm.weight"
-    assert key("decoder.layers.1.mlp.linear_fc1.layer_norm_bias",
+    assert key("decoder.layers.mlp.linear_fc1.layer_norm_bias",
                "decoder.layers.1.mlp.linear_fc1.layer_norm_bias", (3,)) == \
         "decoder.layers.3.pre_mlp_layernorm.bias"
     assert analytic_param_name("decoder.layers.2.mlp.linear_fc1.weight") == \
@@ -216,7 +218,7 @@ def test_preparation_thread_sets_the_rank_device_and_its_own_stream(monkeypatch)
     dev = torch.device("cuda", 3)  # what the training thread had set (LOCAL_RANK 3)
     dm = device_manager.DeviceManager(device=dev)
     seen = []
-    dm.prepare(Layout.parse("tp1", 1), None, background=True,
+    dm.prepare(Layout.parse("tp1", 1), lambda layout: None, background=True,
                then=lambda g: seen.append(g) or "prepared")
     dm._thread.join(30)
     assert seen == ["groups"]
