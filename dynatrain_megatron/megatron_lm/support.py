@@ -98,7 +98,7 @@ REFUSALS: tuple[Refusal, ...] = (
             "them", _flags("use_legacy_models")),
     Refusal("--optimizer sgd / muon / other than adam", "restart",
             "Megatron-LM's own --load at another layout fails for SGD (no optimizer state is "
-            "created before the load, core_v0.16.1: found by issue 23's probe); the Muon "
+            "created before the load, core_v0.16.1); the Muon "
             "optimizers are layer-wise, with state the switch does not read", _optimizer),
     Refusal("no --use-distributed-optimizer", "not_yet",
             "the planning layout describes the distributed optimizer's shards; the plain "
