@@ -74,10 +74,7 @@ def test_every_shell_block_is_marked_for_ci():
 
 def test_readme_is_short_and_links_no_shared_path():
     lines = README.read_text().splitlines()
-    # the refused-options list is generated; until it is shrunk to ~10 entries with reasons,
-    # each entry beyond 10 does not count against the limit
-    extra = max(0, len(support_matrix.refusals()) - 10)
-    assert len(lines) - extra <= 300, f"{len(lines)} lines ({extra} allowed refusal lines)"
+    assert len(lines) <= 300, f"{len(lines)} lines"
     text = README.read_text()
     assert "../shared" not in text
     assert not [s for s in sentences(text) if len(s.split()) > 60]
@@ -100,14 +97,11 @@ def test_support_matrix_is_the_generated_one():
 
 
 def test_every_relative_link_resolves_or_is_a_page_in_progress():
-    """Relative links point at files of the checkout; pages other helpers are writing are
-    listed here until they exist (final pass: this list should be empty)."""
-    pending = {"docs/recipes.md", "docs/failures.md", "docs/security.md", "docs/releases.md",
-               "docs/stall.md", "docs/gpu.md"}
+    """Relative links point at files of the checkout."""
     for target in re.findall(r"\]\(([^)#]+)\)", README.read_text()):
         if "://" in target:
             continue
-        assert (ROOT / target).exists() or target in pending, target
+        assert (ROOT / target).exists(), target
 
 
 # ------------------------------------------------------------------ the commands
