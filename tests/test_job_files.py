@@ -193,8 +193,8 @@ def test_links_planted_in_a_sticky_log_dir_are_never_written_through(tmp_path, r
     _plant(logs, victim)
     hook = _hook(logs)
     with caplog.at_level(logging.DEBUG, logger="dynatrain"):
-        hook._log_event({"iteration": 1})
-        hook._log_event({"iteration": 2})
+        hook.stall.report.record("switch", {"iteration": 1})
+        hook.stall.report.record("switch", {"iteration": 2})
         _summary(logs)
     assert victim.read_bytes() == b"precious\n"
     assert (logs / "switches.jsonl").is_symlink()
@@ -212,12 +212,12 @@ def test_log_files_of_another_user_or_with_two_names_are_not_appended(tmp_path, 
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious\n")
     os.link(victim, logs / "switches.jsonl")  # a hard link: another file's name
-    _hook(logs)._log_event({"iteration": 1})
+    _hook(logs).stall.report.record("switch", {"iteration": 1})
     assert victim.read_bytes() == b"precious\n"
     os.unlink(logs / "switches.jsonl")
     (logs / "switches.jsonl").write_text('{"planted": 1}\n')
     os.chown(logs / "switches.jsonl", OTHER_UID, OTHER_UID)
-    _hook(logs)._log_event({"iteration": 1})
+    _hook(logs).stall.report.record("switch", {"iteration": 1})
     assert (logs / "switches.jsonl").read_text() == '{"planted": 1}\n'
 
 
@@ -237,13 +237,13 @@ def test_unsafe_log_directory_is_refused(tmp_path, rank0, caplog):
     for name, d in cases.items():
         caplog.clear()
         with caplog.at_level(logging.ERROR, logger="dynatrain"):
-            _hook(d)._log_event({"iteration": 1})
+            _hook(d).stall.report.record("switch", {"iteration": 1})
         assert not (d / "switches.jsonl").exists(), name
         assert "switches.jsonl" in caplog.text, name
     assert list(real.iterdir()) == []
     good = tmp_path / "new" / "logs"  # created by the job: checked, then written
-    _hook(good)._log_event({"iteration": 1})
-    assert json.loads((good / "switches.jsonl").read_text()) == {"iteration": 1}
+    _hook(good).stall.report.record("switch", {"iteration": 1})
+    assert json.loads((good / "switches.jsonl").read_text())["iteration"] == 1
 
 
 # ------------------------------------------------------------------ items 4 and 9: failed writes
@@ -259,7 +259,7 @@ def test_failed_log_writes_never_end_training(tmp_path, rank0, monkeypatch, capl
     hook = _hook(logs)
     with caplog.at_level(logging.DEBUG, logger="dynatrain"):
         for i in range(3):
-            hook._log_event({"iteration": i})
+            hook.stall.report.record("switch", {"iteration": i})
         _summary(logs)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 2, errors
@@ -284,7 +284,7 @@ sig = os.path.join(root, "signal", "switch.json")
 spec = ModelSpec.from_yaml(os.path.join(sys.argv[3], "tiny-gpt.yaml"))
 ctl = C.Controller(spec, sig)
 hook = _hook(os.path.join(root, "logs"))
-hook._log_event({"iteration": 0, "pad": "x" * 100})  # fits
+hook.stall.report.record("switch", {"iteration": 0, "pad": "x" * 100})  # fits
 # a bad request bigger than the limit: its record cannot be written whole
 with open(sig + ".tmp", "wb") as f:
     f.write(b'{"layout": "' + b"y" * 1500)
@@ -294,7 +294,7 @@ limit = 1200
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
 out = {}
 for i in range(1, 30):  # the disk fills: lines that do not fit are skipped
-    hook._log_event({"iteration": i, "pad": "x" * 100})
+    hook.stall.report.record("switch", {"iteration": i, "pad": "x" * 100})
 _summary(os.path.join(root, "logs"), rejected=("z" * 2000,))  # bigger than the limit
 d = ctl._decide_on_rank0(1, 4)
 out["rejected"] = d.rejected
