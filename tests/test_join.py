@@ -304,9 +304,10 @@ def join_run(rdv: str, n_requests: int) -> dict:
         def emit(self, record):
             records.append(record.getMessage())
 
-    if rank == 0:
-        logging.getLogger().setLevel(logging.INFO)
-        logging.getLogger().addHandler(Keep())
+    if rank == 0:  # the root and our own logger (which does not propagate once configured)
+        for name in ("", "dynatrain"):
+            logging.getLogger(name).setLevel(logging.INFO)
+            logging.getLogger(name).addHandler(Keep())
     secret = share_with_ranks(None, rdv)  # as main.py: here from the launcher's environment
 
     def run(joins: bool):
