@@ -90,8 +90,7 @@ class DynatrainHook:
         self.faults = FaultPlan.from_env()  # DYNATRAIN_FAULTS, e.g. a rank killed at a step
         self.memory = memory  # A and B together on the devices (loop/memory_check.py)
         self._release_a_grads = False  # the memory plan's degraded mode for the next switch
-        # the layout advisor: answers requests without a layout; with auto_layout the job
-        # also moves to its choice when the device count changes (loop/auto_layout.py)
+        # the advisor answers requests without a layout; auto_layout: moves (loop/auto_layout.py)
         self.advisor = advisor
         self.auto_layout = auto_layout
         if advisor is not None:
@@ -149,8 +148,9 @@ class DynatrainHook:
         self.stall.report.metrics(trainer.iteration, layout_scalars(self.layout))  # every step
         if self.memory is not None:
             self.memory.step_boundary()  # the memory figures are the last step's
-        if trainer.iteration >= self.builder.train.train_iters:
-            return trainer  # the last step: no switch starts (`end_job` follows)
+        if trainer.iteration >= self.builder.train.train_iters and not (
+                self.devices.pending and getattr(self.decision, "at", None) is not None):
+            return trainer  # the last step: only a switch scheduled for it lands (`end_job`)
         if self.devices.pending:
             return self._switch_when_due(trainer)
         layout_group, standby = self._groups(trainer)
