@@ -290,7 +290,7 @@ def differences(a: dict, b: dict, *, skip=lambda key: False) -> list[str]:
             continue
         if k not in a or k not in b:
             diff.append(f"{k}: only in {'first' if k in a else 'second'}")
-        elif not _same(*(_without_args(x) if k.startswith("common_state/") else x
+        elif not _same(*(_without_args(x) if str(k).startswith("common_state/") else x
                          for x in (a[k], b[k]))):
             diff.append(f"{k}: {type(a[k]).__name__} values differ")
     return diff
