@@ -206,9 +206,13 @@ def test_iteration_times_after_switches_and_standby(run):
                       float(ms) / 1000) for ts, i, ms in TIMED.findall(run["text"])}
     assert sorted(lines) == list(range(1, N + 1))
     _, out, _ = (i for i, _, _ in run["switches"])
+    # Megatron-LM reads its timer, then stamps and prints the line: on 2 loaded cores a rank
+    # can be descheduled between the two, so a line's stamp may lag its timer by a few tenths
+    # of a second; the error this guards against (a standby rank's timer counting the whole
+    # time it stood by) is several iterations and two switches long
     for i in range(2, N + 1):
         gap = lines[i][0] - lines[i - 1][0]
-        assert lines[i][1] <= gap + 0.25, (i, lines[i][1], gap)
+        assert lines[i][1] <= gap + 0.75, (i, lines[i][1], gap)
     rows = [json.loads(x) for x in (run["w"] / "logs" / "switches.jsonl").read_text().splitlines()]
     for r in (r for r in rows if r["kind"] == "switch"):
         # the stall and its parts, for every rank of B: they add up (a few percent of the
