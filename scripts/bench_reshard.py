@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from dynatrain_megatron.cli.plan import end_to_end, parse_kinds, plan_report  # noqa: E402
 from dynatrain_megatron.routing.fabric import Fabric  # noqa: E402
-from dynatrain_megatron.bench.scale_report import write_scale  # noqa: E402
+from dynatrain_megatron.bench.scale_report import gpus, ms, table_head, write_scale  # noqa: E402
 from dynatrain_megatron.configs import configs_dir, load_model  # noqa: E402
 from dynatrain_megatron.routing import clear_caches, placement_choice  # noqa: E402
 from dynatrain_megatron.routing.cost import CheckpointModel, estimate  # noqa: E402
@@ -81,28 +81,22 @@ def _gb(b: float) -> str:
     return f"{b / 1e9:,.1f}"
 
 
-def _ms(t: float) -> str:
-    return f"{t * 1e3:,.1f}"
-
-
 def table(rows: list[dict]) -> str:
     h = ("| scenario | GPUs | kinds | plan (s) | moved (GB) | = lower bound | optimizer state "
          "moved: chosen / default | max send / recv per GPU (GB) | transfer, modelled (ms) | "
          "network (ms) | bandwidth LB (ms) | network / LB | transfer / LB | balance | "
          "checkpoint path, modelled (s) |")
-    out = [h, "|" + "---|" * (h.count("|") - 1)]
+    out = table_head(h)
     for r in rows:
-        gpus = (f"{r['world_from']}" if r["world_from"] == r["world_to"]
-                else f"{r['world_from']}->{r['world_to']}")
         kinds = "all" if len(r["kinds"]) == 4 else ",".join(r["kinds"])
         eq = "yes" if r["bytes_moved"] == r["lower_bound_bytes"] else "NO"
         lb = r["bandwidth_lower_bound_seconds"]
         out.append(
-            f"| {r['scenario']} | {gpus} | {kinds} | {r['plan_seconds']:.3f} | "
+            f"| {r['scenario']} | {gpus(r)} | {kinds} | {r['plan_seconds']:.3f} | "
             f"{_gb(r['bytes_moved'])} | {eq} | {100 * r['moved_fraction_optimizer']:.1f}% / "
             f"{100 * r['default_moved_fraction_optimizer']:.1f}% | "
             f"{_gb(r['max_rank_send_bytes'])} / {_gb(r['max_rank_recv_bytes'])} | "
-            f"{_ms(r['estimated_seconds'])} | {_ms(r['network_seconds'])} | {_ms(lb)} | "
+            f"{ms(r['estimated_seconds'])} | {ms(r['network_seconds'])} | {ms(lb)} | "
             + (f"{r['network_over_lower_bound']:.2f} | {r['estimated_over_lower_bound']:.2f} | "
                f"{r['balance']:.3f}" if lb > 0 else "- | - | -")
             + f" | {r['checkpoint_estimate_seconds']:.1f} |")
@@ -199,7 +193,7 @@ def main() -> None:
         r = run(sc, a.repeat, not a.no_emulation)
         rows.append(r)
         print(f"{r['scenario']:42s} plan {r['plan_seconds']:.3f} s  est "
-              f"{_ms(r['estimated_seconds'])} ms  LB {_ms(r['bandwidth_lower_bound_seconds'])} "
+              f"{ms(r['estimated_seconds'])} ms  LB {ms(r['bandwidth_lower_bound_seconds'])} "
               f"ms  opt moved {100 * r['moved_fraction_optimizer']:.1f}% (default "
               f"{100 * r['default_moved_fraction_optimizer']:.1f}%)", flush=True)
     heat = {}

@@ -143,19 +143,13 @@ class RecordingExecutor:
                            rounds=[])
 
     def run(self, local: Sequence[Piece], rounds: Sequence[Sequence[Piece]]) -> list[str]:
-        from ..transition.executor import PACK_ALIGN, Executor
+        from ..transition.executor import PACK_ALIGN, Executor, peer_pieces
 
         r = self.record
         r["local_pieces"] += len(local)
         r["local_bytes"] += sum(p.nbytes for p in local)
         for pieces in rounds:
-            out: dict[int, list] = {}
-            inc: dict[int, list] = {}
-            for p in pieces:
-                if p.src_device == self.rank and p.dst_device != self.rank:
-                    out.setdefault(p.dst_device, []).append(p)
-                elif p.dst_device == self.rank and p.src_device != self.rank:
-                    inc.setdefault(p.src_device, []).append(p)
+            out, inc = peer_pieces(pieces, self.rank)
             sent = recv = ns = nr = 0
             for side, peers in (("send", out), ("recv", inc)):
                 for peer, ps in peers.items():

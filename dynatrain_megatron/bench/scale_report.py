@@ -13,8 +13,20 @@ from .fabric_check import sensitivity, validate_on_gloo
 HOW_COLOURS = {"measured": "tab:green", "modelled": "tab:orange", "simulated": "tab:blue"}
 
 
-def _ms(t: float) -> str:
+def ms(t: float) -> str:
+    """Seconds as milliseconds for a table cell."""
     return f"{t * 1e3:,.1f}"
+
+
+def table_head(header: str) -> list[str]:
+    """A markdown table's first two lines for a `| a | b |` header."""
+    return [header, "|" + "---|" * (header.count("|") - 1)]
+
+
+def gpus(r: dict) -> str:
+    """A scenario's device count: `N`, or `N->M` when the switch changes it."""
+    return (f"{r['world_from']}" if r["world_from"] == r["world_to"]
+            else f"{r['world_from']}->{r['world_to']}")
 
 
 def _s(t: float) -> str:
@@ -34,14 +46,12 @@ def budget_table(rows: list[dict]) -> str:
     h = ("| scenario | GPUs | transfer, ideal links (ms) | transfer, simulated (ms) | "
          "stall: measured + modelled + simulated (s) | stall total (s) | of which modelled "
          "padding exchange (s) | background (s) | checkpoint path, modelled (s) |")
-    out = [h, "|" + "---|" * (h.count("|") - 1)]
+    out = table_head(h)
     for r in rows:
         b, sp = r["budget"], _split(r)
         pad = next(t["seconds"] for t in b["terms"] if t["name"] == "vocab-padding exchange")
-        gpus = (f"{r['world_from']}" if r["world_from"] == r["world_to"]
-                else f"{r['world_from']}->{r['world_to']}")
-        out.append(f"| {r['scenario']} | {gpus} | {_ms(r['estimated_seconds'])} | "
-                   f"{_ms(r['simulated_transfer']['seconds'])} | {_s(sp['measured'])} + "
+        out.append(f"| {r['scenario']} | {gpus(r)} | {ms(r['estimated_seconds'])} | "
+                   f"{ms(r['simulated_transfer']['seconds'])} | {_s(sp['measured'])} + "
                    f"{_s(sp['modelled'])} + {_s(sp['simulated'])} | {_s(b['stall_seconds'])} "
                    f"| {_s(pad)} | {_s(b['background_seconds'])} | "
                    f"{r['checkpoint_estimate_seconds']:.1f} |")
@@ -53,7 +63,7 @@ def counts_table(rows: list[dict]) -> str:
          "communicators | gloo connections at creation | store ops | collectives (world) | "
          "padding exchange per rank (MB) | P2P peers / messages | gloo connections at job "
          "start | sampled ranks | emulation (s) |")
-    out = [h, "|" + "---|" * (h.count("|") - 1)]
+    out = table_head(h)
     for r in rows:
         c = r["control_plane"]
         world_colls = sum(1 for _ in c["switch_world_collective_bytes"])
@@ -188,9 +198,9 @@ def write_scale(rows: list[dict], out: Path, val=None, sens=None) -> list[str]:
     ]
     for v in val:
         md.append(f"| {v['model']} | {v['rounds']} | {v['max_send_bytes'] / 1e6:.2f} vs "
-                  f"{v['measured_max_send_bytes'] / 1e6:.2f} | {_ms(v['simulated_s'])} | "
-                  f"{_ms(v['measured_transfer_s'])} | {v['measured_over_simulated']:.2f} | "
-                  f"{_ms(v['measured_raw_checksummed_s'])} | {v['raw_over_simulated']:.2f} |")
+                  f"{v['measured_max_send_bytes'] / 1e6:.2f} | {ms(v['simulated_s'])} | "
+                  f"{ms(v['measured_transfer_s'])} | {v['measured_over_simulated']:.2f} | "
+                  f"{ms(v['measured_raw_checksummed_s'])} | {v['raw_over_simulated']:.2f} |")
     md += ["", "## Sensitivity of the simulated transfer", "",
            "The optimizer state (what a live switch moves), seconds per oversubscription / "
            "link efficiency (busiest link at the start). The time follows 1 / efficiency; "

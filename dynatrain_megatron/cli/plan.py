@@ -86,29 +86,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="world size (devices) of the destination layout")
     p.add_argument("--ranks-per-node", type=devices(), default=None, metavar="DEVICES",
                    help="devices per node (8)")
-    positive = finite_float(0.0)
-    p.add_argument("--intra-node-gbytes-per-s", dest="intra_node_gbps", type=positive,
-                   default=450.0, metavar="GB/S",
-                   help="per-device NVLink bandwidth per direction, gigabytes/s (450)")
-    p.add_argument("--inter-node-gbytes-per-s", dest="inter_node_gbps", type=positive,
-                   default=50.0, metavar="GB/S",
-                   help="per-device NIC bandwidth per direction, gigabytes/s (50: a 400 Gb/s "
-                        "NIC)")
-    p.add_argument("--round-latency-us", type=finite_float(0.0, inclusive=True), default=50.0,
-                   metavar="US", help="fixed cost of one batched exchange, microseconds (50)")
-    p.add_argument("--local-copy-gbytes-per-s", dest="local_copy_gbps", type=positive,
-                   default=1000.0, metavar="GB/S",
-                   help="device-memory copy bandwidth for local pieces, gigabytes/s (1000)")
-    p.add_argument("--checksum-gbytes-per-s", dest="checksum_gbps", type=positive,
-                   default=3000.0, metavar="GB/S",
-                   help="bandwidth of the checksum pass over sent/received bytes, "
-                        "gigabytes/s (3000)")
-    p.add_argument("--storage-gbytes-per-s", dest="storage_gbps", type=positive, default=100.0,
-                   metavar="GB/S",
-                   help="aggregate storage bandwidth of the checkpoint path, gigabytes/s (100)")
-    for name in ("intra-node", "inter-node", "local-copy", "checksum", "storage"):
+    # (flag stem, destination, default, what the figure is), all in gigabytes per second
+    rates = (
+        ("intra-node", "intra_node_gbps", 450.0, "per-device NVLink bandwidth per direction"),
+        ("inter-node", "inter_node_gbps", 50.0,
+         "per-device NIC bandwidth per direction; a 400 Gb/s NIC is 50"),
+        ("local-copy", "local_copy_gbps", 1000.0,
+         "device-memory copy bandwidth for local pieces"),
+        ("checksum", "checksum_gbps", 3000.0,
+         "bandwidth of the checksum pass over sent/received bytes"),
+        ("storage", "storage_gbps", 100.0,
+         "aggregate storage bandwidth of the checkpoint path"),
+    )
+    for name, dest, default, what in rates:
+        p.add_argument(f"--{name}-gbytes-per-s", dest=dest, type=finite_float(0.0),
+                       default=default, metavar="GB/S",
+                       help=f"{what}, gigabytes/s ({default:g})")
         renamed(p, f"--{name}-gbps", f"--{name}-gbytes-per-s",
                 "gigabytes per second; a 400 Gb/s NIC is 50")
+    p.add_argument("--round-latency-us", type=finite_float(0.0, inclusive=True), default=50.0,
+                   metavar="US", help="fixed cost of one batched exchange, microseconds (50)")
     p.add_argument("--restart-seconds", type=finite_float(0.0, inclusive=True), default=60.0,
                    metavar="SECONDS", help="restart cost of the checkpoint path, seconds (60)")
     p.add_argument("--memory-budget", type=parse_bytes, default=None, metavar="BYTES",

@@ -131,15 +131,21 @@ class ParallelStateView:
 
 
 @contextlib.contextmanager
-def in_view(view: Optional[ParallelStateView]) -> Iterator[None]:
-    """Within the block, this thread's `parallel_state` calls read `view` (None: the
-    process's own)."""
-    previous = getattr(_local, "view", None)
-    _local.view = view
+def thread_value(local: threading.local, name: str, value: Any) -> Iterator[None]:
+    """Within the block, this thread's `local.<name>` is `value`; what it was (or None)
+    again after, whatever the block raised."""
+    previous = getattr(local, name, None)
+    setattr(local, name, value)
     try:
         yield
     finally:
-        _local.view = previous
+        setattr(local, name, previous)
+
+
+def in_view(view: Optional[ParallelStateView]) -> contextlib.AbstractContextManager:
+    """Within the block, this thread's `parallel_state` calls read `view` (None: the
+    process's own)."""
+    return thread_value(_local, "view", view)
 
 
 def register(module: Any, view: ParallelStateView) -> None:

@@ -22,6 +22,8 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
+from .parallel_state_view import thread_value
+
 _route = threading.local()  # .group: where this thread's default-group gathers go
 _lock = threading.Lock()
 _state = {"users": 0, "original": None}
@@ -50,12 +52,10 @@ def default_group_as(group: Optional[dist.ProcessGroup]) -> Iterator[None]:
             _state["original"] = dist.all_gather_object
             dist.all_gather_object = _routed_all_gather_object
         _state["users"] += 1
-    previous = getattr(_route, "group", None)
-    _route.group = group
     try:
-        yield
+        with thread_value(_route, "group", group):
+            yield
     finally:
-        _route.group = previous
         with _lock:
             _state["users"] -= 1
             if _state["users"] == 0:

@@ -77,6 +77,20 @@ def _copy_all(dsts: list[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         d.copy_(s)
 
 
+def peer_pieces(pieces: Sequence[Piece], rank: int
+                ) -> tuple[dict[int, list[Piece]], dict[int, list[Piece]]]:
+    """A round's remote pieces of `rank`, grouped by peer: (sent to each peer, received from
+    each peer); pieces local to `rank` and pieces it takes no part in are left out."""
+    out: dict[int, list[Piece]] = {}
+    inc: dict[int, list[Piece]] = {}
+    for p in pieces:
+        if p.src_device == rank and p.dst_device != rank:
+            out.setdefault(p.dst_device, []).append(p)
+        elif p.dst_device == rank and p.src_device != rank:
+            inc.setdefault(p.src_device, []).append(p)
+    return out, inc
+
+
 def local_shares(local: Sequence[Piece], n_rounds: int) -> list[list[Piece]]:
     """`local` pieces cut, in order, into one share per round (at least one) of about equal
     bytes: share i is copied while round i is on the wire (routing.cost models the same)."""
@@ -198,13 +212,7 @@ class Executor:
     def _post(self, pieces: Sequence[Piece], index: int) -> _Round:
         t0 = time.perf_counter()
         self.faults.delay(self.rank, index)
-        out: dict[int, list] = {}
-        inc: dict[int, list] = {}
-        for p in pieces:
-            if p.src_device == self.rank and p.dst_device != self.rank:
-                out.setdefault(p.dst_device, []).append(p)
-            elif p.dst_device == self.rank and p.src_device != self.rank:
-                inc.setdefault(p.src_device, []).append(p)
+        out, inc = peer_pieces(pieces, self.rank)
         sends: dict[int, list[torch.Tensor]] = {}
         send_sums: dict[int, list[int]] = {}
         keep: list[torch.Tensor] = []

@@ -300,14 +300,7 @@ def carry_vocab_padding(plan: PaddingPlan, me: int, old: Optional[LiveState],
             errors.append(f"rank {me}: vocab padding send {p}: {e}")
             data = like(p, dst_rows if p.dst == me else src_rows)
         if p.dst == me:
-            try:
-                at = 0
-                for v in dst_rows.slices(p.key, p.kind, p.lo, p.hi):
-                    v.copy_(data[at:at + v.numel()])
-                    at += v.numel()
-                written += p.numel
-            except Exception as e:  # noqa: BLE001
-                errors.append(f"rank {me}: vocab padding copy {p}: {e}")
+            written += _write_rows(dst_rows, p, data, errors, f"rank {me}: vocab padding copy")
             continue
         out.setdefault(p.dst, []).append(data.contiguous())
     for p in recvs:
@@ -325,12 +318,19 @@ def carry_vocab_padding(plan: PaddingPlan, me: int, old: Optional[LiveState],
             errors.append(f"rank {me}: vocab padding exchange: {type(e).__name__}: {e}")
             return written, errors
     for p, buf in landing:
-        try:
-            at = 0
-            for v in dst_rows.slices(p.key, p.kind, p.lo, p.hi):
-                v.copy_(buf[at:at + v.numel()])
-                at += v.numel()
-            written += p.numel
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"rank {me}: vocab padding receive {p}: {e}")
+        written += _write_rows(dst_rows, p, buf, errors, f"rank {me}: vocab padding receive")
     return written, errors
+
+
+def _write_rows(dst_rows, p, data: torch.Tensor, errors: list[str], what: str) -> int:
+    """Copy a piece's flat data into the destination rows it covers (one or more slices);
+    returns the elements written, or 0 with the failure appended to `errors`."""
+    try:
+        at = 0
+        for v in dst_rows.slices(p.key, p.kind, p.lo, p.hi):
+            v.copy_(data[at:at + v.numel()])
+            at += v.numel()
+        return p.numel
+    except Exception as e:  # noqa: BLE001 - reported through the vote, which rolls back
+        errors.append(f"{what} {p}: {e}")
+        return 0
