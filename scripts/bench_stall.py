@@ -115,6 +115,13 @@ def main() -> int:
           f" sum of parts {sum(slow['parts'].values()):.3f} s, other "
           f"{slow['unaccounted_s']:.3f} s")
     print("  parts: " + ", ".join(f"{n_} {v:.3f}" for n_, v in slow["parts"].items()))
+    if slow.get("first_step_s") is not None:
+        print(f"  first step at B {slow['first_step_s']:.3f} s vs steady "
+              f"{slow['steady_step_s']:.3f} s; garbage collection in them "
+              f"{slow.get('first_step_gc_s') or 0.0:.3f} s / {slow.get('steady_step_gc_s') or 0.0:.3f} s")
+    if rec.get("prepared"):
+        print("  prepared in the background while A trained: " + ", ".join(
+            f"{n_} {v:.3f}" for n_, v in rec["prepared"].items()))
     print(f"slowest rank's pause (r{pauser['rank']}):                  {pause:7.3f} s, "
           f"its transfer {pauser['transfer_s']:.3f} s")
     print(f"restart (--save, exit, new job, --load) stall:       {restart:7.3f} s")

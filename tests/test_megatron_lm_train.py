@@ -22,6 +22,8 @@ Megatron-LM does), and after K equal the restart's, iteration by iteration, once
 restart's second print is read as the two-iteration mean Megatron-LM prints there (see
 `test_losses_match_megatron_lm_restart`).
 """
+import re
+
 import pytest
 
 from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, assert_final_checkpoints_identical,
@@ -57,6 +59,12 @@ def runs(request, tmp_path_factory):
 def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
     # every rank once (the log line is per rank), none rolled back
     assert_switched_as_scheduled(runs["switched"], K, runs["A"], runs["B"])
+    # B's data iterators were built in the background while A trained (data_ahead.py) and
+    # taken at the switch; the losses after it equal the restart's (below): the same samples
+    prepared = re.search(r"iteration \d+: switched .*B prepared in the background \((.*)\)",
+                         runs["switched"])
+    assert prepared and re.search(r"data_iterators [0-9.]+", prepared.group(1)), prepared
+    assert "built again at the switch" not in runs["switched"]
 
 
 def test_final_checkpoints_are_bit_identical(runs):

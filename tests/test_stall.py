@@ -54,6 +54,24 @@ def test_meter_measures_window_parts_and_first_step_over_steady():
     assert d["stall_s"] == pytest.approx(0.8) and d["parts"]["first_step"] == pytest.approx(0.4)
 
 
+def test_meter_splits_out_the_garbage_collection_of_each_step():
+    gc_total = iter([1.0, 3.5, 3.5, 3.6, 3.6, 3.7, 3.7, 3.9, 3.9])  # cumulative, read in turn
+    m = StallMeter(7, 2, "a", "b", started=0.0, gc_clock=lambda: next(gc_total))
+    m.resume(now=1.0)  # reads 1.0
+    t = 1.0
+    for dt in (3.0, 1.0, 1.0, 1.0):  # step() then left() read the clock
+        t += dt
+        m.step(t)
+        m.left(now=t)
+    b = m.finish()
+    assert b.first_step_gc_s == pytest.approx(2.5)  # a full collection in B's first step
+    assert b.steady_step_gc_s == pytest.approx(0.1)
+    assert b.as_dict()["first_step_gc_s"] == pytest.approx(2.5)
+    with pytest.raises(StallError, match="first_step_gc_s must be finite"):
+        StallBreakdown(iteration=1, rank=0, src="a", dst="b", window_s=0.1, parts=(),
+                       first_step_gc_s=-1.0)
+
+
 def test_meter_without_steady_steps_leaves_the_first_step_unmeasured():
     m = StallMeter(7, 0, "a", "b", started=10.0)
     m.resume(now=10.3)
@@ -151,3 +169,23 @@ def test_one_logger_one_prefix_once_lines_on_rank_zero(capsys):
     log.info("unless asked", extra=ONCE)
     assert "unless asked" in capsys.readouterr().out
     configure(rank=0)
+
+
+def test_automatic_collections_wait_for_the_switch_and_a_job_that_disabled_them_keeps_that():
+    import gc
+
+    from dynatrain_megatron.loop.stall_tracker import StallTracker
+
+    assert gc.isenabled()
+    try:
+        t = StallTracker(None)
+        t.before_switch()  # a switch starts: no automatic collection inside its stall
+        assert not gc.isenabled()
+        t.left()  # it rolled back (no switch being measured): collections go on
+        assert gc.isenabled()
+        gc.disable()  # the job's own choice (Megatron-LM's --manual-gc)
+        t.before_switch()
+        t.left()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

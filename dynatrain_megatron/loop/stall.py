@@ -68,6 +68,9 @@ class StallBreakdown:
     first_step_s: Optional[float] = None
     steady_step_s: Optional[float] = None
     wall_start: float = 0.0  # time.time() when the window began
+    # seconds Python's garbage collector ran in the first step at B / in a steady one
+    first_step_gc_s: Optional[float] = None
+    steady_step_gc_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         errs = []
@@ -82,7 +85,9 @@ class StallBreakdown:
         if bad:
             errs.append(f"part times must be finite non-negative floats, got {bad}")
         for what, v in (("window_s", self.window_s), ("first_step_s", self.first_step_s),
-                        ("steady_step_s", self.steady_step_s)):
+                        ("steady_step_s", self.steady_step_s),
+                        ("first_step_gc_s", self.first_step_gc_s),
+                        ("steady_step_gc_s", self.steady_step_gc_s)):
             if v is not None and not (math.isfinite(v) and v >= 0):
                 errs.append(f"{what} must be finite and non-negative, got {v!r}")
         if self.iteration < 0 or self.rank < 0:
@@ -121,7 +126,8 @@ class StallBreakdown:
                     parts={n: round(v, 6) for n, v in self.parts},
                     unaccounted_s=round(self.unaccounted_s, 6),
                     first_step_s=_r(self.first_step_s), steady_step_s=_r(self.steady_step_s),
-                    wall_start=self.wall_start)
+                    first_step_gc_s=_r(self.first_step_gc_s),
+                    steady_step_gc_s=_r(self.steady_step_gc_s), wall_start=self.wall_start)
 
     def __str__(self) -> str:
         shown = ", ".join(f"{n} {v:.3f}" for n, v in self.parts if v >= 0.0005)
@@ -160,7 +166,11 @@ class StallMeter:
     resumed: Optional[float] = None
     steps: list[float] = field(default_factory=list)
     clock: Callable[[], float] = time.perf_counter
+    # cumulative seconds in garbage collection (gc_clock.gc_seconds); per step in `gc`
+    gc_clock: Optional[Callable[[], float]] = None
+    gc: list[float] = field(default_factory=list)
     _last: Optional[float] = None
+    _last_gc: Optional[float] = None
 
     def add(self, name: str, seconds: float) -> None:
         if name not in PART_NAMES:
@@ -177,6 +187,7 @@ class StallMeter:
         before its first step: the latest call counts)."""
         self.resumed = time.perf_counter() if now is None else now
         self._last = self.clock() if now is None else now
+        self._last_gc = self.gc_clock() if self.gc_clock is not None else None
 
     def step(self, now: Optional[float] = None) -> bool:
         """A step boundary after the switch: the step lasted from the previous boundary's
@@ -184,11 +195,14 @@ class StallMeter:
         now = self.clock() if now is None else now
         if self._last is not None:
             self.steps.append(max(0.0, now - self._last))
+            if self._last_gc is not None and self.gc_clock is not None:
+                self.gc.append(max(0.0, self.gc_clock() - self._last_gc))
         return len(self.steps) > STEADY_STEPS
 
     def left(self, now: Optional[float] = None) -> None:
         """The hook returns to the training loop (the next step starts)."""
         self._last = self.clock() if now is None else now
+        self._last_gc = self.gc_clock() if self.gc_clock is not None else None
 
     def finish(self) -> StallBreakdown:
         resumed = self.resumed if self.resumed is not None else time.perf_counter()
@@ -202,7 +216,10 @@ class StallMeter:
             iteration=self.iteration, rank=self.rank, src=self.src, dst=self.dst,
             window_s=max(0.0, resumed - self.started),
             parts=tuple((n, float(parts[n])) for n in PART_NAMES if n in parts),
-            first_step_s=first, steady_step_s=steady, wall_start=self.wall_start)
+            first_step_s=first, steady_step_s=steady, wall_start=self.wall_start,
+            first_step_gc_s=self.gc[0] if self.gc else None,
+            steady_step_gc_s=statistics.median(self.gc[1:1 + STEADY_STEPS])
+            if len(self.gc) > 1 else None)
 
 
 # the switch's phases (transition.switch) and switch_trainer's timings, as stall parts

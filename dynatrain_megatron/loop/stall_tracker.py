@@ -7,10 +7,14 @@ switch commits, `begin` turns the window into a `StallMeter`; at each later boun
 on (another switch, growth, the end), `finish` shares every rank's breakdown over B's
 ranks and reports it (`switch_log.share_and_report`). A's memory collection, deferred by
 the switch, runs there too (a full collection holds the interpreter lock: no thread could
-take it out of the training thread's way).
+take it out of the training thread's way). Python's automatic collections wait as well,
+from the start of the switch until then: one that started in B's first step would scan
+A's remains and B's new objects there, in the stall, and that deferred collection does
+their work anyway (a job that turned the collector off itself keeps it off).
 """
 from __future__ import annotations
 
+import gc
 import time
 from typing import Callable, Optional
 
@@ -18,6 +22,7 @@ import torch.distributed as dist
 
 from ..elastic.safe_files import OutputDir
 from ..mcore.session import collect_released
+from .gc_clock import gc_seconds
 from .stall import StallMeter, stall_parts
 from .switch_log import SwitchLog, SwitchRecord, share_and_report
 
@@ -34,8 +39,10 @@ class StallTracker:
         self.on_return_from_standby: list[Callable[[], None]] = []
         self.step_clock: Callable[[], float] = time.perf_counter
         self.collect_pending = False  # A's memory is to be collected (`finish`)
+        gc_seconds()  # the collector's clock runs from the start (B's first step vs steady)
         self._meter: Optional[StallMeter] = None
         self._measured: Optional[tuple[SwitchRecord, dict]] = None
+        self._gc_paused = False  # automatic collections held off by this tracker
         self.boundary()
 
     @property
@@ -75,6 +82,18 @@ class StallTracker:
         """The hook returns to the training loop: the next step starts."""
         if self._meter is not None:
             self._meter.left()
+        elif self._measured is None:  # no switch committed here (rolled back, standby)
+            self._resume_gc()
+
+    def _pause_gc(self) -> None:
+        if gc.isenabled():
+            gc.disable()
+            self._gc_paused = True
+
+    def _resume_gc(self) -> None:
+        if self._gc_paused:
+            self._gc_paused = False
+            gc.enable()
 
     def before_switch(self) -> None:
         """A switch starts before the last one was measured: report that one now, inside
@@ -83,13 +102,14 @@ class StallTracker:
             t0 = time.perf_counter()
             self.laps["release_a"] = self.finish()
             self.lap("controller", t0 + self.laps["release_a"])
+        self._pause_gc()  # until B's first steps are measured (module doc)
 
     def begin(self, rec: SwitchRecord, phases: dict, timings: dict, extra: dict) -> None:
         """The switch `rec` committed on this rank (which is in B): measure its stall from
         this window's start; `extra`: what its report needs (`share_and_report`)."""
         self._meter = StallMeter(rec.iteration, dist.get_rank(), rec.src, rec.dst,
                                  started=self.entered, wall_start=self.entered_wall,
-                                 clock=self.step_clock)
+                                 clock=self.step_clock, gc_clock=gc_seconds)
         self._meter.add_all(self.laps, stall_parts(phases, timings))
         self._meter.resume()
         self._measured = (rec, extra)
@@ -110,6 +130,7 @@ class StallTracker:
         if self.collect_pending:
             self.collect_pending = False
             collect_released()
+        self._resume_gc()
         deferred = measured[1]["release_a_deferred_s"] = time.perf_counter() - t0
         self.stalls.append(share_and_report(self.report, measured[0], measured[1], mine))
         return deferred

@@ -130,7 +130,10 @@ def share_and_report(report: SwitchLog, rec: SwitchRecord, extra: dict,
     if dist.get_rank() == 0:
         first = ("first step at B not measured" if worst.first_step_s is None
                  or worst.steady_step_s is None else
-                 f"first step at B {worst.first_step_s:.3f} s, steady {worst.steady_step_s:.3f} s")
+                 f"first step at B {worst.first_step_s:.3f} s, steady {worst.steady_step_s:.3f} s"
+                 + ("" if worst.first_step_gc_s is None else
+                    f" (garbage collection {worst.first_step_gc_s:.3f} s / "
+                    f"{worst.steady_step_gc_s or 0.0:.3f} s)"))
         where = ("inside the pause" if r.groups_in_pause else "in the background (%s)" % (
             ", ".join(f"{k} {v:.3f}" for k, v in r.prepared.items())))
         log.info("iteration %d: switched %s -> %s (placement %s)%s: %s on the slowest rank "

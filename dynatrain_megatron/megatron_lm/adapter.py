@@ -75,6 +75,7 @@ from ..mcore.train_config import TrainConfig
 from .arguments import (arg_value, args_for_layout, layout_from_megatron_args, params_dtype_of,
                         performance_differences, spec_from_megatron_args,
                         train_config_from_megatron_args, unsupported_args)
+from .data_ahead import DataAhead
 from .step_guard import StepGuard
 from .transformer_config import JobIntents
 from ..compat import stand_in_world
@@ -324,10 +325,14 @@ class MegatronLMSession:
                                consumed_samples=arg_value(args, "consumed_train_samples", 0))
         # B is built by Megatron-LM itself, from a copy of these args set to B (builder.py)
         self.intents = JobIntents.from_args(args)
+        # B's data iterators, built in the background with B (data_ahead.py)
+        self.data_ahead = DataAhead(args, self.spec, self.intents.sequence_parallel,
+                                    lambda: self.hook.decision, _rebuild_data_iterators)
         self.hook = DynatrainHook.from_args(
             args, self.spec, self.train,
             builder=MegatronLMBuilder(self.spec, self.train, args=copy.copy(args),
-                                      intents=self.intents, model_provider=_model_provider()))
+                                      intents=self.intents, model_provider=_model_provider(),
+                                      data_ahead=self.data_ahead))
         from .metrics import attach
 
         attach(self.hook)  # its TensorBoard/W&B writers and iteration timer (metrics.py)
@@ -350,6 +355,7 @@ class MegatronLMSession:
         t.iteration = iteration
         t.consumed_samples = arg_value(self.args, "consumed_train_samples", t.consumed_samples)
         self.guard.at_boundary(iteration, t.objs)  # this rank's step completed
+        self.data_ahead.note_step(iteration)
         old_config = t.objs.config
         before = t.objs
         if not ending:  # an exit decided by Megatron-LM: no new switch at the last step
@@ -416,8 +422,14 @@ class MegatronLMSession:
         self.set_args_for(o.layout)
         _prepare_config(self.args, o.model, o.optimizer, o.config, old_config)
         t1 = time.perf_counter()
-        with stand_in_world.stand_in(_stand_in_world(o, dist.get_world_size())):
-            train_it, valid_it, test_it = _rebuild_data_iterators(self.args, len(o.model))
+        ahead = self.data_ahead.take(o.groups, t.consumed_samples,
+                                     arg_value(self.args, "consumed_valid_samples", 0) or 0)
+        if ahead is not None:  # built in the background for exactly this switch
+            train_it, valid_it, test_it = ahead
+            self._note_prepared("data_iterators", self.data_ahead.last_seconds)
+        else:
+            with stand_in_world.stand_in(_stand_in_world(o, dist.get_world_size())):
+                train_it, valid_it, test_it = _rebuild_data_iterators(self.args, len(o.model))
         # the last iterators are dropped here: their worker processes end
         self.test_data_iterator = test_it
         self.latest = LoopObjects(o.model, o.optimizer, o.scheduler, train_it, valid_it,
@@ -427,6 +439,11 @@ class MegatronLMSession:
         if meter is not None:
             meter.add_all({"rebind": t1 - t0, "data_iterators": time.perf_counter() - t1})
         return self.latest
+
+    def _note_prepared(self, what: str, seconds: Optional[float]) -> None:
+        """Add to the last switch's record what else was prepared in the background."""
+        if self.hook.history and seconds is not None:
+            self.hook.history[-1].prepared[what] = round(seconds, 4)
 
     def set_args_for(self, layout: Layout) -> None:
         """Megatron-LM's `args` describe `layout` (its loop, logging, data loaders and
@@ -451,6 +468,7 @@ class MegatronLMSession:
             self.latest = dataclasses.replace(self.latest, train_data_iterator=None,
                                               valid_data_iterator=None, test_data_iterator=None)
         self.test_data_iterator = None
+        self.data_ahead.drop()
 
 
 def _stand_in_world(objs: Any, world: int) -> Any:

@@ -81,11 +81,13 @@ class MegatronLMBuilder(MegatronBuilder):
 
     `args`: the job's validated args at its first layout (never modified); `intents`: what
     Megatron-LM's validation turns on or off by layout; `model_provider`: the script's
-    (`script_model_provider()`)."""
+    (`script_model_provider()`); `data_ahead`: where B's data iterators are built after a
+    background build of B (`data_ahead.DataAhead`; None: at the switch)."""
 
     args: Any = None
     intents: Optional[JobIntents] = None
     model_provider: Optional[Callable] = None
+    data_ahead: Any = None
 
     def __post_init__(self) -> None:
         if self.args is None or self.intents is None or not callable(self.model_provider):
@@ -119,8 +121,12 @@ class MegatronLMBuilder(MegatronBuilder):
 
     def build_detached(self, layout: Layout, groups: ParallelGroups) -> TrainingObjects:
         """B's objects without weight initialisation, in this thread's views (module doc):
-        A's globals, args and RNGs are untouched, so this may run while A trains."""
-        return self._build(layout, groups, init_weights=False)
+        A's globals, args and RNGs are untouched, so this may run while A trains. B's data
+        iterators follow, where they can be built ahead (`data_ahead`)."""
+        objs = self._build(layout, groups, init_weights=False)
+        if self.data_ahead is not None:
+            self.data_ahead.build(layout, groups, len(objs.model))
+        return objs
 
     def _build(self, layout: Layout, groups: ParallelGroups, init_weights: bool) -> TrainingObjects:
         from megatron.core.distributed import finalize_model_grads

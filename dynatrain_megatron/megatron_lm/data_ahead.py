@@ -1,0 +1,214 @@
+"""Layout B's data iterators, built by Megatron-LM in the background while A trains.
+
+After a switch the training loop needs the iterators a restart at B would build:
+Megatron-LM's own `build_train_valid_test_data_iterators`, with B's data-parallel
+coordinates, at the consumed-sample count of the switch. Built at the switch they are part
+of the stall (the datasets, the samplers, and the DataLoader workers forked by a large
+process, whose first batches then hold up B's first step). Nothing in them depends on the
+last step's values: only on B's groups and on the number of samples consumed when the
+switch lands. For a scheduled switch that number is fixed when the preparation starts
+(`--dynatrain-schedule` lands exactly after its iteration, waiting for B if need be): the
+count noted at the last step boundary plus one global batch per step until the switch.
+
+So `DataAhead.build` runs in the preparation's background thread, right after B's objects
+are built (`builder.MegatronLMBuilder.build_detached`), inside:
+* a view of megatron-core's `parallel_state` set to B's groups and Megatron-LM's `args` set
+  to B at that count (`compat.parallel_state_view`), which the data builders read;
+* B's own group as the thread's default group (`compat.stand_in_world`): the dataset
+  builder's barrier and the loader's flag broadcast run over B's ranks on a group nothing
+  else uses then, not interleaved with A's collectives on the world.
+The iterators are handed to the loop at the switch (`take`) only if they were built for
+exactly what the switch needs (B's groups, the consumed train and validation samples);
+otherwise they are dropped (their workers end) and the loop builds them as before, inside
+the stall. Not built ahead: a requested switch (it lands at the first step where B is
+ready everywhere, so its count is not known in advance), B built in the pause, B's ranks
+not being the job's first ranks in order (a stand-in world must be), and jobs with
+`--phase-transition-iterations` (the count per phase follows other rules).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ..vps.layout import Layout
+from ..vps.model_spec import ModelSpec
+from .arguments import arg_value, args_for_layout
+
+log = logging.getLogger("dynatrain")
+
+# what Megatron-LM's loader build sets on `args` (and the loop reads): carried over at `take`
+_SET_BY_BUILD = ("do_train", "do_valid", "do_test", "eval_iters")
+
+
+@dataclass(frozen=True)
+class StepNote:
+    """Where the loop was at its last step boundary: the iteration done and the samples
+    consumed by then (train and validation)."""
+
+    iteration: int
+    consumed_train: int
+    consumed_valid: int
+
+    def __post_init__(self) -> None:
+        if min(self.iteration, self.consumed_train, self.consumed_valid) < 0:
+            raise ValueError(f"a step note needs non-negative counts, got {self}")
+
+
+@dataclass(frozen=True, eq=False)
+class BuiltAhead:
+    """Iterators built in the background for one switch: `groups` (B's ParallelGroups, by
+    identity), the consumed samples they start at, Megatron-LM's (train, valid, test)
+    iterators, the args values the build set, and how long it took."""
+
+    groups: Any
+    consumed_train: int
+    consumed_valid: int
+    iterators: tuple
+    set_by_build: dict
+    seconds: float
+
+
+class DataAhead:
+    """One job's iterators built ahead of a switch (module doc). `args`: Megatron-LM's
+    live args (copied, never written in the background); `decision`: the hook's current
+    decision (its `at` is a scheduled switch's iteration); `rebuild(args, num_chunks)`:
+    Megatron-LM's (train, valid, test) iterators for the args and parallel state in force
+    (`adapter._rebuild_data_iterators`, the loop's own)."""
+
+    def __init__(self, args: Any, spec: ModelSpec, sequence_parallel: bool,
+                 decision: Callable[[], Any], rebuild: Callable[[Any, int], tuple]) -> None:
+        self.args = args
+        self.rebuild = rebuild
+        self.spec = spec
+        self.sequence_parallel = sequence_parallel
+        self.decision = decision
+        self._note: Optional[StepNote] = None
+        self._built: Optional[BuiltAhead] = None
+        self._for: Any = None  # B's groups the last build was agreed for
+        self._lock = threading.Lock()
+        self.last_seconds: Optional[float] = None  # the last build's, for the switch record
+
+    def note_step(self, iteration: int) -> None:
+        """The loop's step boundary (main thread, before the hook): the counts now."""
+        self._note = StepNote(iteration, int(arg_value(self.args, "consumed_train_samples", 0)),
+                              int(arg_value(self.args, "consumed_valid_samples", 0) or 0))
+
+    def target(self, layout: Layout, groups: Any) -> Optional[tuple[int, str]]:
+        """(consumed train samples at the switch, "") when B's iterators can be built ahead
+        for it, else (-1, why not)."""
+        d, note = self.decision(), self._note
+        at = getattr(d, "at", None)
+        if threading.current_thread() is threading.main_thread():
+            return -1, "B is built in the pause"
+        if at is None or note is None:
+            return -1, "a requested switch's iteration is not known in advance"
+        if at < note.iteration:
+            return -1, f"the switch iteration {at} is behind the loop ({note.iteration})"
+        if arg_value(self.args, "phase_transition_iterations", None):
+            return -1, "--phase-transition-iterations"
+        group = _group_of(groups)
+        if group is None:
+            return -1, "this rank is not in B"
+        import torch.distributed as dist
+
+        if dist.get_process_group_ranks(group) != list(range(layout.world_size)):
+            return -1, "B's ranks are not the job's first ranks in order"
+        gbs = int(arg_value(self.args, "global_batch_size"))
+        return note.consumed_train + (at - note.iteration) * gbs, ""
+
+    def build(self, layout: Layout, groups: Any, num_chunks: int) -> None:
+        """In the preparation's thread, after B's objects: Megatron-LM's iterators for B at
+        the switch's consumed samples, kept for `take`. Never raises: a failure leaves the
+        build to the switch, as without this."""
+        self.drop()
+        consumed, why = self.target(layout, groups)
+        group = _group_of(groups)
+        if group is None:
+            return
+        from ..elastic.communicators import everyone_ok
+
+        # B's ranks build together or not at all (the build's collectives run over B)
+        if not everyone_ok(consumed >= 0, group):
+            log.debug("B's data iterators are built at the switch: %s", why or "so says "
+                      "another rank")
+            return
+        self._for = groups  # every rank of B: `take` votes on these groups
+        t0 = time.perf_counter()
+        try:
+            built = self._build(layout, groups, num_chunks, consumed)
+        except Exception as e:  # noqa: BLE001 - the switch builds them itself then
+            log.warning("building B's data iterators in the background failed (%s: %s); "
+                        "they are built at the switch", type(e).__name__, e)
+            return
+        self.last_seconds = time.perf_counter() - t0
+        with self._lock:
+            self._built = BuiltAhead(groups, consumed, self._note.consumed_valid
+                                     if self._note else 0, built[0], built[1],
+                                     self.last_seconds)
+
+    def _build(self, layout: Layout, groups: Any, num_chunks: int,
+               consumed: int) -> tuple[tuple, dict]:
+        from ..compat import parallel_state_view as psv
+        from ..compat import stand_in_world
+        from ..elastic.groups import install
+
+        args = copy.copy(self.args)
+        for k, v in args_for_layout(layout, self.spec, like=self.args,
+                                    sequence_parallel=self.sequence_parallel).items():
+            setattr(args, k, v)
+        args.world_size = layout.world_size
+        args.consumed_train_samples = consumed
+        if self._note is not None:
+            args.consumed_valid_samples = self._note.consumed_valid
+        view = psv.ParallelStateView(lambda target: install(groups, target=target))
+        with psv.in_view(view), psv.thread_args(args), stand_in_world.stand_in(
+                _group_of(groups)):
+            iterators = tuple(self.rebuild(args, num_chunks))
+        return iterators, {k: getattr(args, k) for k in _SET_BY_BUILD if hasattr(args, k)}
+
+    def take(self, groups: Any, consumed_train: int, consumed_valid: int) -> Optional[tuple]:
+        """At the switch (main thread, once the preparation has been collected): the
+        iterators built ahead when they are for exactly these groups and counts (and the
+        args values their build set are applied to the live args), else None (any built
+        ahead are dropped)."""
+        with self._lock:
+            built, self._built = self._built, None
+        attempted, self._for = self._for is groups, None
+        if not attempted:  # on no rank of B (the build's own vote): nothing to agree on
+            return None
+        fits = built is not None and built.groups is groups and (
+            built.consumed_train, built.consumed_valid) == (consumed_train, consumed_valid)
+        from ..elastic.communicators import everyone_ok
+
+        # every rank of B takes its own or none does (else one would build alone)
+        if not everyone_ok(fits, _group_of(groups)):
+            if built is None:
+                return None
+            log.info("B's data iterators built ahead are for %d/%d consumed samples, the "
+                     "switch is at %d/%d (train/valid) here or on another rank: built again "
+                     "at the switch",
+                     built.consumed_train, built.consumed_valid, consumed_train,
+                     consumed_valid)
+            return None
+        for k, v in built.set_by_build.items():
+            setattr(self.args, k, v)
+        return built.iterators
+
+    def drop(self) -> None:
+        """Forget iterators built ahead (their DataLoader workers end with them)."""
+        with self._lock:
+            self._built = None
+            self._for = None
+
+
+def _group_of(groups: Any) -> Any:
+    """B's group over its ranks that the build runs on: its CPU twin under NCCL (the
+    flag broadcast and barriers stay off the device's streams), else B's own."""
+    return getattr(groups, "layout_group_cpu", None) or getattr(groups, "layout_group", None)
+
+
+__all__ = ("BuiltAhead", "DataAhead", "StepNote")

@@ -1,0 +1,85 @@
+"""B's data iterators built ahead of a scheduled switch (megatron_lm/data_ahead.py): the
+consumed-sample count they start at, who builds them, and when the switch takes them.
+One process, a 1-rank gloo group; Megatron-LM's own build is stood in for (the real one
+runs in tests/test_megatron_lm_train.py, whose losses after the switch equal a restart's
+and whose switch line says the iterators were prepared in the background)."""
+import argparse
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from dynatrain_megatron.megatron_lm.data_ahead import DataAhead, StepNote
+from dynatrain_megatron.vps.layout import Layout
+
+
+@pytest.fixture()
+def world(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    group = dist.new_group([0])
+    yield SimpleNamespace(layout_group=group, layout_group_cpu=group)
+    dist.destroy_process_group()
+
+
+def _ahead(decision, built):
+    args = argparse.Namespace(consumed_train_samples=24, consumed_valid_samples=8,
+                              global_batch_size=8, do_train=0)
+    ahead = DataAhead(args, spec=None, sequence_parallel=False, decision=lambda: decision,
+                      rebuild=None)
+
+    def fake_build(layout, groups, num_chunks, consumed):
+        built.append(consumed)
+        return ("train", "valid", "test"), {"do_train": 1}
+
+    ahead._build = fake_build
+    return ahead
+
+
+def _in_thread(fn, *a):
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn(*a)))
+    t.start()
+    t.join()
+    return out[0] if out else None
+
+
+def test_built_ahead_at_the_scheduled_switch_count_and_taken_only_when_it_fits(world):
+    lay = Layout.parse("tp1pp1dp1", 1)
+    built = []
+    ahead = _ahead(SimpleNamespace(at=7), built)
+    ahead.note_step(3)  # 24 samples after iteration 3: 4 more steps of 8 until the switch
+    _in_thread(ahead.build, lay, world, 1)
+    assert built == [24 + 4 * 8]
+    assert ahead.take(world, 56, 8) == ("train", "valid", "test")
+    assert ahead.args.do_train == 1  # what Megatron-LM's build set reaches the live args
+    assert ahead.take(world, 56, 8) is None  # taken once
+    # an evaluation ran in between (validation samples moved): built again at the switch
+    _in_thread(ahead.build, lay, world, 1)
+    assert ahead.take(world, 56, 16) is None
+    # for other groups (a recovery re-formed the world): neither taken nor voted on
+    _in_thread(ahead.build, lay, world, 1)
+    assert ahead.take(SimpleNamespace(layout_group=None, layout_group_cpu=None), 56, 8) is None
+
+
+def test_not_built_ahead_for_a_request_in_the_pause_or_behind_the_loop(world):
+    lay = Layout.parse("tp1pp1dp1", 1)
+    built = []
+    request = _ahead(SimpleNamespace(at=None), built)
+    request.note_step(3)
+    assert _in_thread(request.target, lay, world)[1].startswith("a requested switch")
+    _in_thread(request.build, lay, world, 1)
+    late = _ahead(SimpleNamespace(at=2), built)
+    late.note_step(3)
+    assert "behind the loop" in _in_thread(late.target, lay, world)[1]
+    sched = _ahead(SimpleNamespace(at=5), built)
+    sched.note_step(3)
+    assert sched.target(lay, world) == (-1, "B is built in the pause")  # the main thread
+    sched.build(lay, world, 1)
+    assert built == [] and request.take(world, 24, 8) is None
+
+
+def test_step_note_refuses_negative_counts():
+    with pytest.raises(ValueError, match="non-negative"):
+        StepNote(3, -8, 0)
