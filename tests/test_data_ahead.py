@@ -83,3 +83,30 @@ def test_not_built_ahead_for_a_request_in_the_pause_or_behind_the_loop(world):
 def test_step_note_refuses_negative_counts():
     with pytest.raises(ValueError, match="non-negative"):
         StepNote(3, -8, 0)
+
+
+def test_a_switched_out_layouts_loader_workers_stop_in_a_thread_of_their_own():
+    import torch
+    from torch.utils.data import DataLoader
+
+    from dynatrain_megatron.megatron_lm.data_ahead import retire_in_background
+
+    def loader():
+        return DataLoader(torch.arange(16.0), batch_size=2, num_workers=1,
+                          persistent_workers=True)
+
+    def cyclic(dl):  # as Megatron-LM's cyclic_iter
+        while True:
+            for x in dl:
+                yield x
+
+    single = SimpleNamespace(iterable=iter(loader()))  # as megatron's RerunDataIterator
+    cyc = cyclic(loader())
+    next(single.iterable), next(cyc)  # workers running
+    workers = [w for it in (single.iterable, cyc.gi_frame.f_locals["dl"]._iterator)
+               for w in it._workers]
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    t = retire_in_background([single], cyc, None)
+    t.join(timeout=60)
+    assert not t.is_alive() and not any(w.is_alive() for w in workers)
+    assert retire_in_background(None, [], SimpleNamespace(iterable=iter(range(3)))) is None

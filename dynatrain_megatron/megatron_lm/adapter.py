@@ -75,7 +75,7 @@ from ..mcore.train_config import TrainConfig
 from .arguments import (arg_value, args_for_layout, layout_from_megatron_args, params_dtype_of,
                         performance_differences, spec_from_megatron_args,
                         train_config_from_megatron_args, unsupported_args)
-from .data_ahead import DataAhead
+from .data_ahead import DataAhead, retire_in_background
 from .step_guard import StepGuard
 from .transformer_config import JobIntents
 from ..compat import stand_in_world
@@ -380,6 +380,9 @@ class MegatronLMSession:
         self._log_layout(t.iteration, out, world)
         o = t.objs
         if o is not before:
+            # A's iterators: their workers stop in a thread, not in B's first step
+            retire_in_background(loop.train_data_iterator, loop.valid_data_iterator,
+                                 self.test_data_iterator)
             self.rebind_loop(t, old_config)
             self.guard.at_boundary(t.iteration, o)
         if ending:  # train() exits with Megatron-LM's iterators: they go with its frames

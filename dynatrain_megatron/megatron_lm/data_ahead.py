@@ -205,10 +205,60 @@ class DataAhead:
             self._for = None
 
 
+def _worker_iterators(obj: Any, out: list, depth: int = 0) -> list:
+    """The multi-process DataLoader iterators inside what Megatron-LM's builder returned:
+    lists (one per virtual stage), its RerunDataIterator wrapper, a DataLoader's
+    persistent iterator, and the `cyclic` generator's DataLoader."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    if obj is None or depth > 4:
+        return out
+    if isinstance(obj, _MultiProcessingDataLoaderIter):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _worker_iterators(o, out, depth + 1)
+    elif isinstance(obj, DataLoader):
+        _worker_iterators(getattr(obj, "_iterator", None), out, depth + 1)
+    elif getattr(obj, "gi_frame", None) is not None:  # cyclic_iter(dataloader)
+        for v in obj.gi_frame.f_locals.values():
+            if isinstance(v, (DataLoader, _MultiProcessingDataLoaderIter)):
+                _worker_iterators(v, out, depth + 1)
+    elif hasattr(obj, "iterable"):  # megatron's RerunDataIterator
+        _worker_iterators(obj.iterable, out, depth + 1)
+    return out
+
+
+def retire_in_background(*iterators: Any) -> Optional[threading.Thread]:
+    """Stop the DataLoader workers of iterators the loop no longer uses (A's, after a
+    switch) in a thread of their own: dropped by the training loop at B's first step,
+    they would stop there, each worker process joined in turn. The thread holds them
+    until their workers are stopped; returns it (None when there were none)."""
+    found: list = []
+    for it in iterators:
+        _worker_iterators(it, found)
+    if not found:
+        return None
+
+    def stop(its: list) -> None:
+        for it in its:
+            try:
+                it._shutdown_workers()
+            except Exception as e:  # noqa: BLE001 - their end is not the job's
+                log.debug("stopping a data-loader's workers: %s", e)
+        its.clear()
+
+    t = threading.Thread(target=stop, args=(found,), name="dynatrain-retire-data",
+                         daemon=True)
+    t.start()
+    return t
+
+
 def _group_of(groups: Any) -> Any:
     """B's group over its ranks that the build runs on: its CPU twin under NCCL (the
     flag broadcast and barriers stay off the device's streams), else B's own."""
     return getattr(groups, "layout_group_cpu", None) or getattr(groups, "layout_group", None)
 
 
-__all__ = ("BuiltAhead", "DataAhead", "StepNote")
+__all__ = ("BuiltAhead", "DataAhead", "StepNote", "retire_in_background")
