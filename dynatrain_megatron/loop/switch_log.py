@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ..elastic.safe_files import OutputDir
+from ..safe_files import OutputDir
 from .stall import StallBreakdown, slowest
 
 log = logging.getLogger("dynatrain")

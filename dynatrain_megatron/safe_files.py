@@ -36,9 +36,9 @@ import stat
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
-from ..vps.errors import DynatrainError
+from .vps.errors import DynatrainError
 
 log = logging.getLogger("dynatrain")
 
@@ -128,6 +128,29 @@ def read_bytes(path: str | Path, rules: ReadRules) -> bytes:
         raise UnsafeFileError(f"{rules.what} {path} is over the limit of {rules.limit} bytes: "
                               f"refused")
     return data
+
+
+YAML_LIMIT = 16 << 20  # a model, scenario or calibration file is a few kilobytes
+
+
+def read_yaml(path: str | Path, what: str, error: type[Exception]) -> Any:
+    """The parsed content of the YAML (or JSON) file `path`, read as `read_bytes` reads (no
+    link followed, a regular file of the job user's or root's that nobody else may write, at
+    most `YAML_LIMIT` bytes). Every failure raises `error` with one line naming `what` and
+    the path: missing, unsafe, not UTF-8, not YAML (its parser's first line)."""
+    import yaml
+
+    try:
+        data = read_bytes(path, ReadRules(what, YAML_LIMIT, owner_only=False))
+    except FileNotFoundError:
+        raise error(f"{what} {str(path)!r} not found") from None
+    except UnsafeFileError as e:
+        raise error(str(e)) from None
+    try:
+        return yaml.safe_load(data.decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise error(f"{what} {str(path)!r} is not readable YAML: {first}") from None
 
 
 def _file_errors(st: os.stat_result, owner_only: bool, private: bool,
