@@ -394,6 +394,9 @@ def _check_name(name: str) -> None:
 
 
 # ------------------------------------------------------------------ the job's log directory
+_WHOLE_DIR = "/"  # in OutputDir._failed: the directory itself was refused (never a file name)
+
+
 class OutputDir:
     """The job's log directory (`--dynatrain-log-dir`), written on one rank: JSON lines and
     JSON records. A write never raises: a failure (an unsafe directory or file, a full disk,
@@ -403,6 +406,20 @@ class OutputDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._failed: set[str] = set()
+
+    def check(self) -> Optional[str]:
+        """Make the directory if missing and check it now, at start-up, rather than at the
+        first switch: None when it is usable, else the reason, logged once (the writes then
+        fail quietly; training goes on)."""
+        try:
+            with checked_directory(self.path, create=True):
+                return None
+        except Exception as e:  # noqa: BLE001 - a log of ours is never worth the job
+            reason = f"{type(e).__name__}: {e}"
+        self._failed.add(_WHOLE_DIR)
+        log.error("dynatrain: the log directory %s cannot be used (%s); switch records will "
+                  "not be written there, training goes on", self.path, reason)
+        return reason
 
     def append_json_line(self, name: str, entry: dict) -> bool:
         """One JSON line appended to `name` (`append_line`)."""
@@ -419,7 +436,7 @@ class OutputDir:
             return True
         except Exception as e:  # noqa: BLE001 - a write of ours must never end training
             reason = f"{type(e).__name__}: {e}"
-            if name in self._failed:
+            if name in self._failed or _WHOLE_DIR in self._failed:
                 log.debug("dynatrain: %s in %s not written again: %s", name, self.path, reason)
             else:
                 self._failed.add(name)
