@@ -52,8 +52,8 @@ What this can do, and what it cannot (the honest part):
   shards are lost) from Megatron-LM's last `--save`.
 * Megatron-LM's first process groups (and their gloo twins) belong to the first layout:
   the switch that releases it destroys them on every rank, in one order, once megatron's
-  globals point at the new layout's groups (`megatron_first_groups`). Not freed: TE's
-  tp-comm-overlap user buffers (`--tp-comm-overlap` is off after a switch anyway).
+  globals point at the new layout's groups (`megatron_first_groups`); TE's tp-comm-overlap
+  user buffers (`--tp-comm-overlap`, off after a switch) go with it (`session.release`).
 
 Importing this module needs megatron-core and this package only; Megatron-LM
 (`megatron.training`) is imported inside the functions that run within its loop.
