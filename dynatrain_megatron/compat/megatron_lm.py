@@ -30,6 +30,9 @@ as much as we do). Without a CUDA device it also makes Megatron-LM's CUDA assump
    skipped (the CPU launch uses the `--no-*-fusion` flags, which don't call them); the
    stand-in takes exactly the arguments the release's own takes (0.19 added `tp_size=`).
 7. Memory reports read `torch.cuda` counters that `compat.cpu` does not stub: zeros.
+8. `dist_checkpointing`'s writer starts its results queue's manager by spawn (a fresh
+   interpreter importing the script and megatron, per rank, at the first save): forked
+   instead (`_fork_checkpoint_results_queue`); the files written are the same.
 
 On a GPU only the extra check and megatron-core's fixes apply: Megatron-LM runs as is.
 
@@ -144,11 +147,41 @@ def _patch_megatron_training() -> None:
         module = importlib.import_module(name)
         if hasattr(module, "get_device_arch_version"):
             module.get_device_arch_version = lambda: 0  # item 4b: no device, no architecture
+    _fork_checkpoint_results_queue()
     c = torch.cuda
     zero = lambda *a, **k: 0  # noqa: E731
     c.max_memory_reserved = zero
     c.device_memory_used = zero
     c.memory_stats = lambda *a, **k: {}
+
+
+def _fork_checkpoint_results_queue() -> None:
+    """`dist_checkpointing`'s file writer collects its results through a queue served by a
+    `multiprocessing.Manager` that it starts with the *spawn* method, for CUDA's sake: a
+    fresh interpreter that imports the job's script, torch and megatron again, on every
+    rank at its first save (about 10 s of CPU each, most of a small job's save). Without a
+    CUDA device there is nothing a fork could break, so on the CPU the manager is forked.
+    Same queue, same results, same files; keyed by the function's name in each release
+    (0.16: `_get_write_results_queue()`, 0.19: `get_write_results_queue(mp_mode)`)."""
+    import multiprocessing
+
+    try:
+        fs = importlib.import_module(
+            "megatron.core.dist_checkpointing.strategies.filesystem_async")
+    except ImportError:  # no such writer in this release: nothing to do
+        return
+    for name in ("_get_write_results_queue", "get_write_results_queue"):
+        original = getattr(fs, name, None)
+        if original is None or not hasattr(fs, "_results_queue"):
+            continue
+
+        def results_queue(*a: Any, **k: Any) -> Any:
+            if fs._results_queue is None:
+                fs._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+            return fs._results_queue
+
+        results_queue.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(fs, name, results_queue)
 
 
 def prepare_megatron_lm() -> bool:
