@@ -69,10 +69,10 @@ def runs(request, tmp_path_factory):
     recipe, a, b, lay_a, lay_b = RECIPES[request.param]
     common = (CPU_FLAGS + TINY_MODEL + MOCK_DATA + recipe
               + ["--eval-interval", "1000", "--train-iters", str(N)])
-    # Megatron-LM prints the loss from the world's last rank, which holds it only on the last
-    # pipeline stage: B keeps Megatron-LM's rank order, so every loss after the switch prints
+    # B takes the placement the planner chooses: Megatron-LM's loss line must still print
+    # after the switch (from the device of B's last stage, `compat.megatron_lm.set_last_rank`)
     out = switch_and_restart(tmp_path_factory.mktemp(f"recipe-{request.param}"), common, a, b,
-                             lay_b, K, switched_flags=["--dynatrain-default-placement"])
+                             lay_b, K)
     return dict(out, A=lay_a, B=lay_b, recipe=request.param)
 
 

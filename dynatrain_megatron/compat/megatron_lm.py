@@ -184,6 +184,41 @@ def _fork_checkpoint_results_queue() -> None:
         setattr(fs, name, results_queue)
 
 
+_printer: dict[str, Optional[int]] = {"rank": None}  # see `set_last_rank`
+
+
+def set_last_rank(rank: Optional[int]) -> None:
+    """The process whose `print_rank_last` lines Megatron-LM prints: `rank` (a global
+    rank), or Megatron-LM's own rule (the world's last rank) with None.
+
+    Megatron-LM prints its iteration line (the loss among it) on the world's last rank,
+    which it takes to hold the last pipeline stage, the one that has the loss. That holds at
+    its default rank order, not at every placement a switch may choose: after a switch the
+    printing rank is the device that holds the layout's last virtual rank (on the last
+    stage, as at the default order), so the line keeps its loss."""
+    if rank is not None and (type(rank) is not int or rank < 0):
+        raise ValueError(f"the printing rank must be a non-negative int, got {rank!r}")
+    _printer["rank"] = rank
+
+
+def _patch_last_rank() -> None:
+    """`megatron.training.utils.is_last_rank`, which `print_rank_last` calls, follows
+    `set_last_rank` (every machine: a placement is not a CPU matter)."""
+    utils = importlib.import_module("megatron.training.utils")
+    original = getattr(utils, "is_last_rank", None)
+    if original is None or getattr(original, "__wrapped__", None) is not None:
+        return
+
+    def is_last_rank() -> bool:
+        rank = _printer["rank"]
+        if rank is None:
+            return original()
+        return torch.distributed.get_rank() == rank
+
+    is_last_rank.__wrapped__ = original  # type: ignore[attr-defined]
+    utils.is_last_rank = is_last_rank
+
+
 def prepare_megatron_lm() -> bool:
     """Make Megatron-LM importable and runnable here (see the module docstring); idempotent.
     Returns True when the CPU runtime is active."""
@@ -198,6 +233,7 @@ def prepare_megatron_lm() -> bool:
     for name in cpu_runtime.triton_stand_ins():
         log.info("triton is not installed: %s is a stand-in", name)
     cpu = prepare_runtime()
+    _patch_last_rank()
     if cpu:
         _patch_megatron_training()
         log.info("Megatron-LM CPU runtime applied (no CUDA device)")

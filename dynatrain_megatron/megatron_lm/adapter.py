@@ -78,6 +78,7 @@ from .arguments import (arg_value, args_for_layout, layout_from_megatron_args, p
 from .step_guard import StepGuard
 from .transformer_config import JobIntents
 from ..compat import stand_in_world
+from ..compat.megatron_lm import set_last_rank
 
 log = logging.getLogger("dynatrain")
 
@@ -414,6 +415,7 @@ class MegatronLMSession:
         o = t.objs
         self.args.consumed_train_samples = t.consumed_samples
         self.set_args_for(o.layout)
+        set_last_rank(o.groups.placement.devices[-1])  # the last stage prints the loss
         _prepare_config(self.args, o.model, o.optimizer, o.config, old_config)
         t1 = time.perf_counter()
         with stand_in_world.stand_in(_stand_in_world(o, dist.get_world_size())):
