@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ..elastic.safe_files import OutputDir
+from ..safe_files import OutputDir
 from ..mcore.session import collect_released
 from .gc_clock import gc_seconds
 from .stall import StallMeter, stall_parts
