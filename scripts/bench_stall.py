@@ -116,9 +116,10 @@ def main() -> int:
           f"{slow['unaccounted_s']:.3f} s")
     print("  parts: " + ", ".join(f"{n_} {v:.3f}" for n_, v in slow["parts"].items()))
     if slow.get("first_step_s") is not None:
+        gc_first, gc_steady = (slow.get(k) or 0.0 for k in ("first_step_gc_s", "steady_step_gc_s"))
         print(f"  first step at B {slow['first_step_s']:.3f} s vs steady "
               f"{slow['steady_step_s']:.3f} s; garbage collection in them "
-              f"{slow.get('first_step_gc_s') or 0.0:.3f} s / {slow.get('steady_step_gc_s') or 0.0:.3f} s")
+              f"{gc_first:.3f} s / {gc_steady:.3f} s")
     if rec.get("prepared"):
         print("  prepared in the background while A trained: " + ", ".join(
             f"{n_} {v:.3f}" for n_, v in rec["prepared"].items()))
