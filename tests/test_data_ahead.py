@@ -29,7 +29,7 @@ def _ahead(decision, built):
     ahead = DataAhead(args, spec=None, sequence_parallel=False, decision=lambda: decision,
                       rebuild=None)
 
-    def fake_build(layout, groups, num_chunks, consumed):
+    def fake_build(layout, groups, num_chunks, consumed, note):
         built.append(consumed)
         return ("train", "valid", "test"), {"do_train": 1}
 

@@ -97,15 +97,18 @@ class DataAhead:
         self._note = StepNote(iteration, int(arg_value(self.args, "consumed_train_samples", 0)),
                               int(arg_value(self.args, "consumed_valid_samples", 0) or 0))
 
-    def target(self, layout: Layout, groups: Any) -> Optional[tuple[int, str]]:
+    def target(self, layout: Layout, groups: Any,
+               note: Optional[StepNote] = None) -> tuple[int, str]:
         """(consumed train samples at the switch, "") when B's iterators can be built ahead
-        for it, else (-1, why not)."""
-        d, note = self.decision(), self._note
+        for it, else (-1, why not). `note`: the step boundary counted from (the last)."""
+        d, note = self.decision(), note or self._note
         at = getattr(d, "at", None)
         if threading.current_thread() is threading.main_thread():
             return -1, "B is built in the pause"
-        if at is None or note is None:
+        if at is None:
             return -1, "a requested switch's iteration is not known in advance"
+        if note is None:
+            return -1, "this rank has taken no step yet"
         if at < note.iteration:
             return -1, f"the switch iteration {at} is behind the loop ({note.iteration})"
         if arg_value(self.args, "phase_transition_iterations", None):
@@ -122,10 +125,11 @@ class DataAhead:
 
     def build(self, layout: Layout, groups: Any, num_chunks: int) -> None:
         """In the preparation's thread, after B's objects: Megatron-LM's iterators for B at
-        the switch's consumed samples, kept for `take`. Never raises: a failure leaves the
-        build to the switch, as without this."""
+        the switch's consumed samples, kept for `take`. A failure of Megatron-LM's build
+        leaves it to the switch, as without this (logged, not raised)."""
         self.drop()
-        consumed, why = self.target(layout, groups)
+        note = self._note
+        consumed, why = self.target(layout, groups, note)
         group = _group_of(groups)
         if group is None:
             return
@@ -139,19 +143,18 @@ class DataAhead:
         self._for = groups  # every rank of B: `take` votes on these groups
         t0 = time.perf_counter()
         try:
-            built = self._build(layout, groups, num_chunks, consumed)
+            built = self._build(layout, groups, num_chunks, consumed, note)
         except Exception as e:  # noqa: BLE001 - the switch builds them itself then
             log.warning("building B's data iterators in the background failed (%s: %s); "
                         "they are built at the switch", type(e).__name__, e)
             return
         self.last_seconds = time.perf_counter() - t0
         with self._lock:
-            self._built = BuiltAhead(groups, consumed, self._note.consumed_valid
-                                     if self._note else 0, built[0], built[1],
-                                     self.last_seconds)
+            self._built = BuiltAhead(groups, consumed, note.consumed_valid, built[0],
+                                     built[1], self.last_seconds)
 
-    def _build(self, layout: Layout, groups: Any, num_chunks: int,
-               consumed: int) -> tuple[tuple, dict]:
+    def _build(self, layout: Layout, groups: Any, num_chunks: int, consumed: int,
+               note: StepNote) -> tuple[tuple, dict]:
         from ..compat import parallel_state_view as psv
         from ..compat import stand_in_world
         from ..elastic.groups import install
@@ -162,8 +165,7 @@ class DataAhead:
             setattr(args, k, v)
         args.world_size = layout.world_size
         args.consumed_train_samples = consumed
-        if self._note is not None:
-            args.consumed_valid_samples = self._note.consumed_valid
+        args.consumed_valid_samples = note.consumed_valid
         view = psv.ParallelStateView(lambda target: install(groups, target=target))
         with psv.in_view(view), psv.thread_args(args), stand_in_world.stand_in(
                 _group_of(groups)):
