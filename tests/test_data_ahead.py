@@ -19,7 +19,8 @@ def world(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     group = dist.new_group([0])
-    yield SimpleNamespace(layout_group=group, layout_group_cpu=group)
+    yield SimpleNamespace(layout_group=group, layout_group_cpu=group,
+                          transfer=dist.new_group([0]))
     dist.destroy_process_group()
 
 
@@ -58,6 +59,13 @@ def test_built_ahead_at_the_scheduled_switch_count_and_taken_only_when_it_fits(w
     # an evaluation ran in between (validation samples moved): built again at the switch
     _in_thread(ahead.build, lay, world, 1)
     assert ahead.take(world, 56, 16) is None
+    # B's own group not in global order (a placement): the world-spanning transfer group
+    # stands in for the build's world collectives
+    from dynatrain_megatron.megatron_lm.data_ahead import _stand_in_of
+
+    other = SimpleNamespace(layout_group=None, layout_group_cpu=None, transfer=world.transfer)
+    assert _stand_in_of(other, lay) is world.transfer
+    assert _stand_in_of(SimpleNamespace(), lay) is None
     # for other groups (a recovery re-formed the world): neither taken nor voted on
     _in_thread(ahead.build, lay, world, 1)
     assert ahead.take(SimpleNamespace(layout_group=None, layout_group_cpu=None), 56, 8) is None

@@ -14,15 +14,15 @@ So `DataAhead.build` runs in the preparation's background thread, right after B'
 are built (`builder.MegatronLMBuilder.build_detached`), inside:
 * a view of megatron-core's `parallel_state` set to B's groups and Megatron-LM's `args` set
   to B at that count (`compat.parallel_state_view`), which the data builders read;
-* B's own group as the thread's default group (`compat.stand_in_world`): the dataset
-  builder's barrier and the loader's flag broadcast run over B's ranks on a group nothing
-  else uses then, not interleaved with A's collectives on the world.
+* a group of B's as the thread's default group (`compat.stand_in_world`, `_stand_in_of`):
+  the dataset builder's barrier and the loader's flag broadcast run over B's ranks on a
+  group nothing else uses then, not interleaved with A's collectives on the world.
 The iterators are handed to the loop at the switch (`take`) only if they were built for
 exactly what the switch needs (B's groups, the consumed train and validation samples);
 otherwise they are dropped (their workers end) and the loop builds them as before, inside
 the stall. Not built ahead: a requested switch (it lands at the first step where B is
-ready everywhere, so its count is not known in advance), B built in the pause, B's ranks
-not being the job's first ranks in order (a stand-in world must be), and jobs with
+ready everywhere, so its count is not known in advance), B built in the pause, B on
+ranks other than the job's first ones (a stand-in world must be those), and jobs with
 `--phase-transition-iterations` (the count per phase follows other rules).
 """
 from __future__ import annotations
@@ -113,13 +113,10 @@ class DataAhead:
             return -1, f"the switch iteration {at} is behind the loop ({note.iteration})"
         if arg_value(self.args, "phase_transition_iterations", None):
             return -1, "--phase-transition-iterations"
-        group = _group_of(groups)
-        if group is None:
+        if _group_of(groups) is None:
             return -1, "this rank is not in B"
-        import torch.distributed as dist
-
-        if dist.get_process_group_ranks(group) != list(range(layout.world_size)):
-            return -1, "B's ranks are not the job's first ranks in order"
+        if _stand_in_of(groups, layout) is None:
+            return -1, "B's ranks are not the job's first ranks"
         gbs = int(arg_value(self.args, "global_batch_size"))
         return note.consumed_train + (at - note.iteration) * gbs, ""
 
@@ -168,7 +165,7 @@ class DataAhead:
         args.consumed_valid_samples = note.consumed_valid
         view = psv.ParallelStateView(lambda target: install(groups, target=target))
         with psv.in_view(view), psv.thread_args(args), stand_in_world.stand_in(
-                _group_of(groups)):
+                _stand_in_of(groups, layout)):
             iterators = tuple(self.rebuild(args, num_chunks))
         return iterators, {k: getattr(args, k) for k in _SET_BY_BUILD if hasattr(args, k)}
 
@@ -255,6 +252,26 @@ def retire_in_background(*iterators: Any) -> Optional[threading.Thread]:
                          daemon=True)
     t.start()
     return t
+
+
+def _stand_in_of(groups: Any, layout: Layout) -> Any:
+    """The group of B's that stands in for the world during the build: its ranks must be
+    the job's first ranks in global order (`compat.stand_in_world`). B's own group (its CPU
+    twin first) where it is in that order; else, where B spans the whole world, B's transfer
+    group (every rank in order, used by nothing until the switch's transfer) if it is a
+    gloo group (an NCCL communicator is never made or used beside A's training); else None."""
+    import torch.distributed as dist
+
+    want = list(range(layout.world_size))
+    candidates = [getattr(groups, "layout_group_cpu", None), getattr(groups, "layout_group", None)]
+    transfer = getattr(groups, "transfer", None)
+    if (layout.world_size == dist.get_world_size() and transfer is not None
+            and dist.get_backend(transfer) == "gloo"):
+        candidates.append(transfer)
+    for g in candidates:
+        if g is not None and dist.get_process_group_ranks(g) == want:
+            return g
+    return None
 
 
 def _group_of(groups: Any) -> Any:
