@@ -1,7 +1,7 @@
 """The control plane of a switch emulated at 256 and 1024 ranks (bench.control_plane; the
 benchmark, scripts/bench_reshard.py, goes to 4096): the project's own group construction,
-preparation, votes and switch, against a recording stand-in for torch.distributed. What a rank does must not grow with the world where a
-constant would do."""
+preparation, votes and switch, against a recording stand-in for torch.distributed. What a
+rank does must not grow with the world where a constant would do."""
 from __future__ import annotations
 
 import pytest
