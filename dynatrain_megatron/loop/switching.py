@@ -55,7 +55,7 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
     options = SwitchOptions(placement=placement, ranks_per_node=ranks_per_node,
                             memory_budget=memory_budget, move_weights=move_weights,
                             timeout=timeout)
-    rng = _RngSnapshot.take()
+    rng = RngSnapshot.take()
     timings["scalars"] = time.perf_counter() - t0
     broken = None
     try:
@@ -119,7 +119,7 @@ def is_dead_peer(error: BaseException) -> bool:
                             "Timed out"))
 
 
-class _RngSnapshot:
+class RngSnapshot:
     """Every RNG a build touches (builders.seed_rngs): Python, numpy, torch, and megatron's
     model-parallel tracker. A rolled-back switch restores them, so training goes on as if
     the attempt had not happened."""
@@ -128,7 +128,7 @@ class _RngSnapshot:
         self.states = states
 
     @classmethod
-    def take(cls) -> "_RngSnapshot":
+    def take(cls) -> "RngSnapshot":
         import random
 
         import numpy as np
