@@ -8,6 +8,7 @@ import torch.distributed as dist
 from rank_cases import gather_layout_state, spec_variant, switch_train_config
 
 A, G, G2, B, C = "tp2pp2dp1", "tp4pp1dp1", "tp2pp1dp2", "tp1pp4dp1", "tp2pp1dp2"
+PROMPTS, NUM_TOKENS = ("The quick brown fox", "Hello"), 4
 
 
 def _scalars(objs) -> tuple:
@@ -61,7 +62,12 @@ def api_cases(root: str) -> dict:
     from dynatrain_megatron.mcore.builders import MegatronBuilder
     from dynatrain_megatron.mcore.session import release, start_job
     from dynatrain_megatron.testing import gather as G_
+    from dynatrain_megatron.generation import byte_tokenizer, generate_greedy
+    from dynatrain_megatron.mcore import dist_ckpt
     from dynatrain_megatron.vps.errors import LayoutError
+    import os
+
+    ckpt = os.path.join(root, "weights-at-a")
 
     s = spec_variant("tiny-gpt")
     train = switch_train_config()
@@ -93,11 +99,16 @@ def api_cases(root: str) -> dict:
     out["errors"] = errors
     out["untouched_by_errors"] = storage_fingerprint(tr.objs.model, tr.objs.optimizer) == fp
 
-    # -- weights only, optimizer kept on the devices
+    # -- weights only, optimizer kept on the devices; the weights saved for the reference
+    dist_ckpt.save(tr.objs, tr.iteration, tr.consumed_samples, ckpt)
     before = gather_layout_state(s, tr)
     scalars, rng = _scalars(tr.objs), _rng()
     plan_w = job.plan(G, weights_only=True)
     gen = job.weights_to(G, optimizer="keep")
+    rng_at_g = _rng()
+    out["gen_keep"] = generate_greedy(gen.model, gen.pg_collection, byte_tokenizer(), PROMPTS,
+                                      NUM_TOKENS).tokens
+    out["gen_rng_kept"] = _same_rng(rng_at_g, _rng())
     out["plan_w"] = (plan_w.kinds, plan_w.bytes_moved, plan_w.lower_bound_bytes,
                      plan_w.estimated_seconds > 0)
     out["keep"] = _at_weights(s, gen, before)
@@ -115,14 +126,19 @@ def api_cases(root: str) -> dict:
     out["keep"]["scalars"] = _scalars(tr.objs) == scalars
     out["keep"]["rng"] = _same_rng(rng, _rng())
 
-    # -- weights only, optimizer parked in host memory
+    # -- weights only, optimizer parked in host memory: the example's loop, one round
     storages = optimizer_storages(tr.objs.optimizer, tr.objs.model)
     held = sum(st.nbytes() for st in storages)
-    gen = job.weights_to(G2, optimizer="host")
-    out["host"] = _at_weights(s, gen, before)
-    out["host"]["emptied"] = _all(all(st.nbytes() == 0 for st in storages) and held > 0)
-    out["host"]["parked_all"] = _all(gen.parked_bytes == held)
-    job.weights_back()
+
+    def at_generation(gen):
+        out["host"] = _at_weights(s, gen, before)
+        out["host"]["emptied"] = _all(all(st.nbytes() == 0 for st in storages) and held > 0)
+        out["host"]["parked_all"] = _all(gen.parked_bytes == held)
+
+    gens = _example().rlhf_loop(tr, job, rounds=1, train_steps=0, gen_layout=G2,
+                                prompts=PROMPTS, num_tokens=NUM_TOKENS, optimizer="host",
+                                at_generation=at_generation)
+    out["gen_host"] = gens[0].tokens
     after = gather_layout_state(s, tr)
     out["host"]["state_diff"] = None if before is None else G_.states_equal(before, after)
     out["host"]["scalars"] = _scalars(tr.objs) == scalars
@@ -174,4 +190,24 @@ def api_cases(root: str) -> dict:
                         storage_fingerprint(tr.objs.model, tr.objs.optimizer) == fp)
     tr.step()
     release(tr.objs)
+
+    # the reference generation: megatron-core's engine on a job restarted at G from the
+    # checkpoint of the weights generated from
+    ref = start_job(s, G, train)
+    dist_ckpt.load(ref.objs, ckpt)
+    out["gen_ckpt"] = generate_greedy(ref.objs.model, ref.objs.groups.pg_collection,
+                                      byte_tokenizer(), PROMPTS, NUM_TOKENS).tokens
+    release(ref.objs)
     return out
+
+
+def _example():
+    """examples/rlhf_loop.py, as the example's users run it."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "rlhf_loop.py"
+    spec = importlib.util.spec_from_file_location("rlhf_loop_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -64,3 +64,13 @@ def test_prepare_then_switch_and_cancel(api):
     assert r["layout"] == C and r["steps"] >= 1 and r["background"] is True
     assert r["diff"] == [] and r["scalars"] is True
     assert api["cancelled"] == (C, True)
+
+
+def test_generation_at_g_equals_megatron_core_from_a_checkpoint(api):
+    """Greedy tokens from the weights switched to G equal megatron-core's own generation at
+    G restarted from a checkpoint of the same weights; and at G2 (other TP, more replicas)
+    through the example's loop, with the optimizer parked in host memory."""
+    assert api["gen_keep"] == api["gen_ckpt"], (api["gen_keep"], api["gen_ckpt"])
+    assert api["gen_host"] == api["gen_keep"]
+    assert all(len(t) == 4 for t in api["gen_keep"])
+    assert api["gen_rng_kept"] is True
