@@ -19,9 +19,9 @@ order, at a step boundary (after the optimizer step). `plan` and `current` are p
 switch is a transaction (`transition.switch`): if any rank fails, every rank raises
 `SwitchAborted` and the job is at its old layout with its state untouched.
 
-The signal file, the schedule and the automatic layouts (`loop.hook`) run the same switch
-(`transition.switch.switch_layout`) through `loop.switching`; this module is its entry
-point for callers that hold the objects themselves.
+The signal file, the schedule and the automatic layouts (`loop.hook`) run the same switch,
+rollback included: `loop.switching.switch_objects`, which this module calls for callers
+that hold the objects themselves.
 """
 from __future__ import annotations
 
@@ -36,16 +36,16 @@ from .adapters.offload import ParkedState, park_optimizer_state
 from .api_types import (OPTIMIZER_PLACES, ApiError, LayoutInfo, SwitchAborted, SwitchPlan,
                         Switched, WeightsSwitched)
 from .elastic.device_manager import DeviceManager
-from .elastic.groups import ParallelGroups, build_groups, install
+from .elastic.groups import ParallelGroups, install
 from .loop.switching import (RngSnapshot, discard_prepared, free_layout, prepared_switch_args,
-                             start_preparation)
+                             start_preparation, switch_objects)
 from .mcore.builders import MegatronBuilder, TrainingObjects, validator_options
 from .mcore.session import release
 from .routing.cost import estimate, state_bytes
 from .routing.planner import build_plan
 from .routing.schedule import build_schedule
 from .transition.executor import PACK_ALIGN
-from .transition.switch import choose_dst_placement, read_scalars, switch_layout
+from .transition.switch import choose_dst_placement, read_scalars
 from .transition.switch_types import SwitchOptions
 from .vps.layout import Layout
 from .vps.validate import validate_layout
@@ -272,23 +272,11 @@ class ElasticJob:
             raise ApiError(f"the preparation is for {preparation.dst} of another job or "
                            f"layout, not {dst}")
         old = self._objs
-        scalars = read_scalars(old, iteration, consumed_samples)
-        rng = RngSnapshot.take()
         kw = preparation.take() if preparation is not None else {}
-        try:
-            res = switch_layout(self.builder.spec, self.builder, old, old.layout,
-                                old.groups.placement, dst, build_groups, scalars, self.options,
-                                dst_devices=tuple(range(dst.world_size)), **kw)
-        except Exception:
-            if kw.get("prepared") is not None:
-                discard_prepared(kw["prepared"], broken=True)
-            install(old.groups)
-            rng.restore()
-            raise
+        res = switch_objects(old, self.builder, old.layout, old.groups.placement, dst,
+                             read_scalars(old, iteration, consumed_samples), self.options,
+                             dst_devices=tuple(range(dst.world_size)), **kw)
         if res.aborted:
-            free_layout(res.objs, res.groups)
-            install(old.groups)
-            rng.restore()
             raise SwitchAborted(res.aborted)
         release(old)
         self._objs = res.objs
@@ -321,15 +309,16 @@ class ElasticJob:
         # A's weights are read; its optimizer is not even bound
         weights_of_a = dataclasses.replace(a, optimizer=None, scheduler=None)
         try:
-            res = switch_layout(self.builder.spec, _WeightsBuilder(self.builder), weights_of_a,
-                                a.layout, a.groups.placement, dst, build_groups, None, options,
-                                dst_devices=tuple(range(dst.world_size)))
+            res = switch_objects(weights_of_a, _WeightsBuilder(self.builder), a.layout,
+                                 a.groups.placement, dst, None, options,
+                                 dst_devices=tuple(range(dst.world_size)))
         except Exception:
-            self._back_to_training(None, rng, parked)
+            if parked is not None:
+                parked.restore()
             raise
         if res.aborted:
-            free_layout(res.objs, res.groups)
-            self._back_to_training(None, rng, parked)
+            if parked is not None:
+                parked.restore()
             raise SwitchAborted(res.aborted)
         self._weights = _AtWeights(res.objs, rng, parked)
         r = res.report

@@ -8,6 +8,8 @@ import torch.distributed as dist
 from rank_cases import gather_layout_state, spec_variant, switch_train_config
 
 A, G, G2, B, C = "tp2pp2dp1", "tp4pp1dp1", "tp2pp1dp2", "tp1pp4dp1", "tp2pp1dp2"
+F = "tp1pp1dp4"  # a switch to F fails on rank 1 before its commit (FAULTS)
+FAULTS = '{"fail_rank": 1, "fail_phase": "commit", "dst_layout": "%s"}' % F
 PROMPTS, NUM_TOKENS = ("The quick brown fox", "Hello"), 4
 
 
@@ -55,7 +57,7 @@ def _at_weights(s, gen, full_before) -> dict:
 
 
 def api_cases(root: str) -> dict:
-    from dynatrain_megatron import ElasticJob, SwitchAborted  # noqa: F401 - the lazy export
+    from dynatrain_megatron import ElasticJob, SwitchAborted  # the package's lazy exports
     from dynatrain_megatron.adapters.offload import optimizer_storages
     from dynatrain_megatron.api_types import ApiError
     from dynatrain_megatron.adapters.live import storage_fingerprint
@@ -143,6 +145,20 @@ def api_cases(root: str) -> dict:
     out["host"]["state_diff"] = None if before is None else G_.states_equal(before, after)
     out["host"]["scalars"] = _scalars(tr.objs) == scalars
     out["host"]["rng"] = _same_rng(rng, _rng())
+
+    # -- a switch that fails on one rank (FAULTS): every rank rolls back, state untouched
+    aborted = {}
+    for name, call in (("switch", lambda: job.switch(F, iteration=3, consumed_samples=24)),
+                       ("weights", lambda: job.weights_to(F, optimizer="host"))):
+        try:
+            call()
+            aborted[name] = None
+        except SwitchAborted as e:
+            aborted[name] = str(e)
+    state = gather_layout_state(s, tr)
+    out["aborted"] = dict(reasons=aborted, at=(job.current().layout, job.current().weights_at),
+                          diff=None if before is None else G_.states_equal(before, state),
+                          scalars=_scalars(tr.objs) == scalars, rng=_same_rng(rng, _rng()))
 
     # training goes on as if the job had never left A
     losses += [tr.step().loss for _ in range(2)]

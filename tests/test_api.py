@@ -3,14 +3,15 @@ each checked bit for bit against the state it must leave; one spawned group of 4
 import pytest
 
 from dynatrain_megatron.testing.multiproc import run_on_ranks
-from api_cases import A, B, C, G, G2, api_cases
+from api_cases import A, B, C, FAULTS, G, G2, api_cases
 
 pytestmark = pytest.mark.multirank
 
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    return run_on_ranks(api_cases, 4, str(tmp_path_factory.mktemp("api")))[0]
+    return run_on_ranks(api_cases, 4, str(tmp_path_factory.mktemp("api")),
+                        env={"DYNATRAIN_FAULTS": FAULTS})[0]
 
 
 def test_current(api):
@@ -74,3 +75,14 @@ def test_generation_at_g_equals_megatron_core_from_a_checkpoint(api):
     assert api["gen_host"] == api["gen_keep"]
     assert all(len(t) == 4 for t in api["gen_keep"])
     assert api["gen_rng_kept"] is True
+
+
+def test_a_failed_switch_rolls_back_everywhere(api):
+    """One rank fails before the commit: every rank raises SwitchAborted naming it, and the
+    job is at A with its state, scalars and RNG as before (the parked optimizer state of
+    the weights-only attempt restored)."""
+    r = api["aborted"]
+    for name in ("switch", "weights"):
+        assert r["reasons"][name] is not None and "rank 1: commit" in r["reasons"][name], r
+    assert r["at"] == (A, None)
+    assert r["diff"] == [] and r["scalars"] is True and r["rng"] is True
