@@ -284,7 +284,8 @@ class ElasticJob:
         return Switched(str(dst), tuple(res.placement.devices), res.objs.model,
                         res.objs.optimizer, res.objs.scheduler, res.objs.config,
                         res.scalars.iteration, res.scalars.consumed_samples, r.bytes_moved,
-                        r.lower_bound_bytes, r.pause_seconds, bool(r.background))
+                        r.lower_bound_bytes, r.pause_seconds, bool(r.background),
+                        tuple(r.phases.items()))
 
     def weights_to(self, target: Target, *, optimizer: str = "keep") -> WeightsSwitched:
         """Switch the weights alone to `target` (e.g. a generation layout: TP-heavy, no PP)
@@ -324,7 +325,8 @@ class ElasticJob:
         r = res.report
         return WeightsSwitched(str(dst), tuple(res.placement.devices), res.objs.model,
                                res.objs.config, res.objs.groups.pg_collection, optimizer,
-                               parked.nbytes if parked else 0, r.bytes_moved, r.pause_seconds)
+                               parked.nbytes if parked else 0, r.bytes_moved, r.pause_seconds,
+                               tuple(r.phases.items()))
 
     def weights_back(self) -> LayoutInfo:
         """End a weights-only switch (collective): free the target's model chunks and

@@ -99,6 +99,7 @@ class Switched:
     lower_bound_bytes: int
     pause_seconds: float
     prepared_in_background: bool
+    phases: tuple[tuple[str, float], ...] = ()  # this rank's seconds per phase of the pause
 
     def __post_init__(self) -> None:
         errs = []
@@ -127,6 +128,7 @@ class WeightsSwitched:
     parked_bytes: int
     bytes_moved: int
     pause_seconds: float
+    phases: tuple[tuple[str, float], ...] = ()  # this rank's seconds per phase of the pause
 
     def __post_init__(self) -> None:
         errs = []
