@@ -58,9 +58,12 @@ Target = Union[str, Layout]
 @dataclasses.dataclass(frozen=True)
 class _WeightsBuilder:
     """The switch's builder for a weights-only target: model chunks only (no DDP, no
-    optimizer, so no optimizer state is created at the target)."""
+    optimizer, so no optimizer state is created at the target). `kept`: the target's
+    chunks kept from the last round (`weights_back(keep=True)`), reused as they are (the
+    switch overwrites every weight and every replica of it)."""
 
     base: MegatronBuilder
+    kept: Optional[TrainingObjects] = None
 
     @property
     def spec(self):
@@ -70,6 +73,8 @@ class _WeightsBuilder:
         return self.base.bucket_size(layout)
 
     def build_detached(self, layout: Layout, groups: ParallelGroups) -> TrainingObjects:
+        if self.kept is not None and self.kept.layout == layout and self.kept.groups is groups:
+            return self.kept
         return self.base.build_weights_detached(layout, groups)
 
     def activate(self, objs: TrainingObjects) -> None:
@@ -167,6 +172,7 @@ class ElasticJob:
         self._objs = TrainingObjects(layout=groups.layout, groups=groups, config=config,
                                      model=list(model), optimizer=optimizer, scheduler=scheduler)
         self._weights: Optional[_AtWeights] = None
+        self._kept: Optional[TrainingObjects] = None  # a weights-only target kept for reuse
 
     @classmethod
     def from_objects(cls, objs: TrainingObjects, builder: MegatronBuilder,
@@ -244,6 +250,7 @@ class ElasticJob:
         """
         self._at_training("prepare")
         dst = self._target(target)
+        self.release_kept_weights()
         o = self.options
         manager = start_preparation(DeviceManager(), self.builder, self._objs.layout,
                                     self._objs.groups.placement, dst, placement=o.placement,
@@ -271,6 +278,7 @@ class ElasticJob:
         if preparation is not None and (preparation.job is not self or preparation.dst != dst):
             raise ApiError(f"the preparation is for {preparation.dst} of another job or "
                            f"layout, not {dst}")
+        self.release_kept_weights()
         old = self._objs
         kw = preparation.take() if preparation is not None else {}
         res = switch_objects(old, self.builder, old.layout, old.groups.placement, dst,
@@ -303,6 +311,10 @@ class ElasticJob:
         if optimizer not in OPTIMIZER_PLACES:
             raise ApiError(f"optimizer must be one of {OPTIMIZER_PLACES}, got {optimizer!r}")
         dst = self._target(target)
+        kept, self._kept = self._kept, None
+        if kept is not None and kept.layout != dst:
+            release(kept)
+            kept = None
         a = self._objs
         rng = RngSnapshot.take()
         parked = park_optimizer_state(a.optimizer, a.model) if optimizer == "host" else None
@@ -310,9 +322,10 @@ class ElasticJob:
         # A's weights are read; its optimizer is not even bound
         weights_of_a = dataclasses.replace(a, optimizer=None, scheduler=None)
         try:
-            res = switch_objects(weights_of_a, _WeightsBuilder(self.builder), a.layout,
+            res = switch_objects(weights_of_a, _WeightsBuilder(self.builder, kept), a.layout,
                                  a.groups.placement, dst, None, options,
-                                 dst_devices=tuple(range(dst.world_size)))
+                                 dst_devices=tuple(range(dst.world_size)),
+                                 new_groups=kept.groups if kept is not None else None)
         except Exception:
             if parked is not None:
                 parked.restore()
@@ -328,22 +341,43 @@ class ElasticJob:
                                parked.nbytes if parked else 0, r.bytes_moved, r.pause_seconds,
                                tuple(r.phases.items()))
 
-    def weights_back(self) -> LayoutInfo:
-        """End a weights-only switch (collective): free the target's model chunks and
-        groups, restore the parked optimizer state, make the training layout current again
-        with the RNG states it had. The training state is bit for bit what it was.
+    def weights_back(self, *, keep: bool = False) -> LayoutInfo:
+        """End a weights-only switch (collective): make the training layout current again
+        with the RNG states it had and the parked optimizer state restored; the training
+        state is bit for bit what it was. The target's model chunks and groups are freed,
+        or with `keep` kept (their memory too) for the next `weights_to` the same target,
+        which then only moves the weights: an RL loop that generates at the same layout
+        every round builds it once. `release_kept_weights()` frees them.
 
         Example::
 
-            gen = job.weights_to("tp4pp1dp1")
-            ...                          # generate with gen.model
-            job.weights_back()           # train on with job.objects
+            for _ in range(rounds):
+                train_steps()
+                gen = job.weights_to("tp4pp1dp1")
+                generate(gen.model)
+                job.weights_back(keep=True)     # G's chunks stay for the next round
+            job.release_kept_weights()
         """
         if self._weights is None:
             raise ApiError("weights_back: no weights-only switch in progress")
         at, self._weights = self._weights, None
-        self._back_to_training(at.objs, at.rng, at.parked)
+        self._back_to_training(None if keep else at.objs, at.rng, at.parked)
+        if keep:
+            self._kept = at.objs
         return self.current()
+
+    def release_kept_weights(self) -> None:
+        """Free the weights-only target kept by `weights_back(keep=True)` (collective: its
+        groups are destroyed); nothing to do without one.
+
+        Example::
+
+            job.weights_back(keep=True)
+            job.release_kept_weights()
+        """
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            release(kept)
 
     # ------------------------------------------------------------------ internals
     def _back_to_training(self, gen: Optional[TrainingObjects], rng: RngSnapshot,

@@ -33,21 +33,25 @@ def rlhf_loop(trainer, job, *, rounds: int, train_steps: int, gen_layout: str,
 
     tokenizer = byte_tokenizer()
     out = []
-    for r in range(rounds):
-        for _ in range(train_steps):
-            step = trainer.step()
-            log.info("round %d: iteration %d, loss %.4f", r, step.iteration, step.loss)
-        gen = job.weights_to(gen_layout, optimizer=optimizer)
-        if at_generation is not None:
-            at_generation(gen)
-        try:
-            out.append(generate_greedy(gen.model, gen.pg_collection, tokenizer, prompts,
-                                       num_tokens))
-        finally:
-            job.weights_back()
-        log.info("round %d: weights %s -> %s and back (%d bytes moved, %.3f s, optimizer "
-                 "%s); generated %s", r, job.current().layout, gen.layout, gen.bytes_moved,
-                 gen.pause_seconds, optimizer, [g for g in out[-1].tokens])
+    try:
+        for r in range(rounds):
+            for _ in range(train_steps):
+                step = trainer.step()
+                log.info("round %d: iteration %d, loss %.4f", r, step.iteration, step.loss)
+            # G's chunks and groups are built in the first round and kept for the next
+            gen = job.weights_to(gen_layout, optimizer=optimizer)
+            if at_generation is not None:
+                at_generation(gen)
+            try:
+                out.append(generate_greedy(gen.model, gen.pg_collection, tokenizer, prompts,
+                                           num_tokens))
+            finally:
+                job.weights_back(keep=True)
+            log.info("round %d: weights %s -> %s and back (%d bytes moved, %.3f s, "
+                     "optimizer %s); generated %s", r, job.current().layout, gen.layout,
+                     gen.bytes_moved, gen.pause_seconds, optimizer, list(out[-1].tokens))
+    finally:
+        job.release_kept_weights()
     return out
 
 
@@ -68,23 +72,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--num-tokens", type=int, default=8)
     p.add_argument("--optimizer", choices=("keep", "host"), default="host")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     spec = ModelSpec.from_yaml(a.model_config)
     train = TrainConfig(global_batch_size=8, micro_batch_size=2, lr=1e-2, min_lr=1e-3,
                         lr_warmup_iters=1, train_iters=a.rounds * a.train_steps + 1)
     trainer = start_job(spec, a.train, train)
+    import torch.distributed as dist
+
+    logging.basicConfig(level=logging.INFO if dist.get_rank() == 0 else logging.WARNING,
+                        format="%(asctime)s %(message)s")
     job = ElasticJob.from_objects(trainer.objs, MegatronBuilder(spec, train))
     gens = rlhf_loop(trainer, job, rounds=a.rounds, train_steps=a.train_steps,
                      gen_layout=a.generate, prompts=PROMPTS, num_tokens=a.num_tokens,
                      optimizer=a.optimizer)
-    import torch.distributed as dist
-
     if dist.get_rank() == 0:
         for r, g in enumerate(gens):
             for prompt, text in zip(g.prompts, g.tokens):
                 print(f"round {r}: {prompt!r} -> {list(text)}")
     trainer.step()  # training goes on at A
     release(trainer.objs)
+    dist.barrier()
+    dist.destroy_process_group()  # every communicator's threads end before the interpreter
     return 0
 
 

@@ -132,15 +132,26 @@ def api_cases(root: str) -> dict:
     storages = optimizer_storages(tr.objs.optimizer, tr.objs.model)
     held = sum(st.nbytes() for st in storages)
 
-    def at_generation(gen):
-        out["host"] = _at_weights(s, gen, before)
-        out["host"]["emptied"] = _all(all(st.nbytes() == 0 for st in storages) and held > 0)
-        out["host"]["parked_all"] = _all(gen.parked_bytes == held)
+    rounds: list[dict] = []
 
-    gens = _example().rlhf_loop(tr, job, rounds=1, train_steps=0, gen_layout=G2,
+    def at_generation(gen):
+        r = _at_weights(s, gen, before)
+        r["emptied"] = _all(all(st.nbytes() == 0 for st in storages) and held > 0)
+        r["parked_all"] = _all(gen.parked_bytes == held)
+        r["chunk"] = id(gen.model[0])
+        r["build_s"] = dict(gen.phases).get("build")
+        rounds.append(r)
+
+    # two rounds (no training between): the second reuses the first's chunks at G2
+    gens = _example().rlhf_loop(tr, job, rounds=2, train_steps=0, gen_layout=G2,
                                 prompts=PROMPTS, num_tokens=NUM_TOKENS, optimizer="host",
                                 at_generation=at_generation)
-    out["gen_host"] = gens[0].tokens
+    out["host"] = rounds[0]
+    out["host_reused"] = dict(same_chunks=rounds[1]["chunk"] == rounds[0]["chunk"],
+                              mismatches=rounds[1]["mismatches"],
+                              emptied=rounds[1]["emptied"], build_s=rounds[1]["build_s"],
+                              bytes_moved=(rounds[0]["bytes_moved"], rounds[1]["bytes_moved"]))
+    out["gen_host"] = [g.tokens for g in gens]
     after = gather_layout_state(s, tr)
     out["host"]["state_diff"] = None if before is None else G_.states_equal(before, after)
     out["host"]["scalars"] = _scalars(tr.objs) == scalars

@@ -72,7 +72,7 @@ def test_generation_at_g_equals_megatron_core_from_a_checkpoint(api):
     G restarted from a checkpoint of the same weights; and at G2 (other TP, more replicas)
     through the example's loop, with the optimizer parked in host memory."""
     assert api["gen_keep"] == api["gen_ckpt"], (api["gen_keep"], api["gen_ckpt"])
-    assert api["gen_host"] == api["gen_keep"]
+    assert api["gen_host"] == [api["gen_keep"]] * 2
     assert all(len(t) == 4 for t in api["gen_keep"])
     assert api["gen_rng_kept"] is True
 
@@ -86,3 +86,11 @@ def test_a_failed_switch_rolls_back_everywhere(api):
         assert r["reasons"][name] is not None and "rank 1: commit" in r["reasons"][name], r
     assert r["at"] == (A, None)
     assert r["diff"] == [] and r["scalars"] is True and r["rng"] is True
+
+
+def test_weights_back_keep_reuses_the_target(api):
+    """The example's loop keeps G2 between rounds: the second round writes into the same
+    chunks (not rebuilt), every replica again bit for bit, the same bytes moved."""
+    r = api["host_reused"]
+    assert r["same_chunks"] is True and r["mismatches"] is True and r["emptied"] is True
+    assert r["bytes_moved"][0] == r["bytes_moved"][1] > 0
