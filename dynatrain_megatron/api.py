@@ -133,7 +133,7 @@ class Preparation:
         else:
             free_layout(None, groups)
 
-    def take(self) -> dict:
+    def _take(self) -> dict:
         """`switch_layout`'s keyword arguments (waits, collectively, until ready)."""
         while not self.ready():
             time.sleep(0.005)
@@ -280,7 +280,7 @@ class ElasticJob:
                            f"layout, not {dst}")
         self.release_kept_weights()
         old = self._objs
-        kw = preparation.take() if preparation is not None else {}
+        kw = preparation._take() if preparation is not None else {}
         res = switch_objects(old, self.builder, old.layout, old.groups.placement, dst,
                              read_scalars(old, iteration, consumed_samples), self.options,
                              dst_devices=tuple(range(dst.world_size)), **kw)
