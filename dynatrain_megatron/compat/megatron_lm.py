@@ -30,7 +30,9 @@ as much as we do). Without a CUDA device it also makes Megatron-LM's CUDA assump
    skipped (the CPU launch uses the `--no-*-fusion` flags, which don't call them); the
    stand-in takes exactly the arguments the release's own takes (0.19 added `tp_size=`).
 7. Memory reports read `torch.cuda` counters that `compat.cpu` does not stub: zeros.
-8. `dist_checkpointing`'s writer starts its results queue's manager by spawn (a fresh
+8. `torch.compile` of a function compiles at its first call without importing TorchInductor
+   when megatron decorates its fusions at import (`compat.cpu.defer_torch_compile`).
+9. `dist_checkpointing`'s writer starts its results queue's manager by spawn (a fresh
    interpreter importing the script and megatron, per rank, at the first save): forked
    instead (`_fork_checkpoint_results_queue`); the files written are the same.
 
@@ -229,6 +231,7 @@ def prepare_megatron_lm() -> bool:
 
     if cpu_runtime.typing_override():
         log.info("typing.override added (Python < 3.12)")
+    cpu_runtime.defer_torch_compile()  # before megatron decorates its fusions (compat.cpu)
     check_checkout()
     for name in cpu_runtime.triton_stand_ins():
         log.info("triton is not installed: %s is a stand-in", name)
