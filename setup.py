@@ -22,6 +22,7 @@ setup(
         "pyyaml",
         "numpy",
         "einops",  # megatron-core's HyperCommGrid / resharding need it, undeclared
+        "tqdm",  # megatron-core's static inference engine (generation) imports it, undeclared
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout"],

@@ -65,7 +65,10 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def optimizers_of(optimizer) -> list:
-    """The DistributedOptimizers inside a (Chained)Optimizer."""
+    """The DistributedOptimizers inside a (Chained)Optimizer (none for None: model chunks
+    built without an optimizer, e.g. a generation layout that holds weights only)."""
+    if optimizer is None:
+        return []
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 

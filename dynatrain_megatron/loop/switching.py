@@ -55,32 +55,11 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
     options = SwitchOptions(placement=placement, ranks_per_node=ranks_per_node,
                             memory_budget=memory_budget, move_weights=move_weights,
                             timeout=timeout)
-    rng = _RngSnapshot.take()
     timings["scalars"] = time.perf_counter() - t0
-    broken = None
-    try:
-        res = switch_layout(builder.spec, builder, old, src, src_placement, dst, build_groups,
-                            scalars, options, dst_devices=dst_devices, new_groups=new_groups,
-                            faults=faults, prepared=prepared)
-    except Exception as e:  # noqa: BLE001 - the switch's own collectives (votes) failed
-        broken = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-    if broken is not None:
-        # outside the handler, so that no traceback keeps B's objects (and their sockets)
-        # alive; A was only read, so the trainer still holds it intact
-        if prepared is not None:
-            discard_prepared(prepared, broken=True)
-        if old is not None:
-            install(old.groups)
-        rng.restore()
-        log.error("switch %s -> %s broke the world (%s): recover from the survivors", src,
-                  dst, broken)
-        raise WorldBroken(f"switch {src} -> {dst}: {broken}")
+    res = switch_objects(old, builder, src, src_placement, dst, scalars, options,
+                         dst_devices=dst_devices, new_groups=new_groups, faults=faults,
+                         prepared=prepared)
     if res.aborted:
-        # roll back: drop everything of B; A was only read, so it is exactly as it was
-        free_layout(res.objs, res.groups)
-        if old is not None:
-            install(old.groups)  # B is only activated at the commit: a safety net
-        rng.restore()
         return trainer, res
     t0 = time.perf_counter()
     if old is not None:
@@ -101,6 +80,48 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
     return trainer, res
 
 
+def switch_objects(old: Optional[TrainingObjects], builder: Any, src: Layout,
+                   src_placement: Placement, dst: Layout, scalars: Any, options: SwitchOptions,
+                   *, dst_devices: Optional[Sequence[int]] = None,
+                   new_groups: Optional[ParallelGroups] = None,
+                   faults: Optional[FaultPlan] = None,
+                   prepared: Optional[Prepared] = None) -> SwitchResult:
+    """`transition.switch.switch_layout` with its rollback on this process: the one switch
+    of the training-step hook (signal file, schedule, automatic layouts: `switch_trainer`)
+    and of the public API (`api.ElasticJob`). `old`: A's objects on this rank (None where
+    it holds none); A's objects are not released here (the caller does, once committed).
+
+    If the switch aborted (`result.aborted`), B is freed and megatron's globals and every
+    RNG are A's again, as before the attempt. If its own collectives failed, the same, and
+    `WorldBroken` is raised (a peer is gone: the caller recovers)."""
+    rng = RngSnapshot.take()
+    broken = None
+    try:
+        res = switch_layout(builder.spec, builder, old, src, src_placement, dst, build_groups,
+                            scalars, options, dst_devices=dst_devices, new_groups=new_groups,
+                            faults=faults, prepared=prepared)
+    except Exception as e:  # noqa: BLE001 - the switch's own collectives (votes) failed
+        broken = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    if broken is not None:
+        # outside the handler, so that no traceback keeps B's objects (and their sockets)
+        # alive; A was only read, so it is intact
+        if prepared is not None:
+            discard_prepared(prepared, broken=True)
+        if old is not None:
+            install(old.groups)
+        rng.restore()
+        log.error("switch %s -> %s broke the world (%s): recover from the survivors", src,
+                  dst, broken)
+        raise WorldBroken(f"switch {src} -> {dst}: {broken}")
+    if res.aborted:
+        # roll back: drop everything of B; A was only read, so it is exactly as it was
+        free_layout(res.objs, res.groups)
+        if old is not None:
+            install(old.groups)  # B is only activated at the commit: a safety net
+        rng.restore()
+    return res
+
+
 class WorldBroken(DynatrainError):
     """A collective of the switch itself failed: a rank died (or its link did). The
     trainer is still at A, untouched, but A's communicators may be broken: the caller
@@ -119,7 +140,7 @@ def is_dead_peer(error: BaseException) -> bool:
                             "Timed out"))
 
 
-class _RngSnapshot:
+class RngSnapshot:
     """Every RNG a build touches (builders.seed_rngs): Python, numpy, torch, and megatron's
     model-parallel tracker. A rolled-back switch restores them, so training goes on as if
     the attempt had not happened."""
@@ -128,7 +149,7 @@ class _RngSnapshot:
         self.states = states
 
     @classmethod
-    def take(cls) -> "_RngSnapshot":
+    def take(cls) -> "RngSnapshot":
         import random
 
         import numpy as np

@@ -356,6 +356,21 @@ class MegatronBuilder:
             return build_training_objects(self.spec, layout, groups, self.train,
                                           init_weights=False, config_factory=self.config_factory)
 
+    def build_weights_detached(self, layout: Layout, groups: ParallelGroups) -> TrainingObjects:
+        """A layout's model chunks alone, for weights only (a generation layout): no DDP
+        wrapper, no optimizer, no scheduler, no weight initialisation; like
+        `build_detached`, touches neither megatron's globals nor the RNGs."""
+        from ..compat.private_rng import private_rng
+
+        with private_rng():
+            validate_layout(self.spec, layout, **validator_options(self.train, layout))
+            config = (make_transformer_config(self.spec, layout, init_weights=False)
+                      if self.config_factory is None else self.config_factory(layout, False))
+            chunks = build_model_chunks(self.spec, layout, groups, config, init_weights=False)
+            restore_tensor_parallel_attributes(chunks, self.spec)
+        return TrainingObjects(layout=layout, groups=groups, config=config, model=chunks,
+                               optimizer=None, scheduler=None)
+
     def activate(self, objs: TrainingObjects) -> None:
         """Make `objs` the current layout: megatron's globals point at its groups and the
         RNGs are seeded for this rank's coordinates (Megatron-LM's `_set_random_seed`,

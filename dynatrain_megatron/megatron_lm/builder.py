@@ -128,6 +128,13 @@ class MegatronLMBuilder(MegatronBuilder):
             self.data_ahead.build(layout, groups, len(objs.model))
         return objs
 
+    def build_weights_detached(self, layout: Layout, groups: ParallelGroups) -> TrainingObjects:
+        """Weights-only targets (`ElasticJob.weights_to`) are not built by Megatron-LM's own
+        builders yet: refused, rather than built by megatron-core's without the job's
+        options."""
+        raise DynatrainError(f"a weights-only switch to {layout} inside Megatron-LM is not "
+                             f"supported yet (docs/api.md)")
+
     def _build(self, layout: Layout, groups: ParallelGroups, init_weights: bool) -> TrainingObjects:
         from megatron.core.distributed import finalize_model_grads
         from megatron.training.arguments import core_transformer_config_from_args

@@ -280,14 +280,16 @@ def rebuild_weights_from_masters(objs) -> None:
 
 def choose_dst_placement(spec: ModelSpec, builder: Builder, src: Layout, src_placement: Placement,
                          dst: Layout, devices: Sequence[int], policy: str = "best",
-                         ranks_per_node: int = 8, move_weights: bool = False) -> Placement:
+                         ranks_per_node: int = 8, move_weights: bool = False,
+                         kinds: Optional[tuple[str, ...]] = None) -> Placement:
     """B's placement for a switch: megatron's default order (`policy="default"`), or the
     planner's best placement, whatever its order of global ranks (B's groups number their
     members by virtual rank: `elastic.groups`). Pure and deterministic: every rank gets
-    the same answer alone."""
+    the same answer alone. `kinds` (default: from `move_weights`): what the switch moves."""
     if policy == "default":
         return Placement(tuple(devices))
-    kinds = KINDS if move_weights else OPT_KINDS
+    if kinds is None:
+        kinds = KINDS if move_weights else OPT_KINDS
     choice = placement_choice(spec, src, src_placement, dst, devices, ranks_per_node,
                               (builder.bucket_size(src), builder.bucket_size(dst)), kinds)
     if not ordered_groups() and choice.chosen != choice.default:
@@ -337,7 +339,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     phases: dict[str, float] = {}
     background: dict[str, float] = {}
     me = dist.get_rank()
-    kinds, move_weights, verify = options.kinds, options.move_weights, options.verify
+    kinds, verify = options.kinds, options.verify
+    move_weights = "param" in kinds
     faults = faults or FaultPlan.from_env() or _NO_FAULTS
     if prepared is None:
         t0 = t()
@@ -354,7 +357,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         else:
             dst_placement = choose_dst_placement(spec, builder, src, src_placement, dst, devices,
                                                  options.placement, options.ranks_per_node,
-                                                 move_weights)
+                                                 kinds=kinds)
         phases["placement"] = t() - t0
         t1 = t()
         groups = new_groups if new_groups is not None else make_groups(dst, dst_placement)
@@ -460,7 +463,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         builder.activate(new_objs)
         if not move_weights:
             rebuild_weights_from_masters(new_objs)
-        write_scalars(new_objs, scalars)
+        if not options.weights_only:
+            write_scalars(new_objs, scalars)
     phases["rebuild"] = t() - t6
 
     stats = plan.stats

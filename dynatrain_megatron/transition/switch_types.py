@@ -67,6 +67,8 @@ class SwitchOptions:
     round). `verify`: check A's and B's live fragments against the analytic layouts and
     this rank's part of the plan. `timeout`: seconds per round (None: no limit).
     `checksums`: every message checksummed by its sender and its receiver.
+    `weights_only`: move the model weights and nothing else (B holds weights only: a
+    generation layout, built without an optimizer; no scalars are carried).
     """
 
     placement: str = "best"
@@ -76,6 +78,7 @@ class SwitchOptions:
     verify: bool = True
     timeout: Optional[float] = None
     checksums: bool = True
+    weights_only: bool = False
 
     def __post_init__(self) -> None:
         errs = []
@@ -94,6 +97,8 @@ class SwitchOptions:
     @property
     def kinds(self) -> tuple[str, ...]:
         """The state kinds the transfer moves."""
+        if self.weights_only:
+            return ("param",)
         return KINDS if self.move_weights else OPT_KINDS
 
 
