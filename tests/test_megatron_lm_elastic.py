@@ -172,7 +172,7 @@ def test_evaluation_and_saves_run_on_the_layout_ranks(run):
 def test_final_checkpoint_is_whole_at_the_layout_that_saved_it(run):
     ckpt = run["w"] / "ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(N)
-    common = load_common(ckpt / f"iter_{N:07d}" / "common.pt")
+    common = load_common(ckpt / f"iter_{N:07d}")
     args = common["args"]
     assert common["iteration"] == N and args.consumed_train_samples == 8 * N
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 2)
