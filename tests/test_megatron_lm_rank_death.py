@@ -27,8 +27,6 @@ from dynatrain_megatron.megatron_lm import rank_death
 from megatron_lm_runs import CPU_FLAGS, TINY_GPT, layout_flags, load_common, run_launched
 from megatron_lm_tree import copy_tree, require_snapshot
 
-# on the default release only: on core_v0.19.0 the survivors of this death do not yet recover
-# (docs/releases.md: status)
 
 
 N = 6
