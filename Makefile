@@ -34,7 +34,7 @@ run-mcore: $(STAMP)
 # on), then the tests marked every_release on the others (docs/releases.md: the test matrix)
 OTHER_MEGATRON_LM ?= core_v0.19.0
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --timeout=1500
+	$(BIN)/python -m pytest -q --timeout=1500 --durations=20
 	for r in $(OTHER_MEGATRON_LM); do \
 	  DYNATRAIN_MEGATRON_LM=$$r $(BIN)/python -m pytest -q --timeout=1500 -m every_release || exit 1; \
 	done

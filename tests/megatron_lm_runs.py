@@ -328,7 +328,7 @@ def run_launched(tree: Path, nproc: int, flags: list[str], log: Path, *, env: di
 def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], layout_b: str,
                        k: int, *, before: Sequence[tuple[int, str]] = (),
                        env: Optional[dict] = None, plain: bool = False,
-                       switched_flags: Sequence[str] = ()) -> dict:
+                       switched_flags: Sequence[str] = (), own_save: bool = False) -> dict:
     """The three torchrun jobs (4 gloo ranks) that compare an in-memory switch with
     Megatron-LM's own restart, on copies of the snapshot under `w`:
 
@@ -341,8 +341,11 @@ def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], l
     of B's, `env` and `switched_flags` for the switched run only (a fault plan that makes
     them fail; more `--dynatrain*` flags). With `plain`,
     the unpatched run goes on to the end (saving at `k` on the way) and a fourth job, the
-    patched tree WITHOUT `--dynatrain`, trains A to the end: "plain". Returns the logs by
-    name and `w`."""
+    patched tree WITHOUT `--dynatrain`, trains A to the end: "plain". With `own_save`, two
+    jobs only: the switched run itself `--save`s A's state at `k` (Megatron-LM saves before
+    the step boundary where the switch lands) and the restart loads that; there is no
+    "saved" log (the unpatched tree is the reference where a case needs its losses before
+    `k`). Returns the logs by name and `w`."""
     from megatron_lm_tree import copy_tree
 
     patched = copy_tree(w / "patched", patched=True)
@@ -351,19 +354,22 @@ def switch_and_restart(w: Path, common: list[str], a: list[str], b: list[str], l
     sched.write_text("".join(f"- {{iteration: {i}, layout: {lay}}}\n"
                              for i, lay in [*before, (k, layout_b)]))
     switched = run_megatron_lm(
-        patched, 4, common + a + ["--save", str(w / "switched"), "--save-interval", "1000",
+        patched, 4, common + a + ["--save", str(w / "switched"),
+                                  "--save-interval", str(k) if own_save else "1000",
                                   "--dynatrain", "--dynatrain-schedule", str(sched),
                                   *switched_flags],
         w / "switched.log", env=env)
-    saved = run_megatron_lm(
-        unpatched, 4, common + a + ["--save", str(w / "saved"), "--save-interval", str(k)]
-        + ([] if plain else ["--exit-interval", str(k)]),
-        w / "saved.log", patched=False)
-    resumed = run_megatron_lm(
-        patched, 4, common + b + ["--load", str(w / "saved"), "--ckpt-step", str(k),
+    out = dict(w=w, switched=switched)
+    if not own_save:
+        out["saved"] = run_megatron_lm(
+            unpatched, 4, common + a + ["--save", str(w / "saved"), "--save-interval", str(k)]
+            + ([] if plain else ["--exit-interval", str(k)]),
+            w / "saved.log", patched=False)
+    out["resumed"] = run_megatron_lm(
+        patched, 4, common + b + ["--load", str(w / ("switched" if own_save else "saved")),
+                                  "--ckpt-step", str(k),
                                   "--save", str(w / "resumed"), "--save-interval", "1000"],
         w / "resumed.log")
-    out = dict(w=w, switched=switched, saved=saved, resumed=resumed)
     if plain:
         out["plain"] = run_megatron_lm(patched, 4, common + a, w / "plain.log")
     return out
@@ -382,9 +388,11 @@ def assert_losses_as_restart(runs: dict, k: int, n: int) -> None:
     iteration 1, prints K+2's own loss (its only mean is at iteration 2, as the unpatched
     tree's). The prints keep 7 digits, so the restart's mean is checked against every float32
     sum those digits allow (`printable_means`; a single iteration's set is its print)."""
-    sw, saved, resumed = (losses(runs[x]) for x in ("switched", "saved", "resumed"))
+    sw, resumed = losses(runs["switched"]), losses(runs["resumed"])
     assert sorted(sw) == list(range(1, n + 1)) and sorted(resumed) == list(range(k + 1, n + 1))
-    assert [sw[i] for i in range(1, k + 1)] == [saved[i] for i in range(1, k + 1)]
+    if "saved" in runs:  # else the restart resumed the switched run's own save at k
+        saved = losses(runs["saved"])
+        assert [sw[i] for i in range(1, k + 1)] == [saved[i] for i in range(1, k + 1)]
     ours, theirs = log_windows(list(sw)), log_windows(list(resumed))
     assert theirs[k + 2] == [k + 1, k + 2]
     for i in range(k + 1, n + 1):

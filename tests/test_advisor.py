@@ -136,8 +136,13 @@ def test_calibration_file_errors_name_the_field(tmp_path):
     with pytest.raises(AdvisorError, match="bogus_field"):
         load_calibration(f)
     f.write_text("achieved_tflops: [1, 2\n")
-    with pytest.raises(AdvisorError, match="does not parse"):
+    with pytest.raises(AdvisorError, match="is not readable YAML"):
         load_calibration(f)
+    # read as every file of ours is: a planted link is refused, not followed
+    link = tmp_path / "link.yaml"
+    link.symlink_to(f)
+    with pytest.raises(AdvisorError, match="calibration file .*link.yaml is a symbolic link"):
+        load_calibration(link)
     f.write_text("inter_node_gbps: -3\n")
     with pytest.raises(AdvisorError, match="inter_node_gbps"):
         load_calibration(f)

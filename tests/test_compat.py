@@ -182,3 +182,41 @@ def test_stand_in_world_is_the_first_ranks_on_this_thread_only(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
     assert lines == [f"{r} 2 {r} 3.0 [0, 1] [4] 4 4.0 -1" for r in (0, 1)]
+
+
+def test_torch_compile_of_a_function_is_deferred_to_its_first_call():
+    """On the CPU, megatron-core's import-time `torch.compile` decorations no longer import
+    TorchInductor; a decorated function still compiles (with its options) at its first
+    call and returns what the compiled function returns; modules go to torch.compile."""
+    out = _run("""
+        import sys, torch
+        from dynatrain_megatron.compat import cpu
+        calls = []
+        def fake(model, **options):
+            calls.append((getattr(model, "__name__", type(model).__name__), options))
+            return lambda *a, **k: ("compiled", model(*a, **k))
+        torch.compile = fake
+        assert cpu.defer_torch_compile() is True and cpu.defer_torch_compile() is True
+        @torch.compile
+        def f(x):
+            return x + 1
+        @torch.compile(fullgraph=True)
+        def g(x):
+            return x * 2
+        assert calls == [] and f.__name__ == "f"
+        assert f(1) == ("compiled", 2) and f(2) == ("compiled", 3) and g(3) == ("compiled", 6)
+        assert calls == [("f", {}), ("g", {"fullgraph": True})], calls
+        m = torch.nn.Linear(2, 2)
+        assert torch.compile(m)(torch.ones(2))[0] == "compiled" and calls[-1][0] == "Linear"
+        print("ok")
+    """)
+    assert out.splitlines()[-1] == "ok"
+    out = _run("""
+        import sys
+        from dynatrain_megatron.compat import cpu
+        cpu.defer_torch_compile()
+        import megatron.core
+        from megatron.core.models.gpt import GPTModel
+        print("torch._inductor.compile_fx" in sys.modules)
+    """)
+    assert out.splitlines()[-1] == "False"

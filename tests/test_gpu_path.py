@@ -1060,3 +1060,42 @@ def test_transfer_group_destroyed_by_every_rank_together_on_scale_in():
     assert all("transfer" not in r["later"] and "non-member" not in r["later"] for r in res)
     assert res[2]["later"] == res[3]["later"] == []  # nothing of B's on the leaving ranks
     assert res[0]["later"] == res[1]["later"] and res[0]["later"]  # members, one order
+
+
+def test_releasing_a_layout_with_tp_comm_overlap_frees_tes_user_buffers(monkeypatch):
+    """`--tp-comm-overlap`: TE's user buffers were set up once for the first layout; the
+    layout built by a switch runs without them, so releasing the layout that had them
+    frees them (TE's own `destroy_ub`), and a layout without the overlap leaves TE alone."""
+    import sys
+    import types
+
+    from dynatrain_megatron.mcore import session as S
+
+    base = types.ModuleType("transformer_engine.pytorch.module.base")
+    base._ub_communicators = {("qkv_fprop", 0): object()}
+    base.destroy_ub = lambda: setattr(base, "_ub_communicators", None)
+    names = ("transformer_engine", "transformer_engine.pytorch",
+             "transformer_engine.pytorch.module")
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+    sys.modules["transformer_engine.pytorch.module"].base = base
+    monkeypatch.setattr(S, "collect_released", lambda: None)
+
+    class Groups:
+        def destroy(self, broken):
+            pass
+
+        def take_handles(self):
+            return []
+
+    def objs(overlap):
+        cfg = types.SimpleNamespace(tp_comm_overlap=overlap)
+        return types.SimpleNamespace(config=cfg, groups=Groups(), model=[torch.nn.Linear(2, 2)],
+                                     optimizer=object(), scheduler=object())
+
+    S.release(objs(False))
+    assert base._ub_communicators is not None  # B (no overlap) released: TE untouched
+    S.release(objs(True))
+    assert base._ub_communicators is None
+    assert S.free_te_user_buffers() is False  # nothing left to free

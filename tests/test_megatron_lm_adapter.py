@@ -280,6 +280,21 @@ def test_refused_options_end_the_parse_with_one_line_each(capsys, monkeypatch):
                                                "--optimizer sgd: ")
     ns, _ = parser.parse_known_args(["--dynatrain", "--use-distributed-optimizer", "--x"])
     assert ns.dynatrain
+    # a bad value on a --dynatrain command line: one line, not the host's whole usage
+    for i in range(200):
+        parser.add_argument(f"--host-option-{i}", type=int, default=0)
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--dynatrain", "--use-distributed-optimizer", "--dynatrain-timeout", "soon"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert "--dynatrain-timeout" in err[0] and "error:" in err[0], err
+    with pytest.raises(SystemExit):  # not ours: argparse's own error, usage and all
+        parser.parse_args(["--host-option-1", "x"])
+    assert "usage:" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "3")  # other ranks stay quiet
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dynatrain", "--use-distributed-optimizer", "--dynatrain-timeout", "soon"])
+    assert capsys.readouterr().err == ""
 
 
 def test_performance_only_differences_are_warnings():

@@ -1,10 +1,10 @@
 """Real recipes switch: jobs shaped as the models of our benchmarks, launched with their
 recipes' own flags, switched in memory inside real Megatron-LM (the snapshot's
-pretrain_gpt.py, patched) against Megatron-LM's own restart (`--save` at A by the unpatched
-tree, `--load` at B). Layout B is built by Megatron-LM itself (`megatron_lm/builder.py`),
+pretrain_gpt.py, patched) against Megatron-LM's own restart (the job's own `--save` at A,
+made just before the switch, then `--load` at B by a new job). Layout B is built by Megatron-LM itself (`megatron_lm/builder.py`),
 in the background while A trains.
 
-One group of three torchrun jobs on 4 gloo ranks per recipe, each checking several things:
+One group of two torchrun jobs on 4 gloo ranks per recipe, each checking several things:
 
 * llama: Llama-3.1-shaped: `--rotary-base 500000 --use-rope-scaling`, GQA, SwiGLU, RMSNorm,
   untied embeddings, no biases, bf16; the optimizer side `--lr-decay-style WSD` (decay
@@ -69,10 +69,11 @@ def runs(request, tmp_path_factory):
     recipe, a, b, lay_a, lay_b = RECIPES[request.param]
     common = (CPU_FLAGS + TINY_MODEL + MOCK_DATA + recipe
               + ["--eval-interval", "1000", "--train-iters", str(N)])
-    # Megatron-LM prints the loss from the world's last rank, which holds it only on the last
-    # pipeline stage: B keeps Megatron-LM's rank order, so every loss after the switch prints
+    # B takes the placement the planner chooses: Megatron-LM's loss line must still print
+    # after the switch (from the device of B's last stage, `compat.megatron_lm.set_last_rank`)
+    # the restart resumes the switched run's own --save at K (A's state): two jobs, not three
     out = switch_and_restart(tmp_path_factory.mktemp(f"recipe-{request.param}"), common, a, b,
-                             lay_b, K, switched_flags=["--dynatrain-default-placement"])
+                             lay_b, K, own_save=True)
     return dict(out, A=lay_a, B=lay_b, recipe=request.param)
 
 

@@ -75,7 +75,7 @@ def test_slowest_rank_and_phase_mapping():
 
 
 def test_records_have_wall_clock_time_and_refuse_a_planted_link(tmp_path):
-    from dynatrain_megatron.elastic.safe_files import OutputDir
+    from dynatrain_megatron.safe_files import OutputDir
 
     d = tmp_path / "logs"
     log = SwitchLog(OutputDir(d))

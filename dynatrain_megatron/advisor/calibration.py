@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 
+from ..safe_files import read_yaml
 from .errors import AdvisorError
 
 GiB = 2 ** 30
@@ -149,13 +149,7 @@ def load_calibration(path: str | Path, base: Calibration = Calibration()
     """Read a YAML/JSON calibration file: any `Calibration` field, plus `measured`: a list
     of `{layout, step_seconds}`. Unknown keys and bad values are errors naming the field."""
     p = Path(path)
-    if not p.is_file():
-        raise AdvisorError(f"calibration file {str(p)!r} not found")
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise AdvisorError(f"calibration file {str(p)!r} does not parse: {first}") from None
+    data = read_yaml(p, "calibration file", AdvisorError)
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -24,9 +24,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 
 from ..configs import load_model
+from ..safe_files import read_yaml
 from ..routing.fabric import Fabric, simulate_transfer
 from ..routing.cost import (CheckpointModel, bandwidth_lower_bound, checkpoint_estimate,
                             describe, estimate)
@@ -136,14 +136,7 @@ _SCENARIO_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def _load_scenario(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise RoutingError(f"scenario file {path!r} not found")
-    try:
-        d = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RoutingError(f"scenario {path!r} is not readable YAML: {first}") from None
+    d = read_yaml(path, "scenario file", RoutingError)
     if not isinstance(d, dict):
         raise RoutingError(f"scenario {path!r} is not a mapping")
     bad = sorted(str(k) for k in set(d) - set(_SCENARIO_TYPES))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..configs import load_model
 from ..elastic import job_presence
-from ..elastic.safe_files import ReadRules, UnsafeFileError, read_bytes
+from ..safe_files import ReadRules, UnsafeFileError, read_bytes
 from ..elastic.signal_file import OUTCOMES, outcome_path, write_request
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout

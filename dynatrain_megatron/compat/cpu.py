@@ -22,6 +22,8 @@ smallest set of patches that lets its GPT/MoE models, DDP and DistributedOptimiz
 7. An isend in flight keeps the memory it sends from (`_patch_overlapped_p2p_sends`): the
    interleaved schedule with overlapped P2P (Megatron-LM's default with VPP) pseudo-frees a
    sent activation (`out.data = torch.empty(1)`) before waiting on its isend.
+8. `torch.compile` of a function defers to its first call (`defer_torch_compile`): megatron's
+   import-time fusion decorators no longer import TorchInductor.
 
 `apply_if_needed()` applies all of it only when `torch.cuda.is_available()` is False and is
 idempotent; on a GPU it does nothing, so behaviour there is megatron's own.
@@ -29,6 +31,8 @@ idempotent; on a GPU it does nothing, so behaviour there is megatron's own.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import threading
 from typing import Any
@@ -276,12 +280,49 @@ def in_this_thread():
         yield
 
 
+def defer_torch_compile() -> bool:
+    """Without a CUDA device, `torch.compile(fn)` of a plain function defers everything to
+    the function's first call. megatron-core decorates a few dozen fusion functions with
+    `torch.compile` as its modules are imported (`megatron.core.jit.jit_fuser`); each
+    decoration looks up the compiler backend, which imports TorchInductor: about 60% of
+    `import megatron.core`, in every process, for functions the CPU launch (`--no-*-fusion`)
+    never calls. A function that is called is compiled then, with the same arguments, as
+    `torch.compile` would at its first call anyway. Modules and other objects go to
+    `torch.compile` unchanged. Call before megatron is imported; idempotent. True when
+    deferred (no CUDA device)."""
+    if torch.cuda.is_available():
+        return False
+    real = torch.compile
+    if getattr(real, "_dynatrain_deferred", False):
+        return True
+
+    def compile_at_first_call(model: Any = None, **options: Any) -> Any:
+        if model is None:  # used as @torch.compile(...)
+            return lambda fn: compile_at_first_call(fn, **options)
+        if not inspect.isfunction(model):
+            return real(model, **options)
+        compiled: list = []
+
+        @functools.wraps(model)
+        def run(*a: Any, **k: Any) -> Any:
+            if not compiled:
+                compiled.append(real(model, **options))
+            return compiled[0](*a, **k)
+
+        return run
+
+    compile_at_first_call._dynatrain_deferred = True  # type: ignore[attr-defined]
+    torch.compile = compile_at_first_call
+    return True
+
+
 def apply_if_needed() -> bool:
     """Apply the CPU runtime when no CUDA device is present. Returns True if active."""
     if _state["applied"]:
         return True
     if torch.cuda.is_available():
         return False
+    defer_torch_compile()
     _patch_torch_cuda()
     _patch_rng_tracker()
     _patch_moe()

@@ -30,6 +30,11 @@ as much as we do). Without a CUDA device it also makes Megatron-LM's CUDA assump
    skipped (the CPU launch uses the `--no-*-fusion` flags, which don't call them); the
    stand-in takes exactly the arguments the release's own takes (0.19 added `tp_size=`).
 7. Memory reports read `torch.cuda` counters that `compat.cpu` does not stub: zeros.
+8. `torch.compile` of a function compiles at its first call without importing TorchInductor
+   when megatron decorates its fusions at import (`compat.cpu.defer_torch_compile`).
+9. `dist_checkpointing`'s writer starts its results queue's manager by spawn (a fresh
+   interpreter importing the script and megatron, per rank, at the first save): forked
+   instead (`_fork_checkpoint_results_queue`); the files written are the same.
 
 On a GPU only the extra check and megatron-core's fixes apply: Megatron-LM runs as is.
 
@@ -144,11 +149,76 @@ def _patch_megatron_training() -> None:
         module = importlib.import_module(name)
         if hasattr(module, "get_device_arch_version"):
             module.get_device_arch_version = lambda: 0  # item 4b: no device, no architecture
+    _fork_checkpoint_results_queue()
     c = torch.cuda
     zero = lambda *a, **k: 0  # noqa: E731
     c.max_memory_reserved = zero
     c.device_memory_used = zero
     c.memory_stats = lambda *a, **k: {}
+
+
+def _fork_checkpoint_results_queue() -> None:
+    """`dist_checkpointing`'s file writer collects its results through a queue served by a
+    `multiprocessing.Manager` that it starts with the *spawn* method, for CUDA's sake: a
+    fresh interpreter that imports the job's script, torch and megatron again, on every
+    rank at its first save (about 10 s of CPU each, most of a small job's save). Without a
+    CUDA device there is nothing a fork could break, so on the CPU the manager is forked.
+    Same queue, same results, same files; keyed by the function's name in each release
+    (0.16: `_get_write_results_queue()`, 0.19: `get_write_results_queue(mp_mode)`)."""
+    import multiprocessing
+
+    try:
+        fs = importlib.import_module(
+            "megatron.core.dist_checkpointing.strategies.filesystem_async")
+    except ImportError:  # no such writer in this release: nothing to do
+        return
+    for name in ("_get_write_results_queue", "get_write_results_queue"):
+        original = getattr(fs, name, None)
+        if original is None or not hasattr(fs, "_results_queue"):
+            continue
+
+        def results_queue(*a: Any, **k: Any) -> Any:
+            if fs._results_queue is None:
+                fs._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+            return fs._results_queue
+
+        results_queue.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(fs, name, results_queue)
+
+
+_printer: dict[str, Optional[int]] = {"rank": None}  # see `set_last_rank`
+
+
+def set_last_rank(rank: Optional[int]) -> None:
+    """The process whose `print_rank_last` lines Megatron-LM prints: `rank` (a global
+    rank), or Megatron-LM's own rule (the world's last rank) with None.
+
+    Megatron-LM prints its iteration line (the loss among it) on the world's last rank,
+    which it takes to hold the last pipeline stage, the one that has the loss. That holds at
+    its default rank order, not at every placement a switch may choose: after a switch the
+    printing rank is the device that holds the layout's last virtual rank (on the last
+    stage, as at the default order), so the line keeps its loss."""
+    if rank is not None and (type(rank) is not int or rank < 0):
+        raise ValueError(f"the printing rank must be a non-negative int, got {rank!r}")
+    _printer["rank"] = rank
+
+
+def _patch_last_rank() -> None:
+    """`megatron.training.utils.is_last_rank`, which `print_rank_last` calls, follows
+    `set_last_rank` (every machine: a placement is not a CPU matter)."""
+    utils = importlib.import_module("megatron.training.utils")
+    original = getattr(utils, "is_last_rank", None)
+    if original is None or getattr(original, "__wrapped__", None) is not None:
+        return
+
+    def is_last_rank() -> bool:
+        rank = _printer["rank"]
+        if rank is None:
+            return original()
+        return torch.distributed.get_rank() == rank
+
+    is_last_rank.__wrapped__ = original  # type: ignore[attr-defined]
+    utils.is_last_rank = is_last_rank
 
 
 def prepare_megatron_lm() -> bool:
@@ -161,10 +231,12 @@ def prepare_megatron_lm() -> bool:
 
     if cpu_runtime.typing_override():
         log.info("typing.override added (Python < 3.12)")
+    cpu_runtime.defer_torch_compile()  # before megatron decorates its fusions (compat.cpu)
     check_checkout()
     for name in cpu_runtime.triton_stand_ins():
         log.info("triton is not installed: %s is a stand-in", name)
     cpu = prepare_runtime()
+    _patch_last_rank()
     if cpu:
         _patch_megatron_training()
         log.info("Megatron-LM CPU runtime applied (no CUDA device)")

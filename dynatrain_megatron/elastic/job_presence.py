@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .safe_files import ReadRules, UnsafeFileError, read_bytes, replace_file
+from ..safe_files import ReadRules, UnsafeFileError, read_bytes, replace_file
 
 log = logging.getLogger("dynatrain")
 

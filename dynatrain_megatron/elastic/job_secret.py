@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Mapping, MutableMapping, Optional
 
 from ..vps.errors import DynatrainError
-from .safe_files import ReadRules, UnsafeFileError, create_new, read_bytes
+from ..safe_files import ReadRules, UnsafeFileError, create_new, read_bytes
 
 log = logging.getLogger("dynatrain")
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ..vps.errors import DynatrainError
 from .job_secret import ENV_VAR, JobSecret, load_secret
-from .safe_files import UnsafeFileError
+from ..safe_files import UnsafeFileError
 
 log = logging.getLogger("dynatrain")
 

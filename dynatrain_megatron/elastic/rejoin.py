@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .communicators import (create_control_group, forget_control_group, rank_device,
                              warm_up_default)
-from .safe_files import ReadRules, checked_directory, open_checked
+from ..safe_files import ReadRules, checked_directory, open_checked
 
 log = logging.getLogger("dynatrain")
 

@@ -17,7 +17,7 @@ from typing import Optional
 import yaml
 
 from ..vps.errors import DynatrainError
-from .safe_files import ReadRules, UnsafeFileError, read_bytes
+from ..safe_files import ReadRules, UnsafeFileError, read_bytes
 
 _KEYS = ("iteration", "layout")
 MAX_LAYOUT_CHARS = 64

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..vps.errors import DynatrainError
-from .safe_files import (ReadRules, UnsafeFileError, create_new, create_numbered,
+from ..safe_files import (ReadRules, UnsafeFileError, create_new, create_numbered,
                          directory_errors, open_checked, read_fd)
 
 log = logging.getLogger("dynatrain")

@@ -22,7 +22,7 @@ from ..elastic.device_manager import DeviceManager
 from ..elastic.standby_channel import StandbyChannel
 from ..elastic.groups import build_groups
 from ..elastic.join import open_reviewer
-from ..elastic.safe_files import OutputDir
+from ..safe_files import OutputDir
 from ..transition.faults import FaultPlan
 from ..transition.switch import choose_dst_placement
 from ..transition.switch_types import SwitchOptions

@@ -78,7 +78,7 @@ def measure_checkpoint_path(trainer: Trainer) -> float:
 def _write_summary(log_dir: str, trainer: Trainer, hook) -> None:
     """`summary.json` in the log directory: where the job ended and what happened to it;
     written whole or not at all, a failure logged (`safe_files.OutputDir`), never raised."""
-    from ..elastic.safe_files import OutputDir
+    from ..safe_files import OutputDir
 
     OutputDir(log_dir).write_json("summary.json", dict(
         iteration=trainer.iteration, layout=str(trainer.objs.layout),

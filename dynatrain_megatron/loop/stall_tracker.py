@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ..elastic.safe_files import OutputDir
+from ..safe_files import OutputDir
 from ..mcore.session import collect_released
 from .stall import StallMeter, stall_parts
 from .switch_log import SwitchLog, SwitchRecord, share_and_report

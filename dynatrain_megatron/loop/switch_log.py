@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ..elastic.safe_files import OutputDir
+from ..safe_files import OutputDir
 from .stall import StallBreakdown, slowest
 
 log = logging.getLogger("dynatrain")
@@ -72,6 +72,8 @@ class SwitchLog:
     def __init__(self, outputs: Optional[OutputDir]) -> None:
         self.outputs = outputs
         self.sinks: list[MetricSink] = []
+        if outputs is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            outputs.check()  # an unusable log directory is named at start-up, once
 
     def record(self, kind: str, entry: dict, epoch: Optional[float] = None) -> Optional[dict]:
         """Write one record `{"kind": kind, "time": ..., "time_utc": ..., **entry}` (the

@@ -120,12 +120,15 @@ def release(objs: TrainingObjects, broken: bool = False, collect_later: bool = F
     for name in ("finalize_model_grads_func", "no_sync_func", "param_sync_func", "grad_sync_func"):
         if hasattr(cfg, name):
             setattr(cfg, name, None)
+    overlapped = bool(getattr(cfg, "tp_comm_overlap", False))
     objs.groups.destroy(broken)
     handles = objs.groups.take_handles()
     objs.model.clear()
     objs.optimizer = None
     objs.scheduler = None
     _clear_module_caches()
+    if overlapped:
+        free_te_user_buffers()
     if not collect_later or broken:
         collect_released()
     if broken:
@@ -154,6 +157,25 @@ def drop_in_background(holder: list) -> threading.Thread:
     t = threading.Thread(target=holder.clear, name="dynatrain-drop", daemon=True)
     t.start()
     return t
+
+
+def free_te_user_buffers() -> bool:
+    """Destroy Transformer Engine's tp-comm-overlap user buffers (`--tp-comm-overlap`:
+    Megatron-LM sets them up once, at start-up, for the first layout's TP size and
+    sequence shape). A layout built by a switch runs with the overlap off, so once the
+    layout that used them is released nothing will again: without this their device
+    memory and communicators stayed for the whole job. True when there were some."""
+    try:
+        from transformer_engine.pytorch.module import base as te_base
+    except ImportError:  # no TE: nothing was set up
+        return False
+    destroy = getattr(te_base, "destroy_ub", None)
+    if destroy is None or not getattr(te_base, "_ub_communicators", None):
+        return False
+    destroy()
+    log.info("dynatrain: Transformer Engine's tp-comm-overlap buffers of the released "
+             "layout are freed (the new layout runs without the overlap)")
+    return True
 
 
 def _clear_module_caches() -> None:

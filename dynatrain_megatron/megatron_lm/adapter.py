@@ -52,8 +52,8 @@ What this can do, and what it cannot (the honest part):
   shards are lost) from Megatron-LM's last `--save`.
 * Megatron-LM's first process groups (and their gloo twins) belong to the first layout:
   the switch that releases it destroys them on every rank, in one order, once megatron's
-  globals point at the new layout's groups (`megatron_first_groups`). Not freed: TE's
-  tp-comm-overlap user buffers (`--tp-comm-overlap` is off after a switch anyway).
+  globals point at the new layout's groups (`megatron_first_groups`); TE's tp-comm-overlap
+  user buffers (`--tp-comm-overlap`, off after a switch) go with it (`session.release`).
 
 Importing this module needs megatron-core and this package only; Megatron-LM
 (`megatron.training`) is imported inside the functions that run within its loop.
@@ -78,6 +78,7 @@ from .arguments import (arg_value, args_for_layout, layout_from_megatron_args, p
 from .step_guard import StepGuard
 from .transformer_config import JobIntents
 from ..compat import stand_in_world
+from ..compat.megatron_lm import set_last_rank
 
 log = logging.getLogger("dynatrain")
 
@@ -414,6 +415,7 @@ class MegatronLMSession:
         o = t.objs
         self.args.consumed_train_samples = t.consumed_samples
         self.set_args_for(o.layout)
+        set_last_rank(o.groups.placement.devices[-1])  # the last stage prints the loss
         _prepare_config(self.args, o.model, o.optimizer, o.config, old_config)
         t1 = time.perf_counter()
         with stand_in_world.stand_in(_stand_in_world(o, dist.get_world_size())):

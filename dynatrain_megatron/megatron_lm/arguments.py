@@ -53,12 +53,30 @@ def refuse_when_parsed(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     """`parser`, whose parse of a `--dynatrain` command line ends the process (status 2,
     one line per refused option on stderr, from the first rank only) when an option is set
     that a switch cannot carry (`support.unsupported_args`): at start-up, before Megatron-LM
-    initialises anything, rather than as a traceback on every rank once the model is built."""
+    initialises anything, rather than as a traceback on every rank once the model is built.
+
+    A bad value on such a command line (`--dynatrain-timeout -1`, a typo in any flag) is
+    also one line, `prog: error: ...`, from the first rank only: argparse's own error would
+    print Megatron-LM's usage first, some 600 lines on every rank."""
+    full_error = parser.error
+
+    def one_line_error(message: str) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"{parser.prog}: error: {message} (--help lists the options)\n")
+        sys.exit(2)
+
     for method in ("parse_args", "parse_known_args"):
         parse = getattr(parser, method)
 
         def checked(*a: Any, _parse: Callable = parse, **k: Any) -> Any:
-            out = _parse(*a, **k)
+            argv = k.get("args", a[0] if a else None)
+            argv = sys.argv[1:] if argv is None else argv
+            ours = any(str(x).startswith("--dynatrain") for x in argv)
+            parser.error = one_line_error if ours else full_error  # type: ignore[method-assign]
+            try:
+                out = _parse(*a, **k)
+            finally:
+                parser.error = full_error  # type: ignore[method-assign]
             ns = out[0] if isinstance(out, tuple) else out
             if getattr(ns, "dynatrain", False):
                 problems = unsupported_args(ns)

@@ -19,6 +19,28 @@ import torch.multiprocessing as mp
 from ..loop.launch import free_port
 
 
+def _by_value(result: Any) -> bytes:
+    """A rank's result as bytes. Tensors put on a torch.multiprocessing queue travel as
+    shared-memory descriptors that the sending process must still serve when the parent
+    unpickles them; a rank that has exited by then (it returns, then leaves) makes the
+    parent fail with a connection reset. Bytes carry the values themselves."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(result, buf)
+    return buf.getvalue()
+
+
+def _from_value(data: bytes) -> Any:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 class RankFailure(RuntimeError):
     """A spawned rank raised, died, or timed out."""
 
@@ -44,7 +66,7 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
 
         init_distributed(timeout_s=float(env.get("DYNATRAIN_PG_TIMEOUT", "300")))
         result = fn(*args)
-        q.put((rank, "ok", result))
+        q.put((rank, "ok", _by_value(result)))
     except BaseException:  # noqa: BLE001 - surfaced to the parent verbatim
         q.put((rank, "error", traceback.format_exc()))
         q.close()
@@ -57,7 +79,8 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
 
 
 # imported once by the fork server, so that every rank forked from it starts with them
-PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
+PRELOAD = ("dynatrain_megatron.testing.preload", "torch", "torch.distributed", "megatron.core",
+           "megatron.core.models.gpt",
            "megatron.core.optimizer", "megatron.core.distributed",
            "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing",
            "megatron.core.optimizer_param_scheduler", "dynatrain_megatron.mcore.builders",
@@ -141,7 +164,7 @@ def run_on_ranks(fn: Callable, nproc: int, *args: Any, timeout: float = 600.0,
                 else:
                     continue
             if status == "ok":
-                results[rank] = payload
+                results[rank] = _from_value(payload)
             else:
                 failure = f"rank {rank} failed:\n{payload}"
     finally:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 
 from .errors import ModelSpecError
 
@@ -130,14 +129,11 @@ class ModelSpec:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ModelSpec":
+        # here, not at the top: safe_files' errors come from this package
+        from ..safe_files import read_yaml
+
         p = Path(path)
-        if not p.is_file():
-            raise ModelSpecError(f"model config {str(p)!r} not found")
-        try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ModelSpecError(f"model config {str(p)!r} is not readable YAML: {first}") from None
+        data = read_yaml(p, "model config", ModelSpecError)
         if not isinstance(data, dict):
             raise ModelSpecError(f"model config {str(p)!r} is not a mapping")
         data.setdefault("name", p.stem)

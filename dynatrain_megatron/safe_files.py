@@ -36,9 +36,9 @@ import stat
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
-from ..vps.errors import DynatrainError
+from .vps.errors import DynatrainError
 
 log = logging.getLogger("dynatrain")
 
@@ -128,6 +128,29 @@ def read_bytes(path: str | Path, rules: ReadRules) -> bytes:
         raise UnsafeFileError(f"{rules.what} {path} is over the limit of {rules.limit} bytes: "
                               f"refused")
     return data
+
+
+YAML_LIMIT = 16 << 20  # a model, scenario or calibration file is a few kilobytes
+
+
+def read_yaml(path: str | Path, what: str, error: type[Exception]) -> Any:
+    """The parsed content of the YAML (or JSON) file `path`, read as `read_bytes` reads (no
+    link followed, a regular file of the job user's or root's that nobody else may write, at
+    most `YAML_LIMIT` bytes). Every failure raises `error` with one line naming `what` and
+    the path: missing, unsafe, not UTF-8, not YAML (its parser's first line)."""
+    import yaml
+
+    try:
+        data = read_bytes(path, ReadRules(what, YAML_LIMIT, owner_only=False))
+    except FileNotFoundError:
+        raise error(f"{what} {str(path)!r} not found") from None
+    except UnsafeFileError as e:
+        raise error(str(e)) from None
+    try:
+        return yaml.safe_load(data.decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise error(f"{what} {str(path)!r} is not readable YAML: {first}") from None
 
 
 def _file_errors(st: os.stat_result, owner_only: bool, private: bool,
@@ -371,6 +394,9 @@ def _check_name(name: str) -> None:
 
 
 # ------------------------------------------------------------------ the job's log directory
+_WHOLE_DIR = "/"  # in OutputDir._failed: the directory itself was refused (never a file name)
+
+
 class OutputDir:
     """The job's log directory (`--dynatrain-log-dir`), written on one rank: JSON lines and
     JSON records. A write never raises: a failure (an unsafe directory or file, a full disk,
@@ -380,6 +406,20 @@ class OutputDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._failed: set[str] = set()
+
+    def check(self) -> Optional[str]:
+        """Make the directory if missing and check it now, at start-up, rather than at the
+        first switch: None when it is usable, else the reason, logged once (the writes then
+        fail quietly; training goes on)."""
+        try:
+            with checked_directory(self.path, create=True):
+                return None
+        except Exception as e:  # noqa: BLE001 - a log of ours is never worth the job
+            reason = f"{type(e).__name__}: {e}"
+        self._failed.add(_WHOLE_DIR)
+        log.error("dynatrain: the log directory %s cannot be used (%s); switch records will "
+                  "not be written there, training goes on", self.path, reason)
+        return reason
 
     def append_json_line(self, name: str, entry: dict) -> bool:
         """One JSON line appended to `name` (`append_line`)."""
@@ -396,7 +436,7 @@ class OutputDir:
             return True
         except Exception as e:  # noqa: BLE001 - a write of ours must never end training
             reason = f"{type(e).__name__}: {e}"
-            if name in self._failed:
+            if name in self._failed or _WHOLE_DIR in self._failed:
                 log.debug("dynatrain: %s in %s not written again: %s", name, self.path, reason)
             else:
                 self._failed.add(name)
