@@ -205,9 +205,11 @@ def checkpoint_tensors(ckpt_dir: Path, iteration: int) -> dict[str, object]:
     return _load_as_plain("dcp", src, out)
 
 
-def load_common(path: Path) -> dict:
-    """A checkpoint's `common.pt` (Megatron-LM's args, iteration, ...)."""
-    return _load_as_plain("pt", path, path.with_name(path.name + ".plain.pt"))
+def load_common(iteration_dir: Path) -> dict:
+    """A checkpoint's common state (Megatron-LM's args, iteration, ...), read by
+    megatron-core's own `load_common_state_dict`: core_v0.16.1 keeps it in `common.pt`,
+    core_v0.19.0 inside the torch_dist checkpoint (its `common_state` object)."""
+    return _load_as_plain("common", iteration_dir, iteration_dir / "common.plain.pt")
 
 
 # Read in an interpreter whose megatron.core is the snapshot's: a checkpoint pickles objects
@@ -238,8 +240,11 @@ def plain(x):
 if kind == 'dcp':
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     dcp_to_torch_save(src, out)
-    src = out
-torch.save(plain(torch.load(src, weights_only=False)), out)
+    obj = torch.load(out, weights_only=False)
+else:
+    from megatron.core.dist_checkpointing import load_common_state_dict
+    obj = load_common_state_dict(src)
+torch.save(plain(obj), out)
 """
 
 
@@ -254,8 +259,10 @@ def _load_as_plain(kind: str, src: Path, out: Path) -> dict:
         if proc.returncode != 0:
             raise AssertionError(f"reading {src} failed:\n{proc.stderr[-3000:]}")
         return torch.load(out, weights_only=False)
-    if kind == "pt":
-        return torch.load(src, weights_only=False)
+    if kind == "common":
+        from megatron.core.dist_checkpointing import load_common_state_dict
+
+        return load_common_state_dict(str(src))
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(str(src), str(out))

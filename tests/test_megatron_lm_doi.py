@@ -58,7 +58,7 @@ def run(tmp_path_factory):
 
 def _common(ckpt_dir):
     """The checkpoint's common (unsharded) part: args, iteration, scheduler, param groups."""
-    return load_common(ckpt_dir / f"iter_{N:07d}" / "common.pt")
+    return load_common(ckpt_dir / f"iter_{N:07d}")
 
 
 def test_the_switch_lands_after_the_last_iteration(run):

@@ -351,3 +351,28 @@ def test_missing_extra_is_named(monkeypatch):
     monkeypatch.setitem(rt._state, "prepared", False)
     with pytest.raises(rt.MissingExtraError, match=r"not installed: six, regex.*\[megatron-lm\]"):
         rt.prepare_megatron_lm()
+
+
+def test_patch_builds_the_dataset_helper_of_a_checkout_with_its_own_core(tmp_path, capsys):
+    # a checkout with its own megatron/core ships helpers.cpp, not the module; Megatron-LM
+    # would `make` it at start-up, the CPU runtime only checks that it imports
+    import importlib.util
+
+    from dynatrain_megatron.megatron_lm.checkout import HELPER_SOURCE, helper_name
+
+    src = _snapshot("core_v0.19.0")
+    tree = _small_copy(src, tmp_path / "Megatron-LM")
+    (tree / HELPER_SOURCE).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src / HELPER_SOURCE, tree / HELPER_SOURCE)
+    assert main(["megatron-lm", "patch", str(tree)]) == 0
+    module = tree / HELPER_SOURCE.parent / helper_name()
+    assert f"built megatron-core's dataset helper ({module.relative_to(tree)})" \
+        in capsys.readouterr().out
+    spec = importlib.util.spec_from_file_location("helpers_cpp", module)
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    assert callable(helpers.build_sample_idx_int64)
+    assert main(["megatron-lm", "patch", str(tree)]) == 0  # there already: nothing built
+    assert "built" not in capsys.readouterr().out
+    assert main(["megatron-lm", "patch", "--revert", str(tree)]) == 0
+    assert module.is_file() and not [p for p in tree.rglob(".helpers_cpp*")]

@@ -1,11 +1,14 @@
 """`dynatrain megatron-lm patch [--revert] DIR`: patch a Megatron-LM checkout for
 `--dynatrain`, or give a patched one its release's files back (the release is recognised
-from its files; a second run changes nothing; every file is written or none)."""
+from its files; a second run changes nothing; every file is written or none). A checkout
+with its own `megatron/core` also gets megatron-core's dataset helper built, which
+Megatron-LM would otherwise build with `make` at start-up and the CPU runtime does not."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from ..megatron_lm.checkout import ensure_dataset_helper
 from ..megatron_lm.patch_tool import RELEASES, patch_checkout, revert_checkout
 from ..vps.errors import DynatrainError
 from .common import subcommand
@@ -41,6 +44,13 @@ def run_patch(args: argparse.Namespace) -> int:
         raise DynatrainError(f"{root}: cannot patch: {e.strerror or e}"
                              + (f" ({e.filename})" if e.filename else "")) from None
     name = result.state.release.name
+    if not args.revert:
+        # Megatron-LM builds it at start-up with `make`; the CPU runtime only checks it
+        # imports (compat/megatron_lm.py), so a checkout with its own megatron/core gets it here
+        helper = ensure_dataset_helper(root)
+        if helper is not None:
+            print(f"{root}: built megatron-core's dataset helper "
+                  f"({helper.relative_to(root)})")
     if not result.written:
         state = "already patched" if result.state.patched else "not patched"
         print(f"{root}: Megatron-LM {name}, {state}; nothing changed")

@@ -98,6 +98,13 @@ def forget_default_group_defaults() -> None:
                                     for d in fn.__defaults__)
 
 
+def announce_noticed(store: dist.Store, old_rank: int, generation: int) -> None:
+    """A survivor marks, as soon as it caught the failure and before it lets go of the broken
+    world (which can take many seconds on a loaded host), that it will join the roster:
+    `reform_world` waits for every rank so marked, not only for the quiet period."""
+    store.set(f"dynatrain/gen{generation}/noticed/{old_rank}", "1")
+
+
 def reform_world(store: dist.Store, old_rank: int, old_world: int, generation: int,
                  keep: Callable[[tuple[int, ...]], int], quiet_seconds: float = 2.0,
                  max_wait_seconds: float = 60.0, timeout_s: float = 300.0) -> NewWorld:
@@ -108,7 +115,8 @@ def reform_world(store: dist.Store, old_rank: int, old_world: int, generation: i
 
     Survivors notice a death at different times (one blocked on a live peer learns of it
     only when that peer closes its sockets), so each waits until every old rank announced
-    itself, or none new did for `quiet_seconds` (at most `max_wait_seconds`).
+    itself, or until every rank that marked the failure noticed (`announce_noticed`)
+    announced itself and none new did for `quiet_seconds` (at most `max_wait_seconds`).
 
     A survivor blocked in a collective with another *survivor* learns of the death only
     when that survivor's communicator closes, which on gloo happens only with the last
@@ -121,13 +129,15 @@ def reform_world(store: dist.Store, old_rank: int, old_world: int, generation: i
     store.set(f"{prefix}/alive/{old_rank}", "1")
     start = last_change = time.monotonic()
     seen_set: set[int] = set()
+    noticed: set[int] = set()
     while True:
         now_seen = {r for r in range(old_world) if store.check([f"{prefix}/alive/{r}"])}
+        now_noticed = {r for r in range(old_world) if store.check([f"{prefix}/noticed/{r}"])}
         now = time.monotonic()
-        if now_seen != seen_set:
-            seen_set, last_change = now_seen, now
-        if len(seen_set) == old_world or now - last_change >= quiet_seconds \
-                or now - start >= max_wait_seconds:
+        if now_seen != seen_set or now_noticed != noticed:
+            seen_set, noticed, last_change = now_seen, now_noticed, now
+        quiet = not noticed - seen_set and now - last_change >= quiet_seconds
+        if len(seen_set) == old_world or quiet or now - start >= max_wait_seconds:
             break
         time.sleep(0.1)
     seen = ",".join(str(r) for r in sorted(seen_set))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..adapters.live import LiveState
 from ..elastic.groups import build_groups, forget_megatron_groups, install
-from ..elastic.rejoin import NewWorld, reform_world, rendezvous_store
+from ..elastic.rejoin import NewWorld, announce_noticed, reform_world, rendezvous_store
 from ..routing.lost_state import lost_state
 from ..transition.switch import read_scalars, switch_layout
 from ..transition.switch_types import Scalars, SwitchOptions, SwitchReport
@@ -39,6 +39,8 @@ from ..mcore.training import Trainer
 log = logging.getLogger("dynatrain")
 
 QUIET_SECONDS = 10.0  # the roster closes once no survivor announced itself for this long
+# ... and every survivor that marked the failure announced itself, or this long has passed
+MAX_WAIT_SECONDS = 180.0
 
 
 def fit_layout(spec: ModelSpec, train: TrainConfig, old: Layout, n: int) -> Layout:
@@ -128,6 +130,8 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     # learn of the failure: one blocked on us would otherwise wait until we are done with
     # the roster, and be left out of the new world
     del old
+    store = rendezvous_store(rendezvous_dir)
+    announce_noticed(store, old_rank, generation)  # the roster waits for this rank's let-go
     held, scalars = let_go_of_layout(trainer, spec, pa, broken=True)
     if host is not None:
         host.let_go()
@@ -135,7 +139,6 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     def dead_of(survivors) -> list[int]:
         return [d for d in pa.devices if d not in survivors]
 
-    store = rendezvous_store(rendezvous_dir)
     if host is not None and host.mid_update:  # read by every survivor's `in_memory`
         store.set(_mid_update_key(generation, old_rank), "1")
 
@@ -160,7 +163,8 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     # survivors blocked on a survivor learn of the death one after another, each as the
     # previous one lets go of the broken world (slow on a loaded host): a quiet period of
     # several seconds keeps a late one in the roster, at that cost to every recovery
-    nw = reform_world(store, old_rank, old_world, generation, keep, quiet_seconds=QUIET_SECONDS)
+    nw = reform_world(store, old_rank, old_world, generation, keep, quiet_seconds=QUIET_SECONDS,
+                      max_wait_seconds=MAX_WAIT_SECONDS)
     what = lost_state(spec, src, dead_of(nw.survivors), pa, bs).describe()
     updating = mid_update(nw.survivors)
     if updating:

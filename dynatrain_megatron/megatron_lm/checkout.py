@@ -71,6 +71,28 @@ def build_dataset_helper(source: Path, cache: Path) -> Path:
     return out
 
 
+def ensure_dataset_helper(root: Path, cache: Optional[Path] = None) -> Optional[Path]:
+    """Put the compiled dataset helper into the checkout `root` where it has the source and
+    not the module for this Python (`needs_dataset_helper`): built once into `cache`
+    (`default_cache()`), copied in under a temporary name and renamed into place. Returns
+    the module's path, or None when nothing was needed."""
+    root = Path(root)
+    if not needs_dataset_helper(root):
+        return None
+    where = root / HELPER_DIR
+    if where.is_symlink() or not where.is_dir():
+        raise DynatrainError(f"{where}: not a directory of the checkout (a link is not "
+                             f"followed); cannot put megatron-core's dataset helper there")
+    built = build_dataset_helper(root / HELPER_SOURCE,
+                                 Path(cache) if cache is not None else default_cache())
+    out = where / helper_name()
+    tmp = where / f".{out.name}.{os.getpid()}"
+    shutil.copyfile(built, tmp)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, out)
+    return out
+
+
 def working_copy(src: Path, dst: Path, *, patched: bool, cache: Optional[Path] = None) -> Path:
     """A copy of the checkout `src` at `dst` (which must not exist), with the dataset
     helper in place where the checkout builds its own, patched with our patch or not."""
@@ -79,10 +101,7 @@ def working_copy(src: Path, dst: Path, *, patched: bool, cache: Optional[Path] =
         raise DynatrainError(f"{src} is not a Megatron-LM checkout (no pretrain_gpt.py)")
     shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns(".git"))
     _make_writable(dst)  # a read-only source (a shared snapshot) gives a copy we may patch
-    if needs_dataset_helper(dst):
-        cache = Path(cache) if cache is not None else default_cache()
-        built = build_dataset_helper(dst / HELPER_SOURCE, cache)
-        shutil.copy2(built, dst / HELPER_DIR / helper_name())
+    ensure_dataset_helper(dst, cache)
     if patched:
         patch_checkout(dst)
     return dst
