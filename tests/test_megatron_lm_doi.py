@@ -34,7 +34,8 @@ from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, checkpoint_tensors, differenc
                               load_common, run_megatron_lm)
 from megatron_lm_tree import copy_tree, require_snapshot
 
-pytestmark = pytest.mark.multirank
+# also on every other release (make test): two optimizer instances
+pytestmark = [pytest.mark.multirank, pytest.mark.every_release]
 
 N = 3
 A, B = "tp1pp1doi2dp4", "tp2pp1dp2"

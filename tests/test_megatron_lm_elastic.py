@@ -37,7 +37,8 @@ from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, checkpoint_tensors, differenc
                               load_common, run_megatron_lm, run_operated)
 from megatron_lm_tree import copy_tree, require_snapshot
 
-pytestmark = pytest.mark.multirank
+# also on every other release (make test): scale-in with standby and scale-out
+pytestmark = [pytest.mark.multirank, pytest.mark.every_release]
 
 N = 16
 IN, OUT = ("tp2pp2dp1", "tp1pp2dp1"), ("tp1pp2dp1", "tp2pp2dp1")

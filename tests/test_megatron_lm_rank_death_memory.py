@@ -23,7 +23,8 @@ from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, assert_final_checkpoints_iden
                               run_megatron_lm)
 from megatron_lm_tree import copy_tree, require_snapshot
 
-pytestmark = [pytest.mark.multirank, pytest.mark.faults]
+# also on every other release (make test): a rank death recovered in memory
+pytestmark = [pytest.mark.multirank, pytest.mark.faults, pytest.mark.every_release]
 
 K, N = 3, 6
 DOI2 = ["--num-distributed-optimizer-instances", "2"]

@@ -32,7 +32,8 @@ from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, assert_final_checkpoints_iden
                               layout_flags, losses, switch_and_restart)
 from megatron_lm_tree import require_snapshot
 
-pytestmark = pytest.mark.multirank
+# also on every other release (make test): dense, VPP, bf16 and the untouched tree
+pytestmark = [pytest.mark.multirank, pytest.mark.every_release]
 
 K, N = 3, 6
 VPP = dict(num_layers_per_virtual_pipeline_stage=1)
@@ -43,10 +44,7 @@ CASES = {  # name: (flags at A, flags at B, A, B)
 }
 
 
-# dense-fp32 also runs on every other supported release (make test): the cheapest case that
-# covers the patch's step boundary, the rebinding and the patched tree without --dynatrain
-@pytest.fixture(scope="module", params=[pytest.param(c, marks=pytest.mark.every_release)
-                                        if c == "dense-fp32" else c for c in sorted(CASES)])
+@pytest.fixture(scope="module", params=sorted(CASES))
 def runs(request, tmp_path_factory):
     require_snapshot()
     a, b, lay_a, lay_b = CASES[request.param]
