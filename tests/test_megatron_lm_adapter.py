@@ -459,6 +459,8 @@ def _session(monkeypatch, layout: str, world: int):
     s.hook = _Hook(lay)
     s.launch_layout = lay
     s.guard = SimpleNamespace(at_boundary=lambda iteration, objs: None)
+    # B's data iterators built ahead (data_ahead.py): none in flight here
+    s.data_ahead = SimpleNamespace(note_step=lambda iteration: None, drop=lambda: None)
     s.latest = mlm.LoopObjects(model, "opt", "sched", "train it", "valid it", None, "test it")
     s.test_data_iterator = "test it"
     loop = mlm.LoopObjects(model, "opt", "sched", "train it", "valid it", None)
