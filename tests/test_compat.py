@@ -220,3 +220,31 @@ def test_torch_compile_of_a_function_is_deferred_to_its_first_call():
         print("torch._inductor.compile_fx" in sys.modules)
     """)
     assert out.splitlines()[-1] == "False"
+
+
+def test_the_forked_checkpoint_manager_holds_none_of_the_ranks_sockets():
+    """`--save`'s results-queue manager is forked on the CPU (compat/megatron_lm.py): it must
+    not keep the rank's sockets (its process groups' connections) open, or a rank that dies
+    leaves its peers blocked until their collective timeout instead of failing at once."""
+    out = _run("""
+        import os, socket, stat
+        from dynatrain_megatron.compat import megatron_lm as M
+        a, b = socket.socketpair()
+        mine = {os.fstat(s.fileno()).st_ino for s in (a, b)}
+        m = M.forked_manager()
+        q = m.Queue(); q.put(7)
+        pid = m._process.pid
+        theirs = set()
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{name}")
+            except OSError:
+                continue
+            if stat.S_ISSOCK(st.st_mode):
+                theirs.add(st.st_ino)
+        a.close()
+        b.recv(1)  # EOF at once: the only other holder of `a` was this process
+        print(q.get(), bool(mine & theirs), len(theirs) > 0)
+        m.shutdown()
+    """)
+    assert out.splitlines()[-1] == "7 False True"  # the queue works on its own socket

@@ -165,8 +165,6 @@ def _fork_checkpoint_results_queue() -> None:
     CUDA device there is nothing a fork could break, so on the CPU the manager is forked.
     Same queue, same results, same files; keyed by the function's name in each release
     (0.16: `_get_write_results_queue()`, 0.19: `get_write_results_queue(mp_mode)`)."""
-    import multiprocessing
-
     try:
         fs = importlib.import_module(
             "megatron.core.dist_checkpointing.strategies.filesystem_async")
@@ -179,11 +177,48 @@ def _fork_checkpoint_results_queue() -> None:
 
         def results_queue(*a: Any, **k: Any) -> Any:
             if fs._results_queue is None:
-                fs._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+                fs._results_queue = forked_manager().Queue()
             return fs._results_queue
 
         results_queue.__wrapped__ = original  # type: ignore[attr-defined]
         setattr(fs, name, results_queue)
+
+
+_managers: list = []  # the forked managers, alive for the job (their queues' server)
+
+
+def forked_manager() -> Any:
+    """A `multiprocessing` manager forked from this process, holding none of its sockets.
+
+    A forked child inherits every descriptor, the process groups' TCP connections among
+    them: were this long-lived child to keep them open after its rank died, the peers would
+    never see the connection close and would learn of the death only at their collective
+    timeout. Its first act (before its own listener exists) closes every inherited socket."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    m = SyncManager(ctx=multiprocessing.get_context("fork"))
+    m.start(initializer=_close_inherited_sockets)
+    _managers.append(m)
+    return m
+
+
+def _close_inherited_sockets() -> None:
+    """In a forked child: close every socket descriptor inherited from the parent (Linux:
+    /proc/self/fd; elsewhere nothing is closed)."""
+    import os
+    import stat
+
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.close(fd)
+        except OSError:  # the directory's own descriptor, already gone
+            pass
 
 
 _printer: dict[str, Optional[int]] = {"rank": None}  # see `set_last_rank`
