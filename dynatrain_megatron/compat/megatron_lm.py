@@ -242,7 +242,11 @@ def _patch_last_rank() -> None:
     """`megatron.training.utils.is_last_rank`, which `print_rank_last` calls, follows
     `set_last_rank` (every machine: a placement is not a CPU matter)."""
     utils = importlib.import_module("megatron.training.utils")
-    original = getattr(utils, "is_last_rank", None)
+    printer = getattr(utils, "print_rank_last", None)
+    # where print_rank_last looks the name up: the module itself (0.16) or, once utils became
+    # a package (0.19), the submodule that defines both
+    home = importlib.import_module(printer.__module__) if printer is not None else utils
+    original = getattr(home, "is_last_rank", None)
     if original is None or getattr(original, "__wrapped__", None) is not None:
         return
 
@@ -253,7 +257,9 @@ def _patch_last_rank() -> None:
         return torch.distributed.get_rank() == rank
 
     is_last_rank.__wrapped__ = original  # type: ignore[attr-defined]
-    utils.is_last_rank = is_last_rank
+    home.is_last_rank = is_last_rank
+    if getattr(utils, "is_last_rank", None) is original:
+        utils.is_last_rank = is_last_rank
 
 
 def prepare_megatron_lm() -> bool:
