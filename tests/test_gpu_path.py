@@ -536,9 +536,17 @@ def test_released_a_grads_come_back_when_the_switch_rolls_back(monkeypatch):
     hook.layout, hook.layout_placement = Layout.parse("tp1", 2), Placement((0, 1))
     hook._sync_target = (Layout.parse("tp2", 2), Placement((0, 1)))
     hook._release_a_grads = True
+    import gc
+
+    assert gc.isenabled()
     assert hook._switch(trainer) is trainer
     assert calls == ["offload", "offload", "build B", "restore", "restore", "failed"]
     assert hook._release_a_grads is False  # once: the next switch decides again
+    # the switch held automatic collections off; back in the loop after the rollback, they
+    # run again (the loop's step boundary calls `left`; this test called `_switch` alone)
+    assert not gc.isenabled()
+    hook.stall.left()
+    assert gc.isenabled()
 
 
 # ----------------------------------------------------------------- issue 27, 1. vocab padding

@@ -176,8 +176,7 @@ def test_automatic_collections_wait_for_the_switch_and_a_job_that_disabled_them_
 
     from dynatrain_megatron.loop.stall_tracker import StallTracker
 
-    was = gc.isenabled()  # an earlier in-process test's hook may have left it paused
-    gc.enable()
+    assert gc.isenabled()
     try:
         t = StallTracker(None)
         t.before_switch()  # a switch starts: no automatic collection inside its stall
@@ -189,4 +188,4 @@ def test_automatic_collections_wait_for_the_switch_and_a_job_that_disabled_them_
         t.left()
         assert not gc.isenabled()
     finally:
-        gc.enable() if was else gc.disable()
+        gc.enable()
