@@ -9,3 +9,20 @@ sys.path.insert(0, os.path.dirname(__file__))
 from dynatrain_megatron.compat.cpu import defer_torch_compile  # noqa: E402
 
 defer_torch_compile()
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _collections_left_as_found(request):
+    """A test that leaves Python's automatic garbage collection disabled fails (a switch
+    pauses it until B's first steps are measured; every other path must resume it), and
+    the tests after it start with collections on."""
+    enabled = gc.isenabled()
+    yield
+    if enabled and not gc.isenabled():
+        gc.enable()
+        pytest.fail(f"{request.node.nodeid} left automatic garbage collection disabled")

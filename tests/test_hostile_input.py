@@ -8,6 +8,7 @@ is in test_hostile_live.py.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -289,6 +290,7 @@ def test_placement_failure_fails_the_switch_and_keeps_a(job, monkeypatch):
             hook.devices._thread.join()
             assert hook._switch("trainer at A") == "trainer at A"
             assert "no rank-ordered placement" in hook.failed[-1]
+            assert gc.isenabled()  # a failed switch leaves no collection paused
         else:
             assert "no placement for tp2pp1dp2" in hook.rejected[-1]
         assert hook.layout == a and hook.decision is None and not hook.devices.pending
@@ -316,6 +318,7 @@ def test_failed_background_preparation_is_a_failed_request_and_keeps_a(job, monk
     hook.devices.target = (b, Placement((0, 1, 2, 3)))
     hook.devices._error = MemoryError("B does not fit")  # as the thread leaves it
     assert hook._switch("trainer at A") == "trainer at A"
+    assert gc.isenabled()  # a failed switch leaves no collection paused
     assert hook.layout == a and not hook.devices.pending and hook.decision is None
     assert "preparing tp2pp1dp2 failed: RuntimeError" in hook.failed[-1]
     assert "B does not fit" in hook.failed[-1]

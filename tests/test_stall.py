@@ -183,6 +183,9 @@ def test_automatic_collections_wait_for_the_switch_and_a_job_that_disabled_them_
         assert not gc.isenabled()
         t.left()  # it rolled back (no switch being measured): collections go on
         assert gc.isenabled()
+        t.before_switch()
+        t.attempt_ended()  # a switch that left this rank on standby: collections go on
+        assert gc.isenabled()
         gc.disable()  # the job's own choice (Megatron-LM's --manual-gc)
         t.before_switch()
         t.left()

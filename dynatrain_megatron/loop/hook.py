@@ -290,6 +290,12 @@ class DynatrainHook:
 
     def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
         self.stall.before_switch()  # the last switch's stall, if not reported yet
+        try:
+            return self._switch_now(trainer)
+        finally:
+            self.stall.attempt_ended()  # collections resume unless B's steps are measured
+
+    def _switch_now(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
         src, src_placement = self.layout, self.layout_placement
         decision = self.decision
         # A's objects whose gradient buffers this switch frees (restored if it rolls back)

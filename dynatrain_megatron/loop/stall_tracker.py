@@ -82,7 +82,13 @@ class StallTracker:
         """The hook returns to the training loop: the next step starts."""
         if self._meter is not None:
             self._meter.left()
-        elif self._measured is None:  # no switch committed here (rolled back, standby)
+        self.attempt_ended()
+
+    def attempt_ended(self) -> None:
+        """A switch attempt returned: unless a committed switch is being measured on this
+        rank, automatic collections go on (it rolled back, failed, or left this rank on
+        standby, where a long wait must not grow memory)."""
+        if self._measured is None:
             self._resume_gc()
 
     def _pause_gc(self) -> None:
@@ -117,6 +123,7 @@ class StallTracker:
     def drop(self) -> None:
         """Forget the switch being measured (its ranks cannot share it any more)."""
         self._meter = self._measured = None
+        self._resume_gc()
 
     def finish(self) -> float:
         """Report the switch being measured (collective over its B's ranks); returns the
