@@ -248,3 +248,36 @@ def test_the_forked_checkpoint_manager_holds_none_of_the_ranks_sockets():
         m.shutdown()
     """)
     assert out.splitlines()[-1] == "7 False True"  # the queue works on its own socket
+
+
+def test_the_forked_checkpoint_manager_ends_with_a_rank_that_dies():
+    """A rank killed without running its exit handlers (`os._exit`, as the fault plans and a
+    crash end it) must not leave its forked results-queue manager running: before this,
+    every rank-death test left one `pretrain_gpt.py` process behind."""
+    import time
+
+    from dynatrain_megatron.compat.megatron_lm import PARENT_POLL_SECONDS
+
+    out = _run("""
+        import os
+        from dynatrain_megatron.compat import megatron_lm as M
+        m = M.forked_manager()
+        q = m.Queue(); q.put(7)
+        print(q.get(), m._process.pid, flush=True)
+        os._exit(0)  # no exit handlers: they would shut the manager down
+    """)
+    value, pid = out.splitlines()[-1].split()
+    assert value == "7"
+    deadline = time.monotonic() + 10 + 4 * PARENT_POLL_SECONDS
+    while _alive(int(pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(int(pid)), f"the manager {pid} outlived its rank"
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (its parent, init, reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

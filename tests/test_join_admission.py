@@ -15,7 +15,6 @@ import torch.distributed as dist
 from dynatrain_megatron.elastic import join as J
 from dynatrain_megatron.elastic.job_secret import JobSecret
 from dynatrain_megatron.loop import growth
-from dynatrain_megatron.loop.launch import free_port
 from dynatrain_megatron.vps.layout import Layout
 from dynatrain_megatron.vps.placement import Placement
 
@@ -25,10 +24,9 @@ pytestmark = pytest.mark.faults
 @pytest.fixture
 def agent_store():
     """A TCPStore like torchrun's agent store: anyone who reaches the port may write."""
-    port = free_port()
-    master = dist.TCPStore("127.0.0.1", port, is_master=True,
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True,  # the OS picks a free port
                            timeout=datetime.timedelta(seconds=10))
-    client = dist.TCPStore("127.0.0.1", port, is_master=False,
+    client = dist.TCPStore("127.0.0.1", master.port, is_master=False,
                            timeout=datetime.timedelta(seconds=10))
     return master, client
 

@@ -62,3 +62,35 @@ def test_job_status_rules():
     assert job_status([WorkerExit(1, -9, 1.0)]) == 1  # killed by a signal
     with pytest.raises(ValueError, match="--nproc"):
         launch(0, ["true"])
+
+
+def test_the_store_port_is_held_until_rank_0_binds_it():
+    """The port handed to the workers (`MASTER_PORT`) stays bound by the launcher: no other
+    process can bind it, nor get it from the OS, in the seconds before rank 0's store binds
+    it; rank 0's TCPStore binds it all the same, and clients reach that store."""
+    import datetime
+    import errno
+    import socket
+
+    import torch.distributed as dist
+
+    from dynatrain_megatron.loop.launch import reserved_port
+
+    with reserved_port() as port:
+        with socket.socket() as other:  # another job's bind of this very port
+            with pytest.raises(OSError) as e:
+                other.bind(("127.0.0.1", port))
+            assert e.value.errno == errno.EADDRINUSE
+        given = []  # what the OS hands out meanwhile: never this port
+        for _ in range(200):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            given.append(s)
+        assert port not in {s.getsockname()[1] for s in given}
+        for s in given:
+            s.close()
+        t = datetime.timedelta(seconds=10)
+        master = dist.TCPStore("127.0.0.1", port, 1, True, timeout=t, wait_for_workers=False)
+        client = dist.TCPStore("127.0.0.1", port, 1, False, timeout=t)
+        client.set("k", "v")
+        assert master.get("k") == b"v"

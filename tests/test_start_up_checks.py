@@ -117,6 +117,37 @@ def test_faults_env_valid(monkeypatch):
     assert FaultPlan.from_env() is None
 
 
+@pytest.mark.parametrize("text,match", [
+    ("[]", "an empty list"),
+    ('[{"fail_rank": 1, "fail_phase": "forward"}, 3]', r"DYNATRAIN_FAULTS\[1\] must be a JSON object"),
+    ('[{"fail_rank": 1, "fail_phase": "forward"}, {"fail_rank": 0, "fail_phase": "backward"}]',
+     r"more than one plan for generation\(s\) \[0\]"),
+    ('[{"fail_rank": 1, "fail_phase": "forward", "generation": -1}]', "must be >= 0"),
+    ('[{"fail_rank": 1, "fail_phase": "forward", "generation": "1"}]', "generation must be int"),
+])
+def test_faults_env_list_strict(monkeypatch, text, match):
+    monkeypatch.setenv("DYNATRAIN_FAULTS", text)
+    with pytest.raises(FaultSpecError, match=match):
+        FaultPlan.plans_from_env()
+
+
+def test_faults_env_one_plan_per_world_generation(monkeypatch):
+    from dynatrain_megatron.transition.faults import plan_for
+
+    monkeypatch.setenv("DYNATRAIN_FAULTS", '[{"fail_rank": 1, "fail_phase": "pp_send", '
+                                           '"iteration": 3, "kill": true}, {"fail_rank": 0, '
+                                           '"fail_phase": "forward", "iteration": 4, '
+                                           '"generation": 1}]')
+    plans = FaultPlan.plans_from_env()
+    assert plans == (FaultPlan(fail_rank=1, fail_phase="pp_send", iteration=3, kill=True),
+                     FaultPlan(fail_rank=0, fail_phase="forward", iteration=4, generation=1))
+    assert FaultPlan.from_env() == plans[0]  # the launch world's
+    assert plan_for(plans, 1) == plans[1] and plan_for(plans, 2) is None
+    monkeypatch.setenv("DYNATRAIN_FAULTS", '[{"fail_rank": 0, "fail_phase": "forward", '
+                                           '"generation": 1}]')
+    assert FaultPlan.from_env() is None  # nothing for the launch world
+
+
 def test_faults_inside_a_training_step_fire_once_in_the_step_after_their_iteration():
     from dynatrain_megatron.transition.faults import STEP_PHASES
 

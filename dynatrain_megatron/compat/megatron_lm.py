@@ -188,19 +188,52 @@ _managers: list = []  # the forked managers, alive for the job (their queues' se
 
 
 def forked_manager() -> Any:
-    """A `multiprocessing` manager forked from this process, holding none of its sockets.
+    """A `multiprocessing` manager forked from this process, holding none of its sockets,
+    and ending with it.
 
     A forked child inherits every descriptor, the process groups' TCP connections among
     them: were this long-lived child to keep them open after its rank died, the peers would
     never see the connection close and would learn of the death only at their collective
-    timeout. Its first act (before its own listener exists) closes every inherited socket."""
+    timeout. Its first act (before its own listener exists) closes every inherited socket.
+    A manager is shut down by its parent's exit handlers; a rank that dies without running
+    them (killed, `os._exit`) would leave it running for good, so it also ends itself as
+    soon as its parent is gone (`_end_with_parent`)."""
     import multiprocessing
+    import os
     from multiprocessing.managers import SyncManager
 
     m = SyncManager(ctx=multiprocessing.get_context("fork"))
-    m.start(initializer=_close_inherited_sockets)
+    m.start(initializer=_start_manager, initargs=(os.getpid(),))
     _managers.append(m)
     return m
+
+
+def _start_manager(parent: int) -> None:
+    """A forked manager's first act (`forked_manager`)."""
+    _close_inherited_sockets()
+    _end_with_parent(parent)
+
+
+PARENT_POLL_SECONDS = 0.5  # how soon a forked helper notices its parent is gone
+
+
+def _end_with_parent(parent: int) -> None:
+    """In a forked child: end this process once `parent` is no longer its parent (it
+    died, however; the child was handed to another process). A thread polling
+    `os.getppid()`, portable, where Linux's parent-death signal would follow the thread that
+    forked rather than the process (a manager started from a thread that ends would go too)."""
+    import os
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(0)
+
+    if os.getppid() != parent:
+        os._exit(0)
+    threading.Thread(target=watch, name="dynatrain-parent-watch", daemon=True).start()
 
 
 def _close_inherited_sockets() -> None:

@@ -23,7 +23,7 @@ from ..elastic.standby_channel import StandbyChannel
 from ..elastic.groups import build_groups
 from ..elastic.join import open_reviewer
 from ..safe_files import OutputDir
-from ..transition.faults import FaultPlan
+from ..transition.faults import FaultPlan, plan_for
 from ..transition.switch import choose_dst_placement
 from ..transition.switch_types import SwitchOptions
 from ..vps.errors import DynatrainError
@@ -87,7 +87,8 @@ class DynatrainHook:
         self.recoveries: list[dict] = []
         self.host = None  # a host training loop's recovery hooks (death_recovery.HostLoop)
         self.admitted: list[dict] = []  # joiners that grew the world (loop/growth.py)
-        self.faults = FaultPlan.from_env()  # DYNATRAIN_FAULTS, e.g. a rank killed at a step
+        # DYNATRAIN_FAULTS, e.g. a rank killed at a step; one plan per world generation
+        self.fault_plans = FaultPlan.plans_from_env()
         self.memory = memory  # A and B together on the devices (loop/memory_check.py)
         self._release_a_grads = False  # the memory plan's degraded mode for the next switch
         # the advisor answers requests without a layout; auto_layout: moves (loop/auto_layout.py)
@@ -484,6 +485,17 @@ class DynatrainHook:
             free_layout(None, groups, broken)
         self.devices = DeviceManager()
 
+    @property
+    def generation(self) -> int:
+        """The world's generation: how many recoveries after a rank death re-formed it
+        (each renumbers the survivors)."""
+        return len(self.recoveries)
+
+    @property
+    def faults(self) -> Optional[FaultPlan]:
+        """The fault plan of the current world (`transition/faults.py`), if any."""
+        return plan_for(self.fault_plans, self.generation)
+
     def can_recover(self, error: BaseException) -> bool:
         """Whether `error` is a dead peer's (`is_dead_peer`) and this job can recover from
         it: a rendezvous directory is set and the recovery budget is not spent."""
@@ -506,7 +518,7 @@ class DynatrainHook:
             self.controller.done(self.decision, "failed", "a rank died; the job recovered")
             self.decision = None
         rec = recover_after_death(trainer, self.spec, self.builder.train, self.rendezvous_dir,
-                                  self.recovery_checkpoint, generation=len(self.recoveries) + 1,
+                                  self.recovery_checkpoint, generation=self.generation + 1,
                                   timeout=self.timeout, layout=self.layout,
                                   placement=self.layout_placement, choose=self._survivor_layout(),
                                   host=self.host, builder=self.builder)

@@ -21,6 +21,7 @@ status.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -28,7 +29,7 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Collection, Optional, Sequence
+from typing import Collection, Iterator, Optional, Sequence
 
 from .. import process_env
 
@@ -36,10 +37,29 @@ log = logging.getLogger("dynatrain")
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it). Free *now* only: another
+    process may take it before the caller binds it; `reserved_port` holds it meanwhile."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A TCP port on 127.0.0.1 for the job's store (`MASTER_PORT`), held for the caller
+    until the context ends: a socket of this process stays bound to it (SO_REUSEADDR,
+    never listening), so no other bind and no outgoing connection's local port takes it in
+    the seconds before rank 0 binds it (rank 0 starts, imports torch, then binds). Rank 0's
+    TCPStore binds it beside this socket (it sets SO_REUSEADDR too, and the first socket
+    that listens has the port). Without the hold a busy machine can hand the port to
+    another job, whose ranks then meet ours in one store."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+    finally:
+        s.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +119,19 @@ def launch(nproc: int, command: Sequence[str], env: Optional[dict] = None,
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     if not command:
         raise ValueError("no command to launch")
-    port = free_port()
+    with reserved_port() as port:  # held until every worker ended
+        exits, completed = _run_workers(nproc, command, env, poll_seconds, port)
+    status = job_status(exits, completed)
+    if status and exits and not completed and any(e.code == 0 for e in exits):
+        log.error("no worker finished training: the job did not complete (workers that "
+                  "exited 0 had left it)")
+    return status, exits
+
+
+def _run_workers(nproc: int, command: Sequence[str], env: Optional[dict],
+                 poll_seconds: float, port: int) -> tuple[list[WorkerExit], set[int]]:
+    """Start the workers with the store at `port`, wait for all; (exits in the order the
+    workers ended, the ranks that reported completion)."""
     base = dict(os.environ if env is None else env)
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
@@ -141,11 +173,7 @@ def launch(nproc: int, command: Sequence[str], env: Optional[dict] = None,
         os.close(read_fd)
         for s, h in old.items():
             signal.signal(s, h)
-    status = job_status(exits, completed)
-    if status and exits and not completed and any(e.code == 0 for e in exits):
-        log.error("no worker finished training: the job did not complete (workers that "
-                  "exited 0 had left it)")
-    return status, exits
+    return exits, completed
 
 
 def job_status(exits: Sequence[WorkerExit], completed: Collection[int] = ()) -> int:

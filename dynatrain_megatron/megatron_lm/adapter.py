@@ -341,7 +341,8 @@ class MegatronLMSession:
         self.latest: Optional[LoopObjects] = None
         self.launch_layout = layout  # Megatron-LM's log line does not show a later one
         # what a rank death inside a train_step leaves behind, and its fault points
-        self.guard = StepGuard(self.hook.faults, vote=self.hook.rendezvous_dir is not None)
+        self.guard = StepGuard(self.hook.fault_plans, vote=self.hook.rendezvous_dir is not None,
+                               generation=lambda: self.hook.generation)
         log.info("dynatrain: wrapping Megatron-LM's %s job (%s); switches are polled every %d "
                  "iteration(s)", layout, self.spec.name, args.dynatrain_poll_interval)
 

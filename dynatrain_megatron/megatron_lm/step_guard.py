@@ -35,16 +35,17 @@ iteration k (the survivors go on from k): "forward" before its first micro-batch
 forward, "backward" in its first backward, "pp_send" when it issues its first pipeline
 send (megatron-core's batched p2p), "grad_sync" as the data-parallel gradient reduction
 starts (`finalize_model_grads`), "optimizer" as the optimizer step starts (before the
-vote), "optimizer_update" after the vote, as the update starts. The plan injects one
-failure: the survivors, renumbered, drop it.
+vote), "optimizer_update" after the vote, as the update starts. A plan injects one failure in the world
+of its generation (`FaultPlan.generation`: how many recoveries came before it); a job's
+plans for later generations name ranks in the survivors' new numbering.
 """
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
-from ..transition.faults import FaultPlan
+from ..transition.faults import STEP_PHASES, FaultPlan, plan_for
 
 log = logging.getLogger("dynatrain")
 
@@ -56,15 +57,17 @@ class StepGuard:
     (and after a recovery) wraps the live objects' entry points once and records what the
     next step may leave behind; `reset_after_failed_step` undoes it after a failure."""
 
-    def __init__(self, faults: Optional[FaultPlan], vote: bool) -> None:
-        self.faults = faults
+    def __init__(self, plans: Sequence[FaultPlan], vote: bool,
+                 generation: Callable[[], int] = lambda: 0) -> None:
+        self.plans = tuple(plans)  # the job's fault plans, one per world generation
+        self._generation = generation  # the current world's (the hook's recoveries)
         self.vote = vote  # agree before the optimizer's update (jobs that can recover)
         self.iteration = 0  # the last step boundary
         self.mid_update = False  # the vote passed since the last boundary
         self._group: Any = None  # the layout's CPU group for the vote
         self._rerun: Optional[tuple[Any, int]] = None  # (state, current_iteration)
         self._running_timers: frozenset[str] = frozenset()
-        self._fault_fired = False
+        self._fired: set[int] = set()  # the generations whose plan fired
 
     # ------------------------------------------------------------------ at a step boundary
     def at_boundary(self, iteration: int, objs: Any) -> None:
@@ -89,7 +92,6 @@ class StepGuard:
         Lets go of the broken layout's group: a gloo group's sockets close only with its
         last reference, and a survivor blocked on this rank learns of the death then."""
         self._group = None
-        self.faults = None  # a fault plan injects one failure: ranks renumber after it
         if self._rerun is not None:
             _rerun_restore(*self._rerun)
         _reset_timers_except(self._running_timers)
@@ -116,13 +118,14 @@ class StepGuard:
 
     # ------------------------------------------------------------------ fault points
     def _has_step_faults(self) -> bool:
-        from ..transition.faults import STEP_PHASES
-
-        f = self.faults
-        return f is not None and f.fail_phase in STEP_PHASES
+        """Whether a plan of any generation fails inside a step (the wrappers go on every
+        layout's objects: a later generation's plan fires on those of a later world)."""
+        return any(p.fail_phase in STEP_PHASES for p in self.plans)
 
     def _fault(self, phase: str) -> None:
-        if self.faults is None or self._fault_fired:
+        generation = self._generation()
+        plan = plan_for(self.plans, generation)
+        if plan is None or generation in self._fired:
             return
         import torch.distributed as dist
 
@@ -130,10 +133,10 @@ class StepGuard:
 
         with stand_in_world.real_world():
             rank = dist.get_rank()
-        if self.faults.fail_rank == rank and self.faults.fail_phase == phase \
-                and self.iteration == self.faults.iteration:
-            self._fault_fired = True
-            self.faults.fail(rank, phase, self.iteration)
+        if plan.fail_rank == rank and plan.fail_phase == phase \
+                and self.iteration == plan.iteration:
+            self._fired.add(generation)
+            plan.fail(rank, phase, self.iteration)
 
     def _wrap_chunk(self, chunk: Any) -> None:
         if getattr(chunk, _WRAPPED, False):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.multiprocessing as mp
 
-from ..loop.launch import free_port
+from ..loop.launch import reserved_port
 
 
 def _by_value(result: Any) -> bytes:
@@ -115,13 +115,19 @@ def _context():
 
 def run_on_ranks(fn: Callable, nproc: int, *args: Any, timeout: float = 600.0,
                  env: Optional[dict[str, str]] = None) -> list[Any]:
-    """Run `fn(*args)` on `nproc` gloo ranks; return the per-rank results in rank order."""
+    """Run `fn(*args)` on `nproc` gloo ranks; return the per-rank results in rank order.
+    The store's port is held here until the ranks ended (`reserved_port`)."""
+    with reserved_port() as port:
+        return _run_on_ranks(fn, nproc, args, timeout, env, port)
+
+
+def _run_on_ranks(fn: Callable, nproc: int, args: Sequence[Any], timeout: float,
+                  env: Optional[dict[str, str]], port: int) -> list[Any]:
     from .. import process_env
 
     process_env.apply()  # spawned children inherit it before they import torch
     ctx = _context()
     q = ctx.Queue()
-    port = free_port()
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     procs = [ctx.Process(target=_child, args=(r, nproc, port, fn, args, q, child_env, os.getcwd()),
                          daemon=False)

@@ -15,6 +15,11 @@ that cannot be built on one rank), so a later switch of the same job goes throug
 `delay_seconds` delays `delay_rank` before transfer round `round` (`delay_phase` "round"), or
 at the end of its background preparation of B (`delay_phase` "prepare", only for a switch
 to `dst_layout` when that is set): a B that is not ready when the job ends.
+
+`generation` numbers the world a plan's ranks refer to: 0 the launch world, g the world
+re-formed by the g-th recovery after a rank death (the survivors renumbered). A job may
+carry several plans (`DYNATRAIN_FAULTS` as a JSON list, `plans_from_env`), one per
+generation: a second death after the first recovery, at another point, in the new numbering.
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ DELAY_PHASES = ("round", "prepare")
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "fail_rank": (int,), "fail_phase": (str,), "corrupt_rank": (int,), "delay_rank": (int,),
     "delay_seconds": (int, float), "round": (int,), "kill": (bool,), "exit_code": (int,),
-    "iteration": (int,), "dst_layout": (str,), "delay_phase": (str,)}
+    "iteration": (int,), "dst_layout": (str,), "delay_phase": (str,), "generation": (int,)}
 
 
 class FaultSpecError(DynatrainError, ValueError):
@@ -64,35 +69,74 @@ class FaultPlan:
     iteration: int = 0  # the training iteration "step" failures apply to
     dst_layout: Optional[str] = None  # "prepare"/"commit" failures: only a switch to this
     delay_phase: str = "round"  # where delays apply: before a round, or ending B's preparation
+    generation: int = 0  # the world its ranks are numbered in (module doc)
 
     def __post_init__(self) -> None:
         if self.fail_phase is not None and self.fail_phase not in PHASES:
             raise ValueError(f"fail_phase {self.fail_phase!r}: one of {PHASES}")
         if (self.fail_rank is None) != (self.fail_phase is None):
             raise ValueError("fail_rank and fail_phase go together")
-        if self.delay_seconds < 0 or self.round < 0:
-            raise ValueError("delay_seconds and round must be >= 0")
+        if self.delay_seconds < 0 or self.round < 0 or self.generation < 0:
+            raise ValueError("delay_seconds, round and generation must be >= 0")
         if self.delay_phase not in DELAY_PHASES:
             raise ValueError(f"delay_phase {self.delay_phase!r}: one of {DELAY_PHASES}")
 
     @classmethod
     def from_env(cls) -> Optional["FaultPlan"]:
-        """The plan in `DYNATRAIN_FAULTS` (None when unset); FaultSpecError naming every
-        defect otherwise (unknown keys, a value of the wrong type: `"kill": "false"` is not
-        a bool), so a mistyped plan fails at start-up instead of never firing."""
-        text = os.environ.get("DYNATRAIN_FAULTS")
-        return cls.from_json(text) if text else None
+        """The plan of the launch world (generation 0) in `DYNATRAIN_FAULTS` (None when
+        unset or when it holds none); FaultSpecError naming every defect otherwise (see
+        `plans_from_env`)."""
+        return plan_for(cls.plans_from_env(), 0)
 
     @classmethod
-    def from_json(cls, text: str) -> "FaultPlan":
+    def plans_from_env(cls) -> tuple["FaultPlan", ...]:
+        """Every plan in `DYNATRAIN_FAULTS` (empty when unset): a JSON object, or a list of
+        them with one generation each. FaultSpecError naming every defect otherwise
+        (unknown keys, a value of the wrong type: `"kill": "false"` is not a bool, two
+        plans for one generation), so a mistyped plan fails at start-up instead of never
+        firing."""
+        text = os.environ.get("DYNATRAIN_FAULTS")
+        return cls.plans_from_json(text) if text else ()
+
+    @classmethod
+    def plans_from_json(cls, text: str) -> tuple["FaultPlan", ...]:
         try:
             data = json.loads(text)
         except (ValueError, RecursionError) as e:
             raise FaultSpecError(f"DYNATRAIN_FAULTS is not valid JSON ({e}): {text[:120]!r}") \
                 from None
+        if not isinstance(data, list):
+            return (cls._from_data(data),)
+        if not data:
+            raise FaultSpecError("DYNATRAIN_FAULTS: an empty list (unset it for no faults)")
+        errs, plans = [], []
+        for i, item in enumerate(data):
+            try:
+                plans.append(cls._from_data(item, f"DYNATRAIN_FAULTS[{i}]"))
+            except FaultSpecError as e:
+                errs.append(str(e))
+        gens = [p.generation for p in plans]
+        dup = sorted({g for g in gens if gens.count(g) > 1})
+        if dup:
+            errs.append(f"DYNATRAIN_FAULTS: more than one plan for generation(s) {dup}")
+        if errs:
+            raise FaultSpecError("; ".join(errs))
+        return tuple(plans)
+
+    @classmethod
+    def from_json(cls, text: str) -> "FaultPlan":
+        """One plan from a JSON object (FaultSpecError otherwise)."""
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise FaultSpecError(f"DYNATRAIN_FAULTS is not valid JSON ({e}): {text[:120]!r}") \
+                from None
+        return cls._from_data(data)
+
+    @classmethod
+    def _from_data(cls, data: object, name: str = "DYNATRAIN_FAULTS") -> "FaultPlan":
         if not isinstance(data, dict):
-            raise FaultSpecError(f"DYNATRAIN_FAULTS must be a JSON object, got "
-                                 f"{type(data).__name__}")
+            raise FaultSpecError(f"{name} must be a JSON object, got {type(data).__name__}")
         errs = []
         for k, v in data.items():
             want = _FIELD_TYPES.get(k)
@@ -101,11 +145,11 @@ class FaultPlan:
             elif not (type(v) in want or (v is None and k in _OPTIONAL)):
                 errs.append(f"{k} must be {' or '.join(t.__name__ for t in want)}, got {v!r}")
         if errs:
-            raise FaultSpecError("DYNATRAIN_FAULTS: " + "; ".join(errs))
+            raise FaultSpecError(f"{name}: " + "; ".join(errs))
         try:
             return cls(**data)
         except ValueError as e:
-            raise FaultSpecError(f"DYNATRAIN_FAULTS: {e}") from None
+            raise FaultSpecError(f"{name}: {e}") from None
 
     def fail(self, rank: int, phase: str, round_index: int = 0, dst: Optional[str] = None) -> None:
         at = self.round if phase == "round" else (
@@ -139,3 +183,8 @@ class FaultPlan:
             b = received[0].view(-1).view(torch.uint8)
             b[0] ^= 0xFF
             log.warning("fault injection: rank %d corrupted a received piece", rank)
+
+
+def plan_for(plans: Sequence[FaultPlan], generation: int) -> Optional[FaultPlan]:
+    """The plan of world `generation` among `plans` (None if there is none)."""
+    return next((p for p in plans if p.generation == generation), None)
