@@ -426,3 +426,40 @@ def assert_final_checkpoints_identical(runs: dict, n: int) -> dict:
     kinds = {k.split(".")[2] for k in ours if k.startswith("optimizer.state.")}
     assert kinds == {"exp_avg", "exp_avg_sq", "param"}  # param: the fp32 main copy
     return ours
+
+
+def job_processes(tree: Path, grace: float = 10.0) -> list[str]:
+    """The processes of a Megatron-LM job of `tree` still running (`pid: command line`,
+    read from /proc: any whose command line names the tree's pretrain_gpt.py, the ranks and
+    whatever they forked) after up to `grace` seconds for them to end; those are then
+    killed, so that a failing check leaves nothing behind."""
+    import signal
+    import time
+
+    script = str(tree / "pretrain_gpt.py").encode()
+
+    def running() -> dict[int, str]:
+        out = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if script in cmd and state != "Z":
+                out[int(entry.name)] = cmd.replace(b"\0", b" ").decode(errors="replace")[:200]
+        return out
+
+    deadline = time.monotonic() + grace
+    left = running()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = running()
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return [f"{pid}: {cmd}" for pid, cmd in sorted(left.items())]

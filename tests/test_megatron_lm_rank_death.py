@@ -24,7 +24,8 @@ import torch
 
 from dynatrain_megatron.megatron_lm import adapter as mlm
 from dynatrain_megatron.megatron_lm import rank_death
-from megatron_lm_runs import CPU_FLAGS, TINY_GPT, layout_flags, load_common, run_launched
+from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, job_processes, layout_flags, load_common,
+                              run_launched)
 from megatron_lm_tree import copy_tree, require_snapshot
 
 
@@ -121,7 +122,7 @@ def run(tmp_path_factory):
             "--distributed-timeout-minutes", "3",
             "--dynatrain", "--dynatrain-rendezvous-dir", str(w / "rdv")],
         w / "job.log", env={"DYNATRAIN_FAULTS": faults})
-    return dict(w=w, status=status, text=text)
+    return dict(w=w, status=status, text=text, left=job_processes(tree))
 
 
 @pytest.mark.multirank
@@ -142,6 +143,9 @@ def test_survivors_recover_inside_megatron_lm(run):
     assert loaded == [("2", "16", "tp2pp1dp1", "2")] * 2
     assert "recovered from the death of ranks [3]: tp2pp2dp1 -> tp2pp1dp1 (from the checkpoint)" \
         in text
+    # nothing of the job outlives it: rank 3, killed after its save at 2 without its exit
+    # handlers, once left its forked checkpoint manager running
+    assert not run["left"], run["left"]
 
 
 @pytest.mark.multirank

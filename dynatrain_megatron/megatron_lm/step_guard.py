@@ -18,12 +18,16 @@ model, optimizer and data iterators, but three things outlive them:
   (with several distributed-optimizer instances the other instance even completes its
   whole step) while another has not; the survivors' memory then holds two iterations. So
   before the optimizer mutates anything, every rank of the layout agrees that all are
-  alive (one 4-byte all-reduce per step on the layout's CPU group, only in jobs that can
-  recover: `--dynatrain-rendezvous-dir`). A death before that vote: no rank has touched
+  alive (a 4-byte all-reduce on the layout's CPU group, only in jobs that can recover:
+  `--dynatrain-rendezvous-dir`). A death before that vote: no rank has touched
   its state, the survivors recover in memory at the last step boundary. A death after it
   (the update itself, the parameter all-gather, the rest of that step): the survivors
   report it (`mid_update`) and the recovery resumes from the last checkpoint instead,
-  never from state that is partly one iteration and partly the next.
+  never from state that is partly one iteration and partly the next. A second such vote
+  ends the optimizer step: a rank whose update needs no collective with the dead one
+  (the other instance's) would otherwise leave `train_step` and fail in the loop's next
+  collective outside it (its log line's reductions over the model-parallel group), where
+  nothing recovers; it fails in that vote instead, inside the step, like every survivor.
 
 Everything else the failed step held (gradient buffers, DDP's pending buckets, the
 pipeline's pending sends and receives) belongs to the layout's objects, which the recovery
@@ -105,13 +109,17 @@ class StepGuard:
         @functools.wraps(inner)
         def step(*args: Any, **kwargs: Any) -> Any:
             self._fault("optimizer")
-            if self.vote:
-                from ..elastic.communicators import everyone_ok
+            from ..elastic.communicators import everyone_ok
 
+            if self.vote:
                 everyone_ok(True, self._group)  # raises on every survivor if a rank is dead
                 self.mid_update = True
             self._fault("optimizer_update")
-            return inner(*args, **kwargs)
+            out = inner(*args, **kwargs)
+            if self.vote:
+                # no rank leaves the step before all finished their update (module doc)
+                everyone_ok(True, self._group)
+            return out
 
         optimizer.step = step
         setattr(optimizer, _WRAPPED, True)
