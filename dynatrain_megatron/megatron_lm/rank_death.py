@@ -55,6 +55,7 @@ import logging
 import sys
 from typing import Any, Optional
 
+from ..compat import stand_in_world
 from ..loop.death_recovery import HostLoop
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
@@ -95,6 +96,10 @@ def recover(args: Any, iteration: int, failure: str,
     s = current_session()
     if s is None:
         raise DynatrainError("recover() before the first dynatrain_step")
+    # the recovery's collectives, its roster and the world it re-forms are the real world's,
+    # not the layout's that Megatron-LM's code sees while some survivors are on standby
+    # (a failure inside train_step arrives here with that stand-in in use)
+    stand_in_world.use(None)
     old_config = s.trainer.objs.config if s.trainer is not None else None
     held = _held_by_megatron_lm(s)
     box: dict = {}
@@ -106,6 +111,7 @@ def recover(args: Any, iteration: int, failure: str,
     trainer, s.trainer = s.trainer, None
     what, trainer = s.hook.recover(trainer, failure)
     s.hook.host = None
+    s.guard.mid_update = False  # this recovery took it into account
     if what == "leave":
         log.warning("dynatrain: this survivor is not needed by the new layout: the process "
                     "ends")
@@ -113,7 +119,14 @@ def recover(args: Any, iteration: int, failure: str,
         raise SystemExit(0)
     if what == "standby":
         log.info("dynatrain: on standby after the recovery")
-        trainer = s.hook.standby()
+        try:
+            trainer = s.hook.standby()
+        except Exception as error:  # noqa: BLE001 - handed on or re-raised
+            failure = failure_of(error)
+        else:
+            failure = ""
+        if failure:  # a layout rank died while this one waited: recover from that too
+            return recover(args, iteration, failure, checkpointing_context)
         if trainer is None:
             return LoopObjects([], None, None, None, None, None,
                                iteration=arg_value(args, "train_iters", iteration), stop=True)
