@@ -27,7 +27,8 @@ Megatron-LM's globals end consistent with the new world: `parallel_state` (our g
 installed), `args` (world size, rank, layout sizes, consumed samples), the micro-batch
 calculator, the stand-in world of Megatron-LM's code, the model config's callbacks, the data
 iterators (rebuilt at the consumed samples). A survivor the new world does not need ends
-its process with status 0 (`dynatrain launch` reports the job by its last workers).
+its process with status 0 (`dynatrain launch` reports the job by its last workers); one it
+keeps on standby waits there, and recovers with the others if a layout rank dies next.
 
 A survivor blocked in a collective with another survivor learns of the death only when that
 one's sockets close, which on gloo happens only when nothing holds them any more; a survivor
