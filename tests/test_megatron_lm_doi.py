@@ -35,7 +35,7 @@ from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, checkpoint_tensors, differenc
 from megatron_lm_tree import copy_tree, require_snapshot
 
 # also on every other release (make test): two optimizer instances
-pytestmark = [pytest.mark.multirank, pytest.mark.every_release]
+pytestmark = pytest.mark.multirank
 
 N = 3
 A, B = "tp1pp1doi2dp4", "tp2pp1dp2"
