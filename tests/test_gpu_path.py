@@ -393,27 +393,98 @@ def test_gpu_check_dry_run_reports_missing_torch_apis_instead_of_failing(tmp_pat
     assert lines[("preflight", "new_group(device_id=)")] == "False"
     assert lines[("preflight", "ProcessGroup.abort")] == "False"
     assert lines[("preflight", "distributed.config.use_torchcomms")] == "False"
+    assert lines[("preflight", "model")] == "ok"  # every model config a check reads
     names = [line.split()[1] for line in p.stdout.splitlines() if line.startswith("check ")]
     assert names == ["a_background_prep", "b_memory_plan", "c_background_comms",
                      "d_abort_destroy", "e_executor_geometry", "g_megatron_lm"]
     md = (tmp_path / "gpu.md").read_text()
     assert md.startswith("# GPU check") and "dry run" in md and "| ProcessGroup.abort | False |" in md
     assert all(f"({x})" in md for x in "abcdefg")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", script)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = mod
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        del sys.modules["gpu_check"]
+    mod = _gpu_check_module()
     for c in mod.CHECKS:  # every check has its worker; the limits fit in 8 minutes
         assert callable(getattr(mod, f"w_{c.name}", None) or getattr(mod, f"run_{c.name}"))
     assert sum(c.limit_s for c in mod.CHECKS) <= 480 and mod.TOTAL_BUDGET_S < 480
     bad = subprocess.run([sys.executable, str(script), str(tmp_path), "--dry-run", "--only",
                           "nope"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "unknown checks" in bad.stderr
+
+
+def _gpu_check_module():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts/gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules["gpu_check"]
+    return mod
+
+
+def test_gpu_check_makes_its_copied_configs_readable(tmp_path):
+    """A tree copied onto the lent machine with a umask of 002 has group-writable model
+    configs, which the project refuses to read (so every check would fail): the check's
+    bootstrap clears those bits on this user's own files, and leaves links alone."""
+    import os
+
+    mod = _gpu_check_module()
+    models = tmp_path / "configs/models"
+    models.mkdir(parents=True)
+    for name, mode in (("a.yaml", 0o664), ("b.yaml", 0o644), ("c.yaml", 0o666)):
+        (models / name).write_text("name: x\n")
+        os.chmod(models / name, mode)
+    (models / "link.yaml").symlink_to(models / "b.yaml")
+    fixed, left = mod.tree_configs_writable_by_others(tmp_path)
+    assert fixed == ["configs/models/a.yaml", "configs/models/c.yaml"] and left == []
+    assert {p.name: p.lstat().st_mode & 0o777 for p in models.iterdir() if not p.is_symlink()} \
+        == {"a.yaml": 0o644, "b.yaml": 0o644, "c.yaml": 0o644}
+    assert mod.tree_configs_writable_by_others(tmp_path) == ([], [])
+
+
+def _gpu_check_workers_on_cpu(names: list) -> dict:
+    """gpu_check's workers on the CPU runtime (one gloo rank), with small models where the
+    GPU run uses large ones and the device-memory readings faked: what they call in the
+    project is what the one GPU run will call, so a change that breaks them fails here."""
+    import torch
+
+    from dynatrain_megatron.compat import prepare_runtime
+
+    prepare_runtime()
+    mod = _gpu_check_module()
+    real = mod._spec
+    small = dict(num_layers=4, hidden_size=512, ffn_hidden_size=1024, vocab_size=4000)
+    mod._spec = lambda name, **kw: (real(name, **kw).replace(**small) if name == "llama3-70b"
+                                    else real("tiny-gpt", **kw))
+    GiB = 1 << 30
+    torch.cuda.mem_get_info = lambda *a: (50 * GiB, 80 * GiB)  # this child process only
+    torch.cuda.memory_stats = lambda *a: {}
+    torch.cuda.max_memory_reserved = lambda *a: 0
+    return {n: getattr(mod, f"w_{n}")() for n in names}
+
+
+@pytest.mark.multirank
+def test_gpu_check_workers_run_on_the_cpu_with_small_models():
+    """The GPU check has one run on a lent machine: its workers' own logic (not the GPU's
+    figures) is exercised here. (d) is all CUDA/NCCL and is left to the GPU."""
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    (out,) = run_on_ranks(_gpu_check_workers_on_cpu, 1, ["a_background_prep", "b_memory_plan",
+                                                         "c_background_comms",
+                                                         "e_executor_geometry"], timeout=600)
+    a, b, c, e = (out[k] for k in ("a_background_prep", "b_memory_plan", "c_background_comms",
+                                   "e_executor_geometry"))
+    # (a) dropout 0.1 with and without B prepared beside A: the same bits
+    assert a["ok"] and a["losses_equal"] and a["weights_equal"] and a["prepare_error"] is None, a
+    # (b) two A->A switches, each planned and landed
+    assert b["ok"] and [r["aborted"] for r in b["switches"]] == [None, None], b
+    assert all(r["mode"] == "background" for r in b["switches"])
+    # (c) six groups made in the background while the main thread ran collectives
+    assert c["ok"] and c["groups"] == 6 and c["main_collectives"] >= 20, c
+    # (e) one rank's pieces through the loopback executor, the pause's parts measured
+    assert e["ok"] and not e["errors"] and e["pieces"] > 0 and e["bytes"] > e["local_bytes"], e
+    assert set(e["pause_breakdown"]) >= {"plan_s", "executor_s", "checksum_s"}
 
 
 def test_placement_falls_back_to_rank_order_without_ordered_groups(monkeypatch):
