@@ -1138,6 +1138,60 @@ def test_transfer_group_destroyed_by_every_rank_together_on_scale_in():
     assert res[0]["later"] == res[1]["later"] and res[0]["later"]  # members, one order
 
 
+def _first_layout_groups_case() -> dict:
+    """megatron-core's own initialize_model_parallel (as Megatron-LM calls it at start,
+    gloo twins included), wrapped as the first layout, then released."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from dynatrain_megatron.compat import prepare_runtime
+    from dynatrain_megatron.megatron_lm.adapter import wrap_megatron_groups
+
+    prepare_runtime()
+    registry = dist.distributed_c10d._world.pg_map
+    before = len(registry)
+    ps.initialize_model_parallel(2, 2, create_gloo_process_groups=True)
+    made = len(registry) - before
+    held: dict = {}  # group -> (its first global name, its members): same on every member
+    for k, v in sorted(vars(ps).items()):
+        if isinstance(v, dist.ProcessGroup) and v is not dist.group.WORLD:
+            held.setdefault(id(v), (k, tuple(dist.get_process_group_ranks(v))))
+    groups = wrap_megatron_groups(Layout.parse("tp2pp2", 4))
+    order = [held.get(id(g)) for g in groups.created]
+    destroyed = []
+    real = dist.destroy_process_group
+    dist.destroy_process_group = lambda g=None: destroyed.append(held.get(id(g))) or real(g)
+    try:
+        groups.destroy()  # what releasing the first layout does, on every rank
+    finally:
+        dist.destroy_process_group = real
+    left = len(registry) - before
+    ps.destroy_model_parallel()
+    return dict(made=made, order=order, destroyed=destroyed, all_held=len(set(held.values())),
+                left=left)
+
+
+@pytest.mark.multirank
+def test_megatron_lm_first_layout_groups_are_destroyed_with_it():
+    """Issue 27, 10: the groups Megatron-LM made for the first layout (megatron-core's
+    parallel_state, gloo twins included) belong to that layout and are destroyed with it,
+    every rank in the same order; torch's registry keeps none of them."""
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    res = run_on_ranks(_first_layout_groups_case, 4, timeout=300)
+    for me, r in enumerate(res):
+        assert r["made"] > 4 and r["left"] == 0, r  # every group megatron made is gone
+        assert None not in r["order"] and r["destroyed"] == r["order"], r
+        assert len(r["order"]) == r["all_held"]  # every distinct group megatron holds
+        for name, members in r["order"]:  # each of its members destroys it too
+            assert all((name, members) in res[m]["order"] for m in members), (me, name)
+    # any two ranks destroy the groups they share in the same order
+    for a in res:
+        for b in res:
+            common = [g for g in a["order"] if g in b["order"]]
+            assert common == [g for g in b["order"] if g in a["order"]]
+
+
 def test_releasing_a_layout_with_tp_comm_overlap_frees_tes_user_buffers(monkeypatch):
     """`--tp-comm-overlap`: TE's user buffers were set up once for the first layout; the
     layout built by a switch runs without them, so releasing the layout that had them
