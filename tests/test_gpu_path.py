@@ -1085,6 +1085,69 @@ def test_b_groups_get_the_jobs_nccl_options(monkeypatch, tmp_path):
     assert len(dp_like) >= 2
 
 
+# the job's args Megatron-LM's get_model makes a DDP config from besides the config's own
+# field names (facts of core_v0.16.1 and core_v0.19.0's training.py)
+_DDP_RENAMED_ARGS = ("accumulate_allreduce_grads_in_fp32", "check_for_nan_in_loss_and_grad",
+                     "check_for_large_grads", "ddp_bucket_size", "ddp_num_buckets",
+                     "ddp_average_in_collective", "ddp_pad_buckets_for_high_nccl_busbw")
+# what B's args may differ in from the job's: its layout, and how B's weights are made
+_LAYOUT_ARGS = {"tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                "context_parallel_size", "expert_model_parallel_size",
+                "expert_tensor_parallel_size", "data_parallel_size", "world_size", "rank",
+                "num_distributed_optimizer_instances", "decoder_first_pipeline_num_layers",
+                "decoder_last_pipeline_num_layers", "padded_vocab_size", "sequence_parallel",
+                "overlap_p2p_comm", "tp_comm_overlap", "use_cpu_initialization",
+                "data_parallel_random_init", "init_model_with_meta_device",
+                "enable_gloo_process_groups"}
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_b_ddp_config_comes_from_the_jobs_args_field_for_field(monkeypatch, backend):
+    """Inside Megatron-LM, B's DDP config is made by Megatron-LM's own get_model from a copy
+    of the job's args set to B (megatron_lm/builder.py). That copy equals the job's args in
+    every attribute but B's layout and weight-making ones; in particular every argument a
+    DDP config is made from (each config field's namesake and the renamed flags) is the
+    job's, but the optimizer-instance count, which is B's. (That get_model turns these args
+    into the config is Megatron-LM's code, run by the Megatron-LM tests.)"""
+    import dataclasses
+    import types
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from dynatrain_megatron.megatron_lm.builder import MegatronLMBuilder
+    from dynatrain_megatron.megatron_lm.transformer_config import JobIntents
+    from dynatrain_megatron.mcore.train_config import TrainConfig
+
+    ddp_args = [f.name for f in dataclasses.fields(DistributedDataParallelConfig)]
+    ddp_args += list(_DDP_RENAMED_ARGS)
+    job = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+               data_parallel_size=2, world_size=8, rank=0, sequence_parallel=True,
+               enable_gloo_process_groups=True, hidden_dropout=0.1, lr=3e-4, seed=1234,
+               transformer_impl="transformer_engine", nccl_communicator_config_path="/x.yaml")
+    # every DDP source set to a value of its own (not a default), so a reset would show
+    job.update({n: ("job", n) for n in ddp_args})
+    job["num_distributed_optimizer_instances"] = 1
+    args = types.SimpleNamespace(**job)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    builder = MegatronLMBuilder(TINY_GPT, TrainConfig(), args=args,
+                                intents=JobIntents.from_args(args),
+                                model_provider=lambda *x: None)
+    b = Layout.parse("tp1pp2dp4", 8)
+    b_args = builder.args_for(b, types.SimpleNamespace(rank=5), init_weights=False)
+    assert vars(args) == job  # the job's own args are untouched
+    for n in ddp_args:
+        if n != "num_distributed_optimizer_instances":
+            assert getattr(b_args, n) is getattr(args, n), n
+    assert b_args.num_distributed_optimizer_instances == b.doi
+    differ = {k for k in set(vars(args)) | set(vars(b_args))
+              if getattr(args, k, None) != getattr(b_args, k, None)}
+    assert differ <= _LAYOUT_ARGS, differ - _LAYOUT_ARGS
+    assert b_args.tensor_model_parallel_size == 1 and b_args.data_parallel_size == 4
+    # B's groups have no gloo twins under NCCL (megatron's legacy checkpoint formats only)
+    assert b_args.enable_gloo_process_groups is (backend == "gloo")
+
+
 def test_options_we_cannot_honour_are_refused_at_start():
     import types
 
