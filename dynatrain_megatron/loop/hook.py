@@ -319,9 +319,7 @@ class DynatrainHook:
             except Exception as e:  # noqa: BLE001 - B's groups or preparation failed
                 error = e
             t1 = self.stall.lap("warm_up", t1)
-            # on the CPU control group, never the default NCCL communicator: aborted by
-            # NCCL's watchdog, a vote there hands a rank its own flag back as the result
-            ok = everyone_ok(error is None, control_group())
+            ok = everyone_ok(error is None, control_group())  # gloo: never NCCL's own value
             self.stall.lap("votes", t1)
             if not ok:  # every rank gives up alike, A untouched
                 return self._preparation_failed(trainer, dst, kw, error)
