@@ -907,6 +907,7 @@ def _vote_case(deadline: float) -> dict:
     return out
 
 
+@pytest.mark.multirank
 def test_votes_agree_and_a_dead_or_hung_peer_fails_every_vote_alike():
     from dynatrain_megatron.testing.multiproc import run_on_ranks
 
@@ -1004,6 +1005,7 @@ def _prepare_deadline_case(mode: str) -> dict:
     return dict(out=out, s=waited, abandon_s=time.monotonic() - t1)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("mode", ["fail", "hang"])
 def test_background_preparation_has_a_deadline(mode):
     from dynatrain_megatron.testing.multiproc import run_on_ranks
@@ -1190,6 +1192,7 @@ def _transfer_release_case() -> dict:
                 transfer_kept=any(g is transfer for g in b.created))
 
 
+@pytest.mark.multirank
 def test_transfer_group_destroyed_by_every_rank_together_on_scale_in():
     from dynatrain_megatron.testing.multiproc import run_on_ranks
 
