@@ -111,6 +111,17 @@ def test_switches_and_standby_inside_megatron_lm(run):
                                        r"[0-9.]+ s \[", text)] == [str(inn), str(out), str(inn2)]
     assert text.count("this rank is not in the new layout; on standby") == 4
     assert "dynatrain: dynatrain:" not in text and "iteration None" not in text
+    # requested switches: B's data iterators were built in the background at the count of
+    # the build's start and advanced at the switch (on a rank back from standby, from its
+    # last step before it), not built again inside the stall (megatron_lm/data_ahead.py),
+    # unless an evaluation ran between the build and the switch (validation samples moved)
+    prepared = re.findall(r"iteration \d+: switched .*B prepared in the background \((.*)\)",
+                          text)
+    assert len(prepared) == 3 and any("data_iterators" in p for p in prepared), prepared
+    again = re.findall(r"built ahead are for (\d+)/(\d+) consumed samples, the switch is at "
+                       r"(\d+)/(\d+)", text)
+    assert all(v0 != v1 for _, v0, _, v1 in again), again
+    assert bool(again) == (not all("data_iterators" in p for p in prepared)), (again, prepared)
     # rank 0 also reports the steps taken while the others were on standby
     assert {int(i) for i in re.findall(r"dynatrain: iteration (\d+) done at tp1pp2dp1 on 2 "
                                        r"of 4 ranks", text)} == (set(range(inn, out))
