@@ -1,5 +1,5 @@
 """Real Megatron-LM with two distributed-optimizer instances
-(`--num-distributed-optimizer-instances 2`) switching its layout in memory: one torchrun job
+(`--num-distributed-optimizer-instances 2`) switching its layout in memory: one job
 of the snapshot's own pretrain_gpt.py (copied and patched) on 4 gloo ranks.
 
 The job starts at tp1pp1doi2dp4, built by Megatron-LM itself (its groups, its partial

@@ -1,6 +1,6 @@
 """Real Megatron-LM (the snapshot's own pretrain_gpt.py, copied and patched) switching its
 layout in memory, against Megatron-LM's own restart. For each case, one group of three
-torchrun jobs on 4 gloo ranks checks many things:
+jobs on 4 gloo ranks checks many things:
 
 * switched: patched, `--dynatrain`, the job trains at A, a `--dynatrain-schedule` switch
   lands exactly after iteration K at B, training goes on to N and `--save`s there;
