@@ -28,6 +28,11 @@ smallest set of patches that lets its GPT/MoE models, DDP and DistributedOptimiz
    `grouped_gemm` is CUDA only; `grouped_gemm.ops.gmm` is stood in by a batch of plain torch
    matmuls, one per expert (`gmm`), and `torch.cuda.get_device_capability()` answers (8, 0),
    the least Megatron-LM's argument validation asks of a device for grouped GEMM.
+   GroupedMLP decorates two closures (its GLU and the probability scaling) with
+   `jit_fuser` (torch.compile) in each instance's `__init__`: every layer's would be
+   compiled anew with TorchInductor (minutes on 2 cores) until torch's recompile limit,
+   after which later instances (a switch's layout B) would run eagerly, with other
+   rounding than the compiled ones of a restart. They run eagerly everywhere instead.
 
 `apply_if_needed()` applies all of it only when `torch.cuda.is_available()` is False and is
 idempotent; on a GPU it does nothing, so behaviour there is megatron's own.
@@ -222,6 +227,9 @@ def _patch_grouped_gemm() -> None:
         return
     if gg.grouped_gemm is not None:
         return
+    from megatron.core.transformer.moe import experts
+
+    experts.jit_fuser = lambda fn: fn  # the name GroupedMLP's __init__ decorates with
     mod = types.ModuleType("grouped_gemm")
     mod.__doc__ = "dynatrain's CPU stand-in for grouped_gemm: per-expert torch matmuls"
     mod.ops = types.SimpleNamespace(gmm=gmm)
