@@ -15,7 +15,9 @@ One group of two torchrun jobs on 4 gloo ranks per recipe, each checking several
   column-parallel low-rank projection is re-split).
 * qwen_moe: Qwen3-MoE-shaped: `--qk-layernorm`, top-2 routing with the aux loss, a shared
   expert, `--moe-layer-freq [0,1,1,1]` (a dense first layer), `--rotary-base 1000000`,
-  GQA, bf16; a PP, EP and DP change, tp1pp2ep2dp2 -> tp1pp1ep4dp4. At A the two pipeline
+  GQA, bf16, `--moe-grouped-gemm` (megatron-core 0.16's GroupedMLP: all local experts of a
+  layer in two weights; on the CPU its kernel is `compat.cpu.gmm`, in both jobs); a PP, EP
+  and DP change, tp1pp2ep2dp2 -> tp1pp1ep4dp4. At A the two pipeline
   stages have different layer patterns (stage 0: dense + MoE, stage 1: MoE + MoE), which a
   B built with A's pipeline rank would get wrong.
 
@@ -45,6 +47,7 @@ LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--use-
 QWEN_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
             "--moe-aux-loss-coeff", "1e-2", "--moe-shared-expert-intermediate-size", "32",
             "--moe-layer-freq", "[0,1,1,1]", "--moe-token-dispatcher-type", "alltoall",
+            "--moe-grouped-gemm",
             "--qk-layernorm", "--position-embedding-type", "rope", "--rotary-base", "1000000",
             "--group-query-attention", "--num-query-groups", "2", "--swiglu",
             "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
@@ -96,6 +99,10 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert args["rotary_base"] == "1000000" and args["qk_layernorm"] == "True"
         assert args["moe_layer_freq"] == "[0, 1, 1, 1]"
         assert args["moe_shared_expert_intermediate_size"] == "32"
+        assert args["moe_grouped_gemm"] == "True"
+        # megatron-core built GroupedMLP (its deprecation warning), in both jobs
+        for run in ("switched", "resumed"):
+            assert "The legacy GroupedMLP will be deprecated" in runs[run], run
 
 
 def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
