@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 NPROC ?= 4
 STAMP := $(VENV)/.installed
 
-.PHONY: install run run-mcore test test-fast bench clean
+.PHONY: install run run-mcore test test-fast bench clean gpu-wheels
 
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,8 +19,8 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 # the main job, real Megatron-LM (MEGATRON_LM=DIR for your own checkout of a supported release;
-# default ../shared/megatron-lm/core_v0.16.1, the release every test passes on; core_v0.19.0
-# gets its dataset helper built in the copy: g++ and the extra's pybind11): a patched copy trains with the plain torchrun command,
+# default ../shared/megatron-lm/core_v0.19.0, the latest release, the one the whole suite
+# runs on; its dataset helper is built in the copy: g++ and the extra's pybind11): a patched copy trains with the plain torchrun command,
 # switches through its schedule and signal file (a scale-in and a scale-out among them),
 # beside its own --save + restart + --load, timed
 run: $(STAMP)
@@ -30,9 +30,9 @@ run: $(STAMP)
 run-mcore: $(STAMP)
 	$(BIN)/python scripts/main_job.py --nproc $(NPROC)
 
-# the whole suite on the default Megatron-LM release (core_v0.16.1, the one every test passes
-# on), then the tests marked every_release on the others (docs/releases.md: the test matrix)
-OTHER_MEGATRON_LM ?= core_v0.19.0
+# the whole suite on the default Megatron-LM release (core_v0.19.0, the latest), then the
+# tests marked every_release on the others (docs/releases.md: the test matrix)
+OTHER_MEGATRON_LM ?= core_v0.16.1
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --timeout=1500 --durations=20
 	for r in $(OTHER_MEGATRON_LM); do \
@@ -41,6 +41,13 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not multirank"
+
+# what scripts/gpu_check.py needs on the lent GPU machine (Python 3.12, its own torch, no
+# network, no megatron-core): wheels in the git-ignored gpu_wheels/, which the device tool
+# carries with the tree (carry=["gpu_wheels"]); docs/gpu.md
+gpu-wheels: $(STAMP)
+	$(BIN)/pip download -q --no-deps --python-version 3.12 --only-binary=:all: -d gpu_wheels \
+	  megatron-core==0.16.1 "packaging>=24.2" "einops~=0.8" psutil
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
