@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Sequence
 
-from ..loop.launch import free_port, worker_env
+from ..loop.launch import reserved_port, worker_env
 
 
 def script_imports(script: Path) -> list[str]:
@@ -105,7 +105,12 @@ def run(nproc: int, script: Path, args: Sequence[str], grace_s: float = 10.0) ->
     if nproc < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {nproc}")
     preload(script)
-    port = free_port()
+    with reserved_port() as port:  # held until the workers ended (`loop.launch`)
+        return _fork_and_wait(nproc, port, script, args, grace_s)
+
+
+def _fork_and_wait(nproc: int, port: int, script: Path, args: Sequence[str],
+                   grace_s: float) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     pids: dict[int, int] = {}
