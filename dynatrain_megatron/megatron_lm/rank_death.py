@@ -136,6 +136,7 @@ def recover(args: Any, iteration: int, failure: str,
                 trainer.objs.layout, trainer.objs.layout.world_size, trainer.iteration,
                 "from the last checkpoint" if box else "recovered in memory")
     loop = s.rebind_loop(trainer, old_config, flops=box.get("flops"))
+    s.guard.resume_at(trainer.iteration)
     s.guard.at_boundary(trainer.iteration, trainer.objs)
     s.enter_layout_world()
     return loop

@@ -9,7 +9,8 @@ model, optimizer and data iterators, but three things outlive them:
 * megatron-core's `RerunStateMachine` (a global): the failed `forward_backward_func` left
   it in its initial run, so the next `train_step` would skip its forward-backward loop
   (`UnboundLocalError: losses_reduced`). `reset_after_failed_step` puts back the state and
-  iteration count it had at the last step boundary.
+  iteration count it had at the last step boundary; `resume_at` then sets the count to the
+  iteration the recovery goes on from (an older `--save`'s, when it loads one).
 * Megatron-LM's timers (a global): those the failed step started are still running, and
   starting them again asserts. Every timer that was not running at the last step boundary
   is reset (the interrupted step's partial times are dropped).
@@ -99,6 +100,16 @@ class StepGuard:
         if self._rerun is not None:
             _rerun_restore(*self._rerun)
         _reset_timers_except(self._running_timers)
+
+    def resume_at(self, iteration: int) -> None:
+        """After a recovery, before the loop's next step: the loop goes on after
+        `iteration` (the last boundary's, or an older `--save`'s). megatron-core's rerun
+        state machine counts the loop's iterations (Megatron-LM's `train()` sets its count
+        to the iteration it starts from, and a checkpoint saved at a boundary does not
+        restore it): it counts from there too, as after Megatron-LM's own restart."""
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        get_rerun_state_machine().current_iteration = iteration
 
     # ------------------------------------------------------------------ optimizer step
     def _wrap_optimizer(self, optimizer: Any) -> None:
