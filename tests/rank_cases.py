@@ -59,7 +59,7 @@ def train_cases(cases: list[tuple[str, str, int, dict]]) -> list[dict]:
 
 def spec_variant(name: str) -> ModelSpec:
     """`tiny-gpt+tied` = tiny-gpt with tied embeddings, `+bf16` = bf16 params, `+v1280` = a
-    vocab of 1280, ..."""
+    vocab of 1280, `+ddp` = without the distributed optimizer, ..."""
     base, *mods = name.split("+")
     s = spec(base)
     for m in mods:
@@ -67,7 +67,9 @@ def spec_variant(name: str) -> ModelSpec:
              "bf16": lambda x: x.replace(params_dtype="bf16"),
              "ln": lambda x: x.replace(normalization="LayerNorm", add_bias_linear=True),
              # 1280 rows: no vocab padding up to TP 2, padding rows at TP 4 (1536)
-             "v1280": lambda x: x.replace(vocab_size=1280)}[m](s)
+             "v1280": lambda x: x.replace(vocab_size=1280),
+             # plain DDP: megatron's FP32Optimizer / Float16OptimizerWithFloat16Params
+             "ddp": lambda x: x.replace(distributed_optimizer=False)}[m](s)
     return s
 
 
