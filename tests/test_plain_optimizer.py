@@ -4,6 +4,8 @@ its TP/PP/EP shard, and plans move it like the weights (pure, small worlds)."""
 import numpy as np
 import pytest
 
+from dynatrain_megatron.advisor.memory import (state_bytes_by_stage, state_bytes_per_rank,
+                                              state_lower_bound)
 from dynatrain_megatron.routing import build_plan, validate_plan
 from dynatrain_megatron.transition.vocab_padding import padding_holdings, padding_plan
 from dynatrain_megatron.vps import (KINDS, OPT_KINDS, LayoutError, Placement, analytic_layout,
@@ -148,3 +150,21 @@ def test_several_optimizer_instances_need_the_distributed_optimizer():
     assert any("needs the distributed optimizer" in e for e in layout_errors(s, L))
     with pytest.raises(LayoutError, match="need the distributed optimizer"):
         analytic_layout(s, L)
+
+
+@pytest.mark.parametrize("model,text,world", [LAYOUTS[0], LAYOUTS[2], LAYOUTS[4]])
+def test_advisor_counts_the_whole_optimizer_state_on_every_replica(model, text, world):
+    """The advisor's exact per-rank state: main params and moments of every local parameter
+    (vocab padding included), and its cheap bound stays below it."""
+    s, L = plain(model), lay(text, world)
+    al = analytic_layout(s, L)
+    per_rank = state_bytes_per_rank(s, L)
+    nopt = 2 + (s.params_dtype != "fp32")
+    for r, sb in enumerate(per_rank):
+        c = L.coords(r)
+        local = sum(p.numel for ch in range(L.vpp) for p in al.chunk_params(c.pp, ch))
+        assert sb.main_param + sb.optimizer == local * 4 * nopt
+    stages = state_bytes_by_stage(s, L)
+    assert (state_lower_bound(s, L) <= stages).all()
+    dist = state_bytes_by_stage(spec(model), L)
+    assert (stages > dist).all() if L.dp_cp > 1 else (stages == dist).all()

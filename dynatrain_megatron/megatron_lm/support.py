@@ -58,10 +58,6 @@ def _optimizer(a: Any) -> list[str]:
     return [] if opt == "adam" else [f"--optimizer {opt}"]
 
 
-def _without_distributed_optimizer(a: Any) -> list[str]:
-    return [] if _v(a, "use_distributed_optimizer", True) else ["no --use-distributed-optimizer"]
-
-
 def _layer_pattern(a: Any) -> list[str]:
     out = []
     if (_set(_v(a, "multi_latent_attention"))
@@ -100,9 +96,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "Megatron-LM's own --load at another layout fails for SGD (no optimizer state is "
             "created before the load, core_v0.16.1); the Muon "
             "optimizers are layer-wise, with state the switch does not read", _optimizer),
-    Refusal("no --use-distributed-optimizer", "not_yet",
-            "the planning layout describes the distributed optimizer's shards; the plain "
-            "optimizer's replicated state is not described yet", _without_distributed_optimizer),
     Refusal("--use-torch-fsdp2, --use-megatron-fsdp, --use-custom-fsdp, "
             "--use-layer-wise-distributed-optimizer, --optimizer-cpu-offload, "
             "--use-precision-aware-optimizer", "not_yet",
