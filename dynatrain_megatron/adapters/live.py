@@ -83,12 +83,27 @@ def is_distributed(opt) -> bool:
     return isinstance(opt, DistributedOptimizer)
 
 
+def fp32_copies_of(opt) -> list[list[torch.Tensor]]:
+    """The separate fp32 main copies one of `optimizers_of`'s optimizers keeps of bf16/fp16
+    weights, per param group (none for fp32 weights, whose main copy is the weight or a
+    view of it): what rebuilding the weights from their masters copies from."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    if is_distributed(opt):
+        return opt.shard_fp32_from_float16_groups
+    if isinstance(opt, Float16OptimizerWithFloat16Params):
+        return opt.fp32_from_float16_groups
+    return []
+
+
 def _plain_main_params(opt) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
     """(model param, fp32 main param) of a plain megatron optimizer, in its group order:
     `Float16OptimizerWithFloat16Params` keeps an fp32 copy of each bf16/fp16 parameter
     (`float16_groups` beside `fp32_from_float16_groups`) and steps fp32 parameters
     themselves (`fp32_from_fp32_groups`); `FP32Optimizer` steps the model's parameters."""
-    if hasattr(opt, "fp32_from_float16_groups"):
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    if isinstance(opt, Float16OptimizerWithFloat16Params):
         for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
             yield from zip(model_group, main_group)
         for group in opt.fp32_from_fp32_groups:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat.torch_features import ordered_groups
-from ..adapters.live import (LiveState, is_distributed, optimizer_state_complete,
+from ..adapters.live import (LiveState, fp32_copies_of, optimizer_state_complete,
                              optimizers_of, read_optimizer_step, storage_fingerprint,
                              write_optimizer_step)
 from ..adapters.verify import check_live_matches_analytic
@@ -273,10 +273,7 @@ def rebuild_weights_from_masters(objs) -> None:
     A plain optimizer (no distributed optimizer) holds whole fp32 copies: the copy is the
     whole rebuild, with nothing to gather."""
     for opt in optimizers_of(objs.optimizer):
-        if is_distributed(opt):
-            if any(len(g) for g in opt.shard_fp32_from_float16_groups):
-                opt._copy_main_params_to_model_params()
-        elif any(len(g) for g in getattr(opt, "fp32_from_float16_groups", ())):
+        if any(len(g) for g in fp32_copies_of(opt)):
             opt._copy_main_params_to_model_params()
     for m in objs.model:
         if m.ddp_config.use_distributed_optimizer and any(
