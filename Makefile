@@ -19,8 +19,8 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 # the main job, real Megatron-LM (MEGATRON_LM=DIR for your own checkout of a supported release;
-# default ../shared/megatron-lm/core_v0.16.1, the release every test passes on; core_v0.19.0
-# gets its dataset helper built in the copy: g++ and the extra's pybind11): a patched copy trains with the plain torchrun command,
+# default ../shared/megatron-lm/core_v0.19.0, the latest release, the one the whole suite
+# runs on; its dataset helper is built in the copy: g++ and the extra's pybind11): a patched copy trains with the plain torchrun command,
 # switches through its schedule and signal file (a scale-in and a scale-out among them),
 # beside its own --save + restart + --load, timed
 run: $(STAMP)
@@ -30,9 +30,9 @@ run: $(STAMP)
 run-mcore: $(STAMP)
 	$(BIN)/python scripts/main_job.py --nproc $(NPROC)
 
-# the whole suite on the default Megatron-LM release (core_v0.16.1, the one every test passes
-# on), then the tests marked every_release on the others (docs/releases.md: the test matrix)
-OTHER_MEGATRON_LM ?= core_v0.19.0
+# the whole suite on the default Megatron-LM release (core_v0.19.0, the latest), then the
+# tests marked every_release on the others (docs/releases.md: the test matrix)
+OTHER_MEGATRON_LM ?= core_v0.16.1
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --timeout=1500 --durations=20
 	for r in $(OTHER_MEGATRON_LM); do \

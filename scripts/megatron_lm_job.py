@@ -1,8 +1,8 @@
 """The main job (`make run`): real Megatron-LM, switched in memory through the signal file,
 beside Megatron-LM's own save + restart + load, timed.
 
-Copies Megatron-LM (default: the release every test passes on, `../shared/megatron-lm/
-core_v0.16.1`; `MEGATRON_LM=DIR` any supported checkout, the user's own), builds its dataset
+Copies Megatron-LM (default: the latest release, the one the whole suite runs on,
+`../shared/megatron-lm/core_v0.19.0`; `MEGATRON_LM=DIR` any supported checkout, the user's own), builds its dataset
 helper where it has its own megatron-core, patches the copy with our patch
 (`megatron_lm.checkout.working_copy`), and runs its own
 `pretrain_gpt.py` with the plain torchrun command on gloo ranks (CPU flags):

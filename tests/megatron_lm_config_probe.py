@@ -2,7 +2,8 @@
 the path: for each case, Megatron-LM's own validated args for a job at A, the config our
 factory makes from them for layout B, and the config Megatron-LM makes when launched at B
 (`core_transformer_config_from_args` of its validated args); prints the differing fields
-as JSON. argv: a JSON list of [flags at A, flags at B, B's layout]."""
+as JSON. Then (SAMPLER line) whether iterators advanced to a later count yield what
+Megatron-LM's sampler yields from that count (`sampler_advanced_as_built_later`). argv: a JSON list of [flags at A, flags at B, B's layout]."""
 import dataclasses
 import functools
 import json
@@ -60,6 +61,36 @@ def main() -> None:
                     "recompute": ours.recompute_granularity,
                     "perform_initialization": ours.perform_initialization})
     print("RESULT " + json.dumps(out))
+    print("SAMPLER " + json.dumps(sampler_advanced_as_built_later()))
+
+
+def sampler_advanced_as_built_later() -> list:
+    """Megatron-LM's own sequential sampler through a DataLoader and megatron-core's replay
+    wrapper: a loader started at c0 and advanced (`data_ahead.advance`) to c1 yields, on
+    every data-parallel rank, what one started at c1 yields (the next micro-batches);
+    returns the cases where it does not."""
+    from torch.utils.data import DataLoader
+
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
+
+    from dynatrain_megatron.megatron_lm.data_ahead import advance
+
+    def loader(consumed, mbs, rank, dp):
+        sampler = MegatronPretrainingSampler(400, consumed, mbs, rank, dp)
+        return iter(DataLoader(list(range(400)), batch_sampler=sampler))
+
+    wrong = []
+    for mbs, dp, c0, c1 in ((2, 2, 24, 56), (1, 4, 0, 32), (4, 1, 8, 8), (2, 3, 12, 84)):
+        for rank in range(dp):
+            ahead = [RerunDataIterator(loader(c0, mbs, rank, dp)), None]  # VPP: 2 chunks
+            advance(ahead, (c1 - c0) // (mbs * dp))
+            later = loader(c1, mbs, rank, dp)
+            got = [next(ahead[0]).tolist() for _ in range(4)]
+            want = [next(later).tolist() for _ in range(4)]
+            if got != want or ahead[0].saved_microbatches[:-4]:
+                wrong.append([mbs, dp, c0, c1, rank, got, want])
+    return wrong
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Running Megatron-LM's own pretrain_gpt.py (a copy of the snapshot) with torchrun on gloo
-ranks, reading its losses from the log and its checkpoints as logical tensors."""
+"""Running Megatron-LM's own pretrain_gpt.py (a copy of the snapshot) on gloo ranks in
+torchrun's environment (forked after one import: `torchrun_cmd`), reading its losses from
+the log and its checkpoints as logical tensors."""
 import os
 import re
 import subprocess
@@ -61,9 +62,16 @@ def job_env(tree: Path, *, patched: bool = True, extra: Optional[dict] = None,
 
 
 def torchrun_cmd(tree: Path, nproc: int, flags: list[str]) -> list[str]:
-    """The plain torchrun command of `tree`'s pretrain_gpt.py on `nproc` ranks."""
-    return [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc),
-            str(tree / "pretrain_gpt.py"), *flags]
+    """The command of `tree`'s pretrain_gpt.py on `nproc` ranks: the workers forked after
+    one import of torch and Megatron-LM, in torchrun's environment
+    (`dynatrain_megatron/testing/forked_launch.py`: most of a tiny job's start-up on 2
+    cores); `DYNATRAIN_TEST_LAUNCHER=torchrun`: the plain torchrun command (the README's
+    quickstart test always runs that)."""
+    script = str(tree / "pretrain_gpt.py")
+    if os.environ.get("DYNATRAIN_TEST_LAUNCHER") == "torchrun":
+        return [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), script, *flags]
+    return [sys.executable, "-m", "dynatrain_megatron.testing.forked_launch",
+            "--nproc-per-node", str(nproc), script, *flags]
 
 
 def run_megatron_lm(tree: Path, nproc: int, flags: list[str], log: Path, *,

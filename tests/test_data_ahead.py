@@ -24,15 +24,15 @@ def world(tmp_path):
     dist.destroy_process_group()
 
 
-def _ahead(decision, built):
+def _ahead(decision, built, train="train", **args):
     args = argparse.Namespace(consumed_train_samples=24, consumed_valid_samples=8,
-                              global_batch_size=8, do_train=0)
+                              global_batch_size=8, do_train=0, micro_batch_size=2, **args)
     ahead = DataAhead(args, spec=None, sequence_parallel=False, decision=lambda: decision,
                       rebuild=None)
 
     def fake_build(layout, groups, num_chunks, consumed, note):
         built.append(consumed)
-        return ("train", "valid", "test"), {"do_train": 1}
+        return (train(consumed) if callable(train) else train, "valid", "test"), {"do_train": 1}
 
     ahead._build = fake_build
     return ahead
@@ -71,10 +71,37 @@ def test_built_ahead_at_the_scheduled_switch_count_and_taken_only_when_it_fits(w
     assert ahead.take(SimpleNamespace(layout_group=None, layout_group_cpu=None), 56, 8) is None
 
 
-def test_not_built_ahead_for_a_request_in_the_pause_or_behind_the_loop(world):
+def test_a_requested_switch_builds_at_the_count_now_and_advances_to_where_it_lands(world):
+    """The landing iteration of a requested switch is not known when B is built: its
+    iterators start at the count noted then and are advanced at the switch, one micro-batch
+    of every data-parallel rank (micro-batch size x B's dp samples) at a time."""
     lay = Layout.parse("tp1pp1dp1", 1)
     built = []
-    request = _ahead(SimpleNamespace(at=None), built)
+
+    def train(consumed):  # one per virtual stage; a stage that reads no data has None
+        return [iter(range(consumed // 2, 1000)), None]
+
+    ahead = _ahead(SimpleNamespace(at=None), built, train=train)
+    ahead.note_step(3)
+    assert _in_thread(ahead.target, lay, world) == (24, "")
+    _in_thread(ahead.build, lay, world, 1)
+    assert built == [24]
+    it = ahead.take(world, 40, 8)[0]  # two steps of 8 samples later: 8 micro-batches of 2
+    assert next(it[0]) == 40 // 2 and it[1] is None
+    for consumed in (41, 20):  # not a whole micro-batch ahead; behind: built again
+        _in_thread(ahead.build, lay, world, 1)
+        assert ahead.take(world, consumed, 8) is None
+    # a shuffled sampler cannot be advanced: built at the switch
+    cyclic = _ahead(SimpleNamespace(at=None), built, dataloader_type="cyclic")
+    cyclic.note_step(3)
+    assert "--dataloader-type cyclic cannot be advanced" in _in_thread(
+        cyclic.target, lay, world)[1]
+
+
+def test_not_built_ahead_in_the_pause_or_behind_the_loop(world):
+    lay = Layout.parse("tp1pp1dp1", 1)
+    built = []
+    request = _ahead(SimpleNamespace(at=None), built, dataloader_type="cyclic")
     request.note_step(3)
     assert _in_thread(request.target, lay, world)[1].startswith("a requested switch")
     _in_thread(request.build, lay, world, 1)

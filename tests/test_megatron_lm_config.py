@@ -46,20 +46,35 @@ CASES = [  # (flags at A, flags Megatron-LM would be launched with at B, B)
 
 
 @pytest.fixture(scope="module")
-def results():
+def probe():
     snapshot = require_snapshot()
     env = job_env(snapshot)
     proc = subprocess.run([sys.executable, str(PROBE), json.dumps(CASES)], env=env,
                           capture_output=True, text=True, timeout=300)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(line[-1][len("RESULT "):])
+    sampler = [ln for ln in proc.stdout.splitlines() if ln.startswith("SAMPLER ")]
+    return dict(configs=json.loads(line[-1][len("RESULT "):]),
+                sampler=json.loads(sampler[-1][len("SAMPLER "):]))
+
+
+@pytest.fixture(scope="module")
+def results(probe):
+    return probe["configs"]
 
 
 def test_b_config_is_megatron_lm_own_at_b(results):
     assert len(results) == len(CASES)
     for r in results:
         assert r["diff"] == [], r
+
+
+def test_iterators_built_ahead_advance_as_megatron_lm_samples(probe):
+    """B's data iterators of a requested switch are built at the count when the build
+    starts and advanced at the switch (megatron_lm/data_ahead.py): with Megatron-LM's own
+    sequential sampler, its DataLoader and the replay wrapper, that gives every
+    data-parallel rank the micro-batches a loader started at the switch's count gives."""
+    assert probe["sampler"] == []
 
 
 def test_layout_dependent_settings_follow_megatron_lm_rules(results):

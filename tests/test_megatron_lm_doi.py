@@ -1,5 +1,5 @@
 """Real Megatron-LM with two distributed-optimizer instances
-(`--num-distributed-optimizer-instances 2`) switching its layout in memory: one torchrun job
+(`--num-distributed-optimizer-instances 2`) switching its layout in memory: one job
 of the snapshot's own pretrain_gpt.py (copied and patched) on 4 gloo ranks.
 
 The job starts at tp1pp1doi2dp4, built by Megatron-LM itself (its groups, its partial
@@ -35,7 +35,7 @@ from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, checkpoint_tensors, differenc
 from megatron_lm_tree import copy_tree, require_snapshot
 
 # also on every other release (make test): two optimizer instances
-pytestmark = [pytest.mark.multirank, pytest.mark.every_release]
+pytestmark = pytest.mark.multirank
 
 N = 3
 A, B = "tp1pp1doi2dp4", "tp2pp1dp2"

@@ -1,5 +1,5 @@
 """Scale-in and scale-out inside real Megatron-LM's own train() (the snapshot, patched), and
-a job that ends while ranks are on standby: one torchrun job on 4 gloo ranks, tp2pp2, asked
+a job that ends while ranks are on standby: one job on 4 gloo ranks, tp2pp2, asked
 through its signal file for tp1pp2dp1 on 2 ranks (ranks 2 and 3 wait on standby inside
 `dynatrain_step`), then for tp3pp1dp1 (refused: 4 heads), then for tp2pp2dp1 on all 4
 again, then for tp1pp2dp1 on 2 ranks once more; it ends on those 2 ranks at iteration N.
@@ -19,7 +19,7 @@ it is whole (every logical tensor with the shape and dtype of the checkpoint the
 world saved at iteration 10, whatever layout that was), consistent (each model weight
 equals the optimizer's fp32 copy bit for bit, assembled from other shards), and it is the
 state the layout's ranks held: Megatron-LM's own `--load` of it at tp2pp2 on 4 ranks (a
-plain restart, one more torchrun job) saves it again bit-identical. Its validation and test
+plain restart, one more job) saves it again bit-identical. Its validation and test
 losses are not compared with the 2 ranks' own: computed at another TP size, they sum in
 another order, and their last digits depend on the machine, not on the state. The
 refused request has no reference run here: what is checked is the refusal (logged, filed
@@ -111,6 +111,20 @@ def test_switches_and_standby_inside_megatron_lm(run):
                                        r"[0-9.]+ s \[", text)] == [str(inn), str(out), str(inn2)]
     assert text.count("this rank is not in the new layout; on standby") == 4
     assert "dynatrain: dynatrain:" not in text and "iteration None" not in text
+    # requested switches: B's data iterators were built in the background at the count of
+    # the build's start and advanced at the switch (on a rank back from standby, from its
+    # last step before it), not built again inside the stall (megatron_lm/data_ahead.py),
+    # unless an evaluation ran between the build and the switch (validation samples moved)
+    prepared = re.findall(r"iteration \d+: switched .*B prepared in the background \((.*)\)",
+                          text)
+    assert len(prepared) == 3 and any("data_iterators" in p for p in prepared), prepared
+    again = re.findall(r"built ahead are for (\d+)/(\d+) consumed samples, the switch is at "
+                       r"(\d+)/(\d+)", text)
+    assert any(v0 != v1 for _, v0, _, v1 in again) or not again, again
+    # every rank of B, those back from standby too, is at the job's counts at the switch
+    # (train and validation samples: the stages' loaders start at the same sample)
+    assert len({(t1, v1) for _, _, t1, v1 in again}) == (1 if again else 0), again
+    assert bool(again) == (not all("data_iterators" in p for p in prepared)), (again, prepared)
     # rank 0 also reports the steps taken while the others were on standby
     assert {int(i) for i in re.findall(r"dynatrain: iteration (\d+) done at tp1pp2dp1 on 2 "
                                        r"of 4 ranks", text)} == (set(range(inn, out))

@@ -1,5 +1,5 @@
 """Real Megatron-LM switching an MoE job on a real indexed dataset, against Megatron-LM's own
-restart. Three torchrun jobs of the snapshot's pretrain_gpt.py on 4 gloo ranks, as in
+restart. Three jobs of the snapshot's pretrain_gpt.py on 4 gloo ranks, as in
 test_megatron_lm_train.py, check at once:
 
 * MoE expert parallelism 2 -> 4 (`--num-experts 4 --expert-model-parallel-size 2`, then ep4);

@@ -24,7 +24,7 @@ from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, assert_final_checkpoints_iden
 from megatron_lm_tree import copy_tree, require_snapshot
 
 # also on every other release (make test): a rank death recovered in memory
-pytestmark = [pytest.mark.multirank, pytest.mark.faults, pytest.mark.every_release]
+pytestmark = [pytest.mark.multirank, pytest.mark.faults]
 
 K, N = 3, 6
 DOI2 = ["--num-distributed-optimizer-instances", "2"]

@@ -4,7 +4,7 @@ pretrain_gpt.py, patched) against Megatron-LM's own restart (the job's own `--sa
 made just before the switch, then `--load` at B by a new job). Layout B is built by Megatron-LM itself (`megatron_lm/builder.py`),
 in the background while A trains.
 
-One group of two torchrun jobs on 4 gloo ranks per recipe, each checking several things:
+One group of two jobs on 4 gloo ranks per recipe, each checking several things:
 
 * llama: Llama-3.1-shaped: `--rotary-base 500000 --use-rope-scaling`, GQA, SwiGLU, RMSNorm,
   untied embeddings, no biases, bf16; the optimizer side `--lr-decay-style WSD` (decay

@@ -1,6 +1,6 @@
 """Ranks on standby inside real Megatron-LM's train() (the snapshot, patched) while the
 layout's ranks take longer than the process-group timeout between two polls, and a job that
-ends with a switch still being prepared: one torchrun job on 4 gloo ranks, tp1pp2dp2.
+ends with a switch still being prepared: one job on 4 gloo ranks, tp1pp2dp2.
 
 * On ranks 2 and 3 the job's default group gets a 10 s timeout once training starts
   (`megatron_lm_short_timeout/sitecustomize.py`; the layout's ranks keep theirs:

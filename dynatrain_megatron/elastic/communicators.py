@@ -146,6 +146,14 @@ def everyone_ok(ok: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
     return bool(flag.item())
 
 
+def agreed_max(values: list[int], group: Optional[dist.ProcessGroup] = None) -> list[int]:
+    """Collective over `group` (None: the world): each of `values` as the largest any rank
+    holds (one MAX all-reduce of int64s)."""
+    t = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]
+
+
 def warm_up_groups(groups) -> None:
     """Create the NCCL communicators of a layout's groups (`elastic.groups.ParallelGroups`)
     now, in their creation order, which is the same on every rank; each rank warms the

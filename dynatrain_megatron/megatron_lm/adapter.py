@@ -426,6 +426,7 @@ class MegatronLMSession:
         self.set_args_for(o.layout)
         set_last_rank(o.groups.placement.devices[-1])  # the last stage prints the loss
         _prepare_config(self.args, o.model, o.optimizer, o.config, old_config)
+        self._agree_counters(o.groups)
         t1 = time.perf_counter()
         ahead = self.data_ahead.take(o.groups, t.consumed_samples,
                                      arg_value(self.args, "consumed_valid_samples", 0) or 0)
@@ -444,6 +445,20 @@ class MegatronLMSession:
         if meter is not None:
             meter.add_all({"rebind": t1 - t0, "data_iterators": time.perf_counter() - t1})
         return self.latest
+
+    def _agree_counters(self, groups: Any) -> None:
+        """Megatron-LM's sample counters that only the layout's ranks advance (validation
+        samples, skipped train samples): a rank back from standby holds the values of its
+        last step, so B's ranks take the largest, the job's. Its validation loader then
+        starts where the other stages' do (collective over B's ranks)."""
+        from ..elastic.communicators import agreed_max
+
+        names = ("consumed_valid_samples", "skipped_train_samples")
+        group = groups.layout_group_cpu or groups.layout_group
+        values = agreed_max([int(arg_value(self.args, n, 0) or 0) for n in names], group)
+        for n, v in zip(names, values):
+            if hasattr(self.args, n):
+                setattr(self.args, n, v)
 
     def _note_prepared(self, what: str, seconds: Optional[float]) -> None:
         """Add to the last switch's record what else was prepared in the background."""

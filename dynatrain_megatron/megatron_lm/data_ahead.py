@@ -9,6 +9,14 @@ last step's values: only on B's groups and on the number of samples consumed whe
 switch lands. For a scheduled switch that number is fixed when the preparation starts
 (`--dynatrain-schedule` lands exactly after its iteration, waiting for B if need be): the
 count noted at the last step boundary plus one global batch per step until the switch.
+A requested switch lands at the first step boundary where B is ready everywhere, so its
+count is not known in advance: its iterators are built at the count noted when the build
+starts and, at the switch, advanced by the samples A consumed since (`advance`). That is
+exact for Megatron-LM's sequential sampler (`--dataloader-type single`, its default): it
+hands data-parallel rank r the micro-batch `[c + r*mbs, c + (r+1)*mbs)` of every `mbs*dp`
+samples from the count `c` it starts at, so a loader started at `c0` and advanced by
+`(c1 - c0) / (mbs*dp)` micro-batches yields what one started at `c1` yields. The other
+samplers (`cyclic`: shuffled per epoch, `external`) are built at the switch.
 
 So `DataAhead.build` runs in the preparation's background thread, right after B's objects
 are built (`builder.MegatronLMBuilder.build_detached`), inside:
@@ -20,10 +28,9 @@ are built (`builder.MegatronLMBuilder.build_detached`), inside:
 The iterators are handed to the loop at the switch (`take`) only if they were built for
 exactly what the switch needs (B's groups, the consumed train and validation samples);
 otherwise they are dropped (their workers end) and the loop builds them as before, inside
-the stall. Not built ahead: a requested switch (it lands at the first step where B is
-ready everywhere, so its count is not known in advance), B built in the pause, B on
-ranks other than the job's first ones (a stand-in world must be those), and jobs with
-`--phase-transition-iterations` (the count per phase follows other rules).
+the stall. Not built ahead: a requested switch with a sampler other than `single`, B built
+in the pause, B on ranks other than the job's first ones (a stand-in world must be those),
+and jobs with `--phase-transition-iterations` (the count per phase follows other rules).
 """
 from __future__ import annotations
 
@@ -62,7 +69,10 @@ class StepNote:
 class BuiltAhead:
     """Iterators built in the background for one switch: `groups` (B's ParallelGroups, by
     identity), the consumed samples they start at, Megatron-LM's (train, valid, test)
-    iterators, the args values the build set, and how long it took."""
+    iterators, the args values the build set, how long it took, and the samples one
+    micro-batch of every data-parallel rank covers at B (`stride`, micro-batch size x B's
+    data-parallel size) when the train iterators may be advanced to a later count (a
+    requested switch with the sequential sampler), else 0."""
 
     groups: Any
     consumed_train: int
@@ -70,6 +80,23 @@ class BuiltAhead:
     iterators: tuple
     set_by_build: dict
     seconds: float
+    stride: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.consumed_train, self.consumed_valid, self.stride) < 0:
+            raise ValueError(f"iterators built ahead need non-negative counts, got "
+                             f"{self.consumed_train}/{self.consumed_valid}, stride "
+                             f"{self.stride}")
+
+    def micro_batches_to(self, consumed_train: int) -> Optional[int]:
+        """How many micro-batches each train iterator must skip to start at
+        `consumed_train` (0: as built), or None when it cannot get there."""
+        delta = consumed_train - self.consumed_train
+        if delta == 0:
+            return 0
+        if delta < 0 or not self.stride or delta % self.stride:
+            return None
+        return delta // self.stride
 
 
 class DataAhead:
@@ -105,10 +132,14 @@ class DataAhead:
         at = getattr(d, "at", None)
         if threading.current_thread() is threading.main_thread():
             return -1, "B is built in the pause"
-        if at is None:
-            return -1, "a requested switch's iteration is not known in advance"
         if note is None:
             return -1, "this rank has taken no step yet"
+        if at is None and not _sequential(self.args):
+            return -1, (f"a requested switch's iteration is not known in advance and "
+                        f"--dataloader-type {arg_value(self.args, 'dataloader_type', None)} "
+                        f"cannot be advanced to it")
+        if at is None:  # requested: built at the count now, advanced at the switch
+            return note.consumed_train, ""
         if at < note.iteration:
             return -1, f"the switch iteration {at} is behind the loop ({note.iteration})"
         if arg_value(self.args, "phase_transition_iterations", None):
@@ -146,9 +177,11 @@ class DataAhead:
                         "they are built at the switch", type(e).__name__, e)
             return
         self.last_seconds = time.perf_counter() - t0
+        requested = getattr(self.decision(), "at", None) is None
+        stride = (int(arg_value(self.args, "micro_batch_size")) * layout.dp) if requested else 0
         with self._lock:
             self._built = BuiltAhead(groups, consumed, note.consumed_valid, built[0],
-                                     built[1], self.last_seconds)
+                                     built[1], self.last_seconds, stride)
 
     def _build(self, layout: Layout, groups: Any, num_chunks: int, consumed: int,
                note: StepNote) -> tuple[tuple, dict]:
@@ -179,8 +212,9 @@ class DataAhead:
         attempted, self._for = self._for is groups, None
         if not attempted:  # on no rank of B (the build's own vote): nothing to agree on
             return None
-        fits = built is not None and built.groups is groups and (
-            built.consumed_train, built.consumed_valid) == (consumed_train, consumed_valid)
+        skip = built.micro_batches_to(consumed_train) if built is not None else None
+        fits = (built is not None and built.groups is groups and skip is not None
+                and built.consumed_valid == consumed_valid)
         from ..elastic.communicators import everyone_ok
 
         # every rank of B takes its own or none does (else one would build alone)
@@ -195,6 +229,10 @@ class DataAhead:
             return None
         for k, v in built.set_by_build.items():
             setattr(self.args, k, v)
+        if skip:
+            advance(built.iterators[0], skip)
+            log.info("B's data iterators built ahead at %d consumed samples, advanced by %d "
+                     "micro-batches to %d", built.consumed_train, skip, consumed_train)
         return built.iterators
 
     def drop(self) -> None:
@@ -202,6 +240,25 @@ class DataAhead:
         with self._lock:
             self._built = None
             self._for = None
+
+
+def _sequential(args: Any) -> bool:
+    """Whether the job's train loader is Megatron-LM's sequential sampler (`single`, the
+    default), without the samplers that read whole global batches (hybrid CP)."""
+    return (arg_value(args, "dataloader_type", None) in (None, "single")
+            and not arg_value(args, "hybrid_context_parallel", False))
+
+
+def advance(train: Any, micro_batches: int) -> None:
+    """Skip `micro_batches` micro-batches of Megatron-LM's train iterator(s) (one per
+    virtual stage, or one; None where this rank reads no data). Megatron's replay wrapper
+    is stepped underneath, so it saves nothing of the skipped batches."""
+    for it in (train if isinstance(train, (list, tuple)) else [train]):
+        if it is None:
+            continue
+        inner = it.iterable if hasattr(it, "saved_microbatches") else it
+        for _ in range(micro_batches):
+            next(inner)
 
 
 def _worker_iterators(obj: Any, out: list, depth: int = 0) -> list:

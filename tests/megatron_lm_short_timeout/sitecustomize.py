@@ -11,10 +11,9 @@ import sys
 
 _SECONDS = os.environ.get("DYNATRAIN_TEST_PG_TIMEOUT_S")
 # only on these launch ranks (comma-separated; all when unset): a collective times out on
-# the process whose own wait passes its timeout
+# the process whose own wait passes its timeout. Read when train() starts: the tests' launcher
+# forks the workers from one process that imported Megatron-LM before any had a RANK
 _RANKS = os.environ.get("DYNATRAIN_TEST_PG_TIMEOUT_RANKS")
-if _SECONDS and _RANKS is not None and os.environ.get("RANK") not in _RANKS.split(","):
-    _SECONDS = None
 _MODULE = "megatron.training.training"
 
 
@@ -26,7 +25,8 @@ def _shorten(train):
     def shortened(*args, **kwargs):
         from torch.distributed import distributed_c10d
 
-        distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=float(_SECONDS)))
+        if _RANKS is None or os.environ.get("RANK") in _RANKS.split(","):
+            distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=float(_SECONDS)))
         return train(*args, **kwargs)
 
     return shortened

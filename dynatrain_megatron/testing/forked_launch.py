@@ -1,0 +1,173 @@
+"""The tests' launcher for Megatron-LM jobs: torchrun's single-node environment, with every
+worker forked from one process that imported torch and Megatron-LM once.
+
+A tiny Megatron-LM job on the CPU spends most of its start-up importing torch,
+megatron-core and Megatron-LM in each of its workers (tens of seconds of CPU each); on a
+2-core machine four workers pay it four times over, and the suite starts ~40 such jobs.
+Here the parent prepares the runtime the patched `pretrain_gpt.py` (or, for an unpatched
+tree, the tests' `sitecustomize`) would prepare (`compat.megatron_lm.prepare_megatron_lm`),
+imports the script's own top-level imports, and only then forks the workers. Each worker
+gets the environment torchrun gives it (`loop.launch.worker_env`: RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR/PORT, ...) and runs the script as `__main__`; rank 0 hosts the
+store, as under `dynatrain launch`. As torchrun does, the first worker to fail ends the
+others and its status is the job's. Forking after the imports is safe here: no CUDA, no
+thread and no process group exists yet in the parent.
+
+    python -m dynatrain_megatron.testing.forked_launch --nproc-per-node N script.py [args]
+
+Not for GPUs (a CUDA context must not cross a fork) and not a user-facing launcher:
+`torchrun` and `dynatrain launch` are those. The README's own commands still run torchrun.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import atexit
+import ctypes
+import importlib
+import importlib.util
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Sequence
+
+from ..loop.launch import free_port, worker_env
+
+
+def script_imports(script: Path) -> list[str]:
+    """The modules `script` imports at its top level, in order (its `import x` and
+    `from x import y` statements outside functions; relative imports left out)."""
+    tree = ast.parse(script.read_text(), filename=str(script))
+    out: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.append(node.module)
+    return out
+
+
+def preload(script: Path) -> None:
+    """Import in this process what every worker of `script` imports first (after the
+    Megatron-LM runtime, where Megatron-LM is importable)."""
+    sys.path.insert(0, str(script.parent))  # as `python script.py` would have it
+    if importlib.util.find_spec("megatron") and importlib.util.find_spec("megatron.training"):
+        from ..compat.megatron_lm import prepare_megatron_lm
+
+        prepare_megatron_lm()
+    for name in script_imports(script):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the worker imports it again and says why
+            pass
+
+
+def _die_with_parent() -> None:
+    """Linux: this worker is killed when the launcher dies (a test's timeout kills it)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker(rank: int, nproc: int, port: int, script: Path, args: Sequence[str]) -> None:
+    """In the forked child: become worker `rank` and run the script; never returns."""
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.update(worker_env(dict(os.environ), rank, nproc, port))
+    sys.argv = [str(script), *args]
+    code = 0
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported as a worker's traceback would be
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()  # what a worker's own interpreter would run at its exit
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run(nproc: int, script: Path, args: Sequence[str], grace_s: float = 10.0) -> int:
+    """Fork `nproc` workers of `script` after preloading it; wait for them. Returns 0 when
+    all exited 0, else the first failure's status (the others are ended)."""
+    if nproc < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {nproc}")
+    preload(script)
+    port = free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids: dict[int, int] = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            _worker(rank, nproc, port, script, args)
+        pids[pid] = rank
+
+    def forward(signum, _frame):
+        for p in pids:
+            _kill(p, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    status = 0
+    while pids:
+        pid, raw = os.wait()
+        if pid not in pids:
+            continue
+        del pids[pid]
+        code = os.waitstatus_to_exitcode(raw)
+        if code != 0 and status == 0:
+            status = code if code > 0 else 128 - code  # killed by a signal: 128 + signum
+            print(f"forked_launch: worker {pid} exited {code}; ending the others",
+                  file=sys.stderr, flush=True)
+            _end(pids, grace_s)
+    return status
+
+
+def _kill(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _end(pids: dict[int, int], grace_s: float) -> None:
+    """SIGTERM every live worker, SIGKILL what is left after `grace_s` (as torchrun)."""
+    for p in pids:
+        _kill(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while pids and time.monotonic() < deadline:
+        pid, _ = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            pids.pop(pid, None)
+        else:
+            time.sleep(0.1)
+    for p in pids:
+        _kill(p, signal.SIGKILL)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dynatrain_megatron.testing.forked_launch",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc-per-node", type=int, required=True, metavar="N",
+                   help="workers (ranks) to fork on this machine")
+    p.add_argument("script", type=Path, help="the training script (pretrain_gpt.py)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    a = p.parse_args(argv)
+    return run(a.nproc_per_node, a.script.resolve(), a.args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
