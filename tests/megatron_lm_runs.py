@@ -283,8 +283,8 @@ def _same(x, y) -> bool:
 
     if torch.is_tensor(x) or torch.is_tensor(y):
         return (torch.is_tensor(x) and torch.is_tensor(y) and x.dtype == y.dtype
-                and x.shape == y.shape and torch.equal(x.contiguous().view(torch.uint8),
-                                                       y.contiguous().view(torch.uint8)))
+                and x.shape == y.shape and torch.equal(x.reshape(-1).view(torch.uint8),
+                                                       y.reshape(-1).view(torch.uint8)))
     if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
         return (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and x.dtype == y.dtype
                 and x.shape == y.shape and x.tobytes() == y.tobytes())
