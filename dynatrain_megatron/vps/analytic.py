@@ -275,7 +275,8 @@ class AnalyticLayout:
                     sl = slice(t, t + 1) if vocab else slice(None)
                     pnum[pp, sl] += sum(pre)
                     ntens[pp, sl] += sum(1 for x in pre if x)
-                for buf in self.buffers(pp, chunk):
+                # without the distributed optimizer a rank owns all it holds (below)
+                for buf in self.buffers(pp, chunk) if spec.distributed_optimizer else ():
                     bp = [params[q.local_name] for q in buf.params]
                     bvocab = any(p.rule == "vocab" for p in bp)
                     for t in range(TP if bvocab else 1):
