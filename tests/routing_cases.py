@@ -12,14 +12,15 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "models"
 
 def spec(name: str) -> ModelSpec:
     """`tiny-gpt`, `tiny-moe`, with modifiers: `+tied`, `+ln` (LayerNorm + biases),
-    `+bf16`, `+shared` (MoE shared experts)."""
+    `+bf16`, `+shared` (MoE shared experts), `+gmm` (grouped experts)."""
     base, *mods = name.split("+")
     s = ModelSpec.from_yaml(CONFIGS / f"{base}.yaml")
     for m in mods:
         s = {"tied": lambda x: x.replace(untie_embeddings_and_output_weights=False),
              "bf16": lambda x: x.replace(params_dtype="bf16"),
              "ln": lambda x: x.replace(normalization="LayerNorm", add_bias_linear=True),
-             "shared": lambda x: x.replace(moe_shared_expert_intermediate_size=64)}[m](s)
+             "shared": lambda x: x.replace(moe_shared_expert_intermediate_size=64),
+             "gmm": lambda x: x.replace(moe_grouped_gemm=True)}[m](s)
     return s
 
 

@@ -248,3 +248,38 @@ def test_the_forked_checkpoint_manager_holds_none_of_the_ranks_sockets():
         m.shutdown()
     """)
     assert out.splitlines()[-1] == "7 False True"  # the queue works on its own socket
+
+
+def test_grouped_gemm_stand_in_is_a_matmul_per_expert():
+    """`grouped_gemm.ops.gmm` on the CPU: rows of each expert times its matrix (`trans_b`:
+    its transpose), an expert with no rows gets none and a zero gradient; megatron-core's
+    GroupedMLP finds it, and Megatron-LM's grouped-GEMM device check passes."""
+    out = _run("""
+        import torch
+        from dynatrain_megatron.compat import cpu
+        assert cpu.apply_if_needed()
+        from megatron.core.transformer.moe import grouped_gemm_util as gg
+        assert gg.grouped_gemm_is_available() and gg.ops.gmm is cpu.gmm
+        assert torch.cuda.get_device_capability()[0] >= 8
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(7, 4, generator=g, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+        sizes = torch.tensor([2, 0, 5])
+        out = gg.ops.gmm(a, b, sizes, trans_b=False)
+        want = torch.cat([a[:2] @ b[0], a[2:] @ b[2]])
+        assert torch.equal(out, want)
+        out.sum().backward()
+        assert torch.equal(b.grad[1], torch.zeros(4, 5))
+        a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+        torch.cat([a2[:2] @ b2[0], a2[2:] @ b2[2]]).sum().backward()
+        assert torch.equal(a.grad, a2.grad) and torch.equal(b.grad, b2.grad)
+        bt = b.detach().transpose(1, 2).contiguous()
+        ad = a.detach()
+        assert torch.equal(cpu.gmm(ad, bt, sizes, trans_b=True),
+                           torch.cat([ad[:2] @ bt[0].t(), ad[2:] @ bt[2].t()]))
+        try:
+            cpu.gmm(a.detach(), b.detach(), torch.tensor([1, 1, 1]))
+        except ValueError as e:
+            print("refused:", e)
+    """)
+    assert out.startswith("refused: gmm: 3 batch sizes summing to 3 for 3 experts and 7 rows")

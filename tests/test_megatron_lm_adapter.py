@@ -235,6 +235,7 @@ def test_options_carried_by_megatron_lm_building_b_are_accepted():
                  dict(fp16_lm_cross_entropy=True), dict(calculate_per_token_loss=True),
                  dict(num_experts=8, moe_aux_loss_coeff=[1e-2, 1e-3]),
                  dict(num_experts=8, moe_layer_freq=[0, 1, 1, 1]),
+                 dict(num_experts=8, moe_grouped_gemm=True),  # local layers: GroupedMLP
                  dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16,
                       qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)):
         assert mlm.unsupported_args(megatron_args(**over)) == [], over
@@ -243,7 +244,8 @@ def test_options_carried_by_megatron_lm_building_b_are_accepted():
 @pytest.mark.parametrize("over,needle", [
     (dict(position_embedding_type="learned_absolute", max_position_embeddings=64),
      "--max-position-embeddings"),
-    (dict(num_experts=8, moe_grouped_gemm=True), "--moe-grouped-gemm"),
+    (dict(num_experts=8, moe_grouped_gemm=True, transformer_impl="transformer_engine"),
+     "--moe-grouped-gemm with --transformer-impl transformer_engine"),
     (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
     (dict(optimizer="sgd"), "--optimizer sgd"),
     (dict(use_tp_pp_dp_mapping=True), "--use-tp-pp-dp-mapping"),

@@ -18,7 +18,9 @@ One group of two jobs on 4 gloo ranks per recipe, each checking several things:
   of it.
 * qwen_moe: Qwen3-MoE-shaped: `--qk-layernorm`, top-2 routing with the aux loss, a shared
   expert, `--moe-layer-freq [0,1,1,1]` (a dense first layer), `--rotary-base 1000000`,
-  GQA, bf16; a PP, EP and DP change, tp1pp2ep2dp2 -> tp1pp1ep4dp4. At A the two pipeline
+  GQA, bf16, `--moe-grouped-gemm` (megatron-core 0.16's GroupedMLP: all local experts of a
+  layer in two weights; on the CPU its kernel is `compat.cpu.gmm`, in both jobs); a PP, EP
+  and DP change, tp1pp2ep2dp2 -> tp1pp1ep4dp4. At A the two pipeline
   stages have different layer patterns (stage 0: dense + MoE, stage 1: MoE + MoE), which a
   B built with A's pipeline rank would get wrong.
 
@@ -33,7 +35,7 @@ import pytest
 from megatron_lm_runs import (CPU_FLAGS, MOCK_DATA, TINY_MODEL, assert_final_checkpoints_identical,
                               assert_losses_as_restart, assert_switched_as_scheduled,
                               layout_flags, load_common, switch_and_restart)
-from megatron_lm_tree import require_snapshot
+from megatron_lm_tree import release_name, require_snapshot
 
 pytestmark = pytest.mark.multirank
 
@@ -48,6 +50,7 @@ LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--use-
 QWEN_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
             "--moe-aux-loss-coeff", "1e-2", "--moe-shared-expert-intermediate-size", "32",
             "--moe-layer-freq", "[0,1,1,1]", "--moe-token-dispatcher-type", "alltoall",
+            "--moe-grouped-gemm",
             "--qk-layernorm", "--position-embedding-type", "rope", "--rotary-base", "1000000",
             "--group-query-attention", "--num-query-groups", "2", "--swiglu",
             "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
@@ -68,7 +71,11 @@ RECIPES = {  # name: (recipe flags, flags at A, flags at B, A, B)
 }
 
 
-@pytest.fixture(scope="module", params=sorted(RECIPES))
+# qwen_moe runs on every release: only core_v0.16.1's local spec builds GroupedMLP for
+# --moe-grouped-gemm (core_v0.19.0's builds one module per expert whatever the flag)
+@pytest.fixture(scope="module", params=[
+    pytest.param(n, marks=pytest.mark.every_release) if n == "qwen_moe" else n
+    for n in sorted(RECIPES)])
 def runs(request, tmp_path_factory):
     require_snapshot()
     recipe, a, b, lay_a, lay_b = RECIPES[request.param]
@@ -104,6 +111,12 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert args["rotary_base"] == "1000000" and args["qk_layernorm"] == "True"
         assert args["moe_layer_freq"] == "[0, 1, 1, 1]"
         assert args["moe_shared_expert_intermediate_size"] == "32"
+        assert args["moe_grouped_gemm"] == "True"
+        # megatron-core 0.16 builds GroupedMLP (its deprecation warning), in both jobs;
+        # 0.19's local spec builds one module per expert whatever the flag
+        legacy = release_name() == "core_v0.16.1"
+        for run in ("switched", "resumed"):
+            assert ("The legacy GroupedMLP will be deprecated" in runs[run]) == legacy, run
 
 
 def test_switch_lands_exactly_after_the_scheduled_iteration(runs):

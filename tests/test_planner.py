@@ -36,6 +36,9 @@ PAIRS = [
     ("tiny-gpt", "tp1pp2dp4", 8, "tp1pp2doi2dp4", 8),     # partial distributed optimizer on
     ("tiny-gpt+tied", "tp2pp1doi2", 8, "tp1pp2", 4),       # ... off, and scale in
     ("tiny-moe", "tp1pp2ep2etp1doi2", 8, "tp2pp1ep4etp1", 8),
+    # grouped experts: one tensor per layer, row blocks by EP, column blocks by expert-TP
+    ("tiny-moe+gmm+shared", "tp2pp1ep2etp2", 4, "tp1pp2ep4etp1", 8),  # EP, ETP, PP
+    ("tiny-moe+gmm", "tp2pp1ep1etp1", 4, "tp2pp2ep2etp2", 8),  # EP1 (dense buffer) -> EP2
 ]
 
 

@@ -21,6 +21,7 @@ CASES_4 = [
     ("tiny-moe", "tp1pp2ep2etp1dp2", {}, False),
     ("tiny-moe", "tp1pp1ep4etp1dp4", {}, False),
     ("tiny-moe", "tp2pp1ep2etp2dp2", {}, False),
+    ("tiny-moe+bf16+gmm", "tp2pp1ep2etp2dp2", {}, True),  # grouped experts (GroupedMLP)
 ]
 CASES_8 = [
     ("tiny-gpt", "tp2pp2dp2", B, True),

@@ -4,6 +4,8 @@ Two sources of truth (DESIGN.md): the analytic layout says what *should* be wher
 module reads what *is* where, from megatron-core's own metadata:
   - weights: the model's `sharded_state_dict()` (global offsets, shapes, replica ids; the
     SwiGLU factory applied), each ShardedTensor's data located inside a named parameter;
+    grouped experts (GroupedMLP), whose factories build copies, through their build
+    function applied to element indices (`grouped_experts`), viewed 2-D in memory order;
   - `main_param`, `exp_avg`, `exp_avg_sq`: each DistributedOptimizer's ownership ranges
     (`gbuf_ranges[...]["param_map"][p]["param"]`), a flat range of the TP-local parameter,
     cut into boxes and mapped to global coordinates with the weight's own blocks; under
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from ..compat.parallel_state_view import view_of
+from .grouped_experts import grouped_block, grouped_expert_params
 from ..vps.box import Box
 from ..vps.errors import FragmentMismatchError
 from ..vps.fragment import KINDS, OPT_KINDS
@@ -240,6 +243,8 @@ class LiveState:
         # vocab padding rows [V, V') of embedding / output layer (not in the VPS)
         self.pad_blocks: dict[tuple[int, str], _Block] = {}
         self.keys: dict[tuple[int, str], str] = {}
+        # the shape a parameter is viewed in where it is not its own (grouped experts)
+        self.shapes: dict[tuple[int, str], tuple[int, ...]] = {}
         self.param_fragments: list[LiveFragment] = []
         self._read_model_metadata()
         self.opt_ranges: dict[tuple[int, str], tuple[int, int, dict[str, torch.Tensor]]] = {}
@@ -295,6 +300,7 @@ class LiveState:
             with view_of(chunk), _global_dp_cp_while_unset(dp_cp):
                 sd = chunk.sharded_state_dict(prefix="", metadata=None if dp_cp is None
                                               else {"dp_cp_group": dp_cp})
+            self._read_grouped_experts(ci, chunk, sd)
             apply_factories(sd)
             for sh in nested_values(sd):
                 if not isinstance(sh, ShardedTensor) or not torch.is_tensor(sh.data):
@@ -328,6 +334,42 @@ class LiveState:
                 self.param_fragments.append(LiveFragment(
                     key, "param", gbox, self.rank, ci, name, lbox.offsets,
                     bool(is_main_replica(sh.replica_id))))
+
+    def shape_of(self, chunk: int, local_name: str) -> tuple[int, ...]:
+        """The shape the boxes of a local parameter are given in (module doc)."""
+        got = self.shapes.get((chunk, local_name))
+        return got if got is not None else tuple(self.params[chunk][local_name].shape)
+
+    def _read_grouped_experts(self, ci: int, chunk: torch.nn.Module, sd: dict) -> None:
+        """Grouped experts' factories (module doc) are read here and taken out of `sd`."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+        grouped = grouped_expert_params(chunk)
+        if not grouped:
+            return
+
+        def walk(d: Any) -> None:
+            items = d.items() if isinstance(d, dict) else enumerate(d)
+            for k, v in list(items):
+                if isinstance(v, (dict, list)):
+                    walk(v)
+                elif isinstance(v, ShardedTensorFactory) and id(v.data) in grouped:
+                    name, module = grouped[id(v.data)]
+                    self._add_grouped(ci, name, grouped_block(v, name, module, self.rank),
+                                      _optimizer_copy(chunk, module, v.data) == 0)
+                    d[k] = None
+
+        walk(sd)
+
+    def _add_grouped(self, ci: int, name: str, g: Any, opt_main: bool) -> None:
+        key = self._canonical_key(g.sharded_key, name, g.prepended)
+        lbox = Box.full(g.view_shape)
+        self.shapes[(ci, name)] = g.view_shape
+        self._opt_main[(ci, name)] = opt_main
+        self.keys[(ci, name)] = key
+        self.blocks.setdefault((ci, name), []).append(_Block(lbox, g.logical))
+        self.param_fragments.append(LiveFragment(key, "param", g.logical, self.rank, ci, name,
+                                                 lbox.offsets, g.main))
 
     @staticmethod
     def _canonical_key(sharded_key: str, local_name: str, prepended: tuple[int, ...]) -> str:
@@ -370,7 +412,7 @@ class LiveState:
                 if padding else self.blocks.get((ci, name), [])
             if end <= start or not blocks:
                 continue
-            shape = tuple(self.params[ci][name].shape)
+            shape = self.shape_of(ci, name)
             main = self._opt_main[(ci, name)] and self._opt_instance[(ci, name)] == 0
             for fb in Box.from_flat_range(shape, start, end):
                 for b in blocks:
@@ -387,10 +429,10 @@ class LiveState:
     # ------------------------------------------------------------------ storage
     def view(self, kind: str, chunk: int, local_name: str, local_box: Box) -> torch.Tensor:
         """The tensor view storing `local_box` of a local parameter for state `kind`."""
+        shape = self.shape_of(chunk, local_name)
         if kind == "param":
-            return self.params[chunk][local_name].detach()[local_box.slices()]
+            return self.params[chunk][local_name].detach().view(shape)[local_box.slices()]
         start, end, states = self.opt_ranges[(chunk, local_name)]
-        shape = tuple(self.params[chunk][local_name].shape)
         first = int(np.ravel_multi_index(local_box.offsets, shape))
         last = int(np.ravel_multi_index(tuple(o + n - 1 for o, n in
                                               zip(local_box.offsets, local_box.shape)), shape))
@@ -431,6 +473,20 @@ class LiveState:
         if opt_kinds:
             out += self.optimizer_fragments(opt_kinds)
         return sorted(out)
+
+
+def _optimizer_copy(chunk: torch.nn.Module, module: Any, param: torch.nn.Parameter) -> int:
+    """Which copy of its optimizer shards a grouped-expert parameter's are. In an expert
+    buffer (EP > 1) the expert-DP ranks shard them and nothing else repeats them: 0. In the
+    dense buffer (EP = 1, megatron's `allreduce` attribute set) the DP x CP ranks shard
+    them and the TP ranks holding the same expert-TP block repeat them: copy
+    tp_rank // expert-TP size (megatron's GroupedMLP numbers its weights' replicas over
+    expert-DP, which folds that repetition in, so it is read from the groups)."""
+    if not getattr(param, "allreduce", True):
+        return 0
+    tp = getattr(getattr(chunk, "pg_collection", None), "tp", None)
+    tp_rank = tp.rank() if tp is not None else 0
+    return tp_rank // module.tp_group.size()
 
 
 @contextlib.contextmanager

@@ -24,6 +24,15 @@ smallest set of patches that lets its GPT/MoE models, DDP and DistributedOptimiz
    sent activation (`out.data = torch.empty(1)`) before waiting on its isend.
 8. `torch.compile` of a function defers to its first call (`defer_torch_compile`): megatron's
    import-time fusion decorators no longer import TorchInductor.
+9. Grouped GEMM (`--moe-grouped-gemm`, megatron-core 0.16's `GroupedMLP`): its kernel package
+   `grouped_gemm` is CUDA only; `grouped_gemm.ops.gmm` is stood in by a batch of plain torch
+   matmuls, one per expert (`gmm`), and `torch.cuda.get_device_capability()` answers (8, 0),
+   the least Megatron-LM's argument validation asks of a device for grouped GEMM.
+   GroupedMLP decorates two closures (its GLU and the probability scaling) with
+   `jit_fuser` (torch.compile) in each instance's `__init__`: every layer's would be
+   compiled anew with TorchInductor (minutes on 2 cores) until torch's recompile limit,
+   after which later instances (a switch's layout B) would run eagerly, with other
+   rounding than the compiled ones of a restart. They run eagerly everywhere instead.
 
 `apply_if_needed()` applies all of it only when `torch.cuda.is_available()` is False and is
 idempotent; on a GPU it does nothing, so behaviour there is megatron's own.
@@ -152,6 +161,7 @@ def _patch_torch_cuda() -> None:
     c.manual_seed_all = noop()
     c.get_rng_state = lambda *a, **k: torch.get_rng_state()
     c.set_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
+    c.get_device_capability = lambda *a, **k: GMM_DEVICE_CAPABILITY  # item 9
 
 
 def _patch_rng_tracker() -> None:
@@ -185,6 +195,45 @@ def _patch_moe() -> None:
 
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+# what `torch.cuda.get_device_capability()` answers on the CPU (item 9): Megatron-LM's
+# `validate_args` asserts a major version >= 8 for `--moe-grouped-gemm`; other readers ask
+# for >= 10 (Blackwell-only paths), which this answer keeps off
+GMM_DEVICE_CAPABILITY = (8, 0)
+
+
+def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: Any, trans_b: bool = False) -> torch.Tensor:
+    """`grouped_gemm.ops.gmm` in plain torch (item 9): rows `a[s_i : s_i + n_i]` times
+    expert `i`'s matrix `b[i]` (`b[i].T` with `trans_b`), where `n = batch_sizes` are the
+    consecutive row counts of the experts. `a`: [sum(n), k]; `b`: [E, k, m] ([E, m, k] with
+    `trans_b`); result [sum(n), m]. Autograd differentiates it as the matmuls it is."""
+    sizes = [int(n) for n in torch.as_tensor(batch_sizes).reshape(-1).tolist()]
+    if len(sizes) != b.shape[0] or sum(sizes) != a.shape[0]:
+        raise ValueError(f"gmm: {len(sizes)} batch sizes summing to {sum(sizes)} for "
+                         f"{b.shape[0]} experts and {a.shape[0]} rows")
+    outs = [x @ (w.t() if trans_b else w) for x, w in zip(torch.split(a, sizes), b.unbind(0))]
+    return torch.cat(outs) if outs else a.new_empty((0, b.shape[1 if trans_b else 2]))
+
+
+def _patch_grouped_gemm() -> None:
+    """Item 9: megatron-core's `grouped_gemm_util` found no `grouped_gemm` package (CUDA
+    only): it gets a stand-in whose `ops.gmm` is `gmm`. Left alone where one is installed."""
+    import types
+
+    try:
+        from megatron.core.transformer.moe import grouped_gemm_util as gg
+    except ImportError:  # a release without the legacy grouped GEMM path
+        return
+    if gg.grouped_gemm is not None:
+        return
+    from megatron.core.transformer.moe import experts
+
+    experts.jit_fuser = lambda fn: fn  # the name GroupedMLP's __init__ decorates with
+    mod = types.ModuleType("grouped_gemm")
+    mod.__doc__ = "dynatrain's CPU stand-in for grouped_gemm: per-expert torch matmuls"
+    mod.ops = types.SimpleNamespace(gmm=gmm)
+    gg.grouped_gemm, gg.ops = mod, mod.ops
 
 
 def _patch_torch_norm_sequence_parallel() -> None:
@@ -326,6 +375,7 @@ def apply_if_needed() -> bool:
     _patch_torch_cuda()
     _patch_rng_tracker()
     _patch_moe()
+    _patch_grouped_gemm()
     _patch_torch_norm_sequence_parallel()
     _patch_uneven_collectives()
     _patch_overlapped_p2p_sends()

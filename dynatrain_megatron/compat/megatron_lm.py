@@ -393,3 +393,22 @@ def release_refusals(args: Any) -> list[str]:
     have (the options of every release are `megatron_lm.arguments.unsupported_args`)."""
     return [why for name, is_set, why in _NEWER_OPTIONS
             if hasattr(args, name) and is_set(getattr(args, name), args)]
+
+
+def local_spec_groups_experts() -> bool:
+    """Whether megatron-core's local layer spec builds `GroupedMLP` (weights `weight1`,
+    `weight2` holding all local experts) for `--moe-grouped-gemm`, rather than one module
+    per expert. Found from the spec provider itself: megatron-core 0.16's
+    `LocalSpecProvider.grouped_mlp_modules(grouped, legacy)` returns `(GroupedMLP, None)`;
+    0.19's takes one argument and returns `SequentialMLP` whatever it is asked, so there the
+    flag changes no state (and `vps.naming` describes the experts one by one)."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.moe import experts
+
+    grouped_cls = getattr(experts, "GroupedMLP", None)
+    if grouped_cls is None:
+        return False
+    fn = LocalSpecProvider().grouped_mlp_modules
+    got = fn(True, *[False] * (len(inspect.signature(fn).parameters) - 1))
+    return any(getattr(x, "func", x) is grouped_cls
+               for x in (got if isinstance(got, tuple) else (got,)))

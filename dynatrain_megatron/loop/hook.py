@@ -33,12 +33,13 @@ from ..vps.placement import Placement
 from ..mcore.builders import MegatronBuilder, TrainingObjects, bucket_size_of, validator_options
 from ..mcore.session import collect_released
 from .logs import ONCE, configure as configure_logging
-from .memory_check import SwitchMemoryCheck, release_grad_buffers, restore_grad_buffers
-from .memory_check import from_args as memory_check_from_args
+from .memory_check import (SwitchMemoryCheck, from_args as memory_check_from_args,
+                           release_grad_buffers, restore_grad_buffers)
 from .auto_layout import LayoutAdvisor
 from .stall_tracker import StallTracker
 from .switch_log import SwitchRecord, landing_note, layout_scalars, summary
-from .switching import is_dead_peer, prepared_switch_args, start_preparation, switch_trainer
+from .switching import (is_dead_peer, prepared_switch_args, start_preparation, switch_trainer,
+                        vote_groups)
 from ..mcore.train_config import TrainConfig
 from ..mcore.training import Trainer
 
@@ -559,22 +560,7 @@ class DynatrainHook:
             self.controller.stop(standby)
 
     def _groups(self, trainer: Optional[Trainer]) -> tuple:
-        """(the layout's CPU group on a rank of it, the standby channel) where ranks are on
-        standby and the channel belongs to this world; (None, None) otherwise: the
-        controller and the vote then use the world (the same answer on every process)."""
-        if self.layout is None or self.layout.world_size >= dist.get_world_size():
-            return None, None
-        standby = self.channel.group()
-        if standby is None:
-            return None, None
-        if trainer is None:
-            return None, standby
-        g = trainer.objs.groups
-        layout_group = g.layout_group_cpu or g.layout_group
-        if layout_group is None:
-            raise DynatrainError(f"rank {dist.get_rank()} of {self.layout} has no group "
-                                 f"of its layout to vote on")
-        return layout_group, standby
+        return vote_groups(self.layout, self.channel, trainer)
 
     def _cancel_preparation(self, reason: str) -> None:
         """The job ends with a switch still being prepared: wait for its background work

@@ -233,3 +233,23 @@ def prepared_switch_args(manager: DeviceManager) -> dict:
     """`switch_trainer`'s keyword arguments for what `manager` prepared (after `ready()`)."""
     groups = manager.take()
     return dict(new_groups=groups, prepared=manager.take_prepared())
+
+
+def vote_groups(layout: Optional[Layout], channel: Any, trainer: Optional[Trainer]) -> tuple:
+    """(the layout's CPU group on a rank of it, the standby channel's group) where ranks
+    are on standby and `channel` (`elastic.standby_channel.StandbyChannel`) belongs to this
+    world; (None, None) otherwise: the controller and the votes then use the world (the
+    same answer on every process)."""
+    if layout is None or layout.world_size >= dist.get_world_size():
+        return None, None
+    standby = channel.group()
+    if standby is None:
+        return None, None
+    if trainer is None:
+        return None, standby
+    g = trainer.objs.groups
+    layout_group = g.layout_group_cpu or g.layout_group
+    if layout_group is None:
+        raise DynatrainError(f"rank {dist.get_rank()} of {layout} has no group of its "
+                             f"layout to vote on")
+    return layout_group, standby

@@ -90,7 +90,7 @@ def make_transformer_config(spec: ModelSpec, layout: Layout, init_weights: bool 
             moe_router_topk=spec.moe_router_topk,
             moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
             moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=spec.moe_grouped_gemm,
             moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
         )
     return TransformerConfig(**kw)
@@ -99,8 +99,11 @@ def make_transformer_config(spec: ModelSpec, layout: Layout, init_weights: bool 
 def with_layer_implementation(spec: ModelSpec) -> ModelSpec:
     """`spec` built with Transformer Engine's layers where TE is usable (a GPU with TE
     installed), megatron's local layers otherwise. The choice is part of the spec because
-    the analytic layout must name and order the parameters as the built model does."""
-    return spec.replace(transformer_engine=transformer_engine_available())
+    the analytic layout must name and order the parameters as the built model does. Grouped
+    experts keep the local layers: the planning layout describes megatron-core's own
+    GroupedMLP, not Transformer Engine's grouped linear layers."""
+    return spec.replace(transformer_engine=transformer_engine_available()
+                        and not spec.moe_grouped_gemm)
 
 
 def layer_spec(spec: ModelSpec):
@@ -117,7 +120,7 @@ def layer_spec(spec: ModelSpec):
                                  f"which are not usable here (TE not installed or no GPU)")
         return s.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm)
-    return s.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+    return s.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=spec.moe_grouped_gemm,
                                       qk_layernorm=spec.qk_layernorm,
                                       normalization=spec.normalization)
 

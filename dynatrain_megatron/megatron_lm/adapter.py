@@ -317,6 +317,12 @@ class MegatronLMSession:
         # the analytic names follow the layers Megatron-LM builds (TE's or the local ones)
         self.spec = self.spec.replace(transformer_engine=arg_value(
             args, "transformer_impl", "transformer_engine") == "transformer_engine")
+        # grouped experts: whatever this release's local spec builds for --moe-grouped-gemm
+        if self.spec.is_moe and arg_value(args, "moe_grouped_gemm", False) \
+                and not self.spec.transformer_engine:
+            from ..compat.megatron_lm import local_spec_groups_experts
+
+            self.spec = self.spec.replace(moe_grouped_gemm=local_spec_groups_experts())
         self.train = train_config_from_megatron_args(args)
         layout = layout_from_megatron_args(args, self.spec, dist.get_world_size())
         objs = TrainingObjects(layout=layout, groups=wrap_megatron_groups(layout), config=config,

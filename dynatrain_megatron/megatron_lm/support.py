@@ -65,8 +65,9 @@ def _layer_pattern(a: Any) -> list[str]:
         out.append("--multi-latent-attention with --transformer-impl transformer_engine")
     if _set(_v(a, "mtp_num_layers")):
         out.append("--mtp-num-layers")
-    if _set(_v(a, "num_experts")) and _set(_v(a, "moe_grouped_gemm")):
-        out.append("--moe-grouped-gemm")
+    if (_set(_v(a, "num_experts")) and _set(_v(a, "moe_grouped_gemm"))
+            and _v(a, "transformer_impl", "transformer_engine") == "transformer_engine"):
+        out.append("--moe-grouped-gemm with --transformer-impl transformer_engine")
     for n in ("heterogeneous_layers_config_path", "spec", "experimental_attention_variant"):
         if _v(a, n) is not None:
             out.append("--" + n.replace("_", "-"))
@@ -104,7 +105,7 @@ REFUSALS: tuple[Refusal, ...] = (
             _flags("use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp",
                    "use_layer_wise_distributed_optimizer", "optimizer_cpu_offload",
                    "use_precision_aware_optimizer")),
-    Refusal("--mtp-num-layers, --moe-grouped-gemm, --multi-latent-attention with TE layers, "
+    Refusal("--mtp-num-layers, --moe-grouped-gemm or --multi-latent-attention with TE layers, "
             "--spec, "
             "--heterogeneous-layers-config-path, --experimental-attention-variant, "
             "--moe-router-enable-expert-bias, ...", "not_yet",
@@ -156,7 +157,7 @@ SUPPORTED: tuple[tuple[str, str], ...] = (
      "untied, no biases, bf16; --lr-decay-style WSD, --lr-warmup-init",
      "tests/test_megatron_lm_recipes.py::llama"),
     ("MoE: top-k routing with the aux loss, shared experts, --moe-layer-freq dense/MoE "
-     "patterns, --qk-layernorm, EP and expert-TP changes",
+     "patterns, --qk-layernorm, --moe-grouped-gemm (local layers), EP and expert-TP changes",
      "tests/test_megatron_lm_recipes.py::qwen_moe"),
     ("DeepSeek-style multi-latent attention (--multi-latent-attention with --q-lora-rank, "
      "--kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim, --qk-layernorm), "

@@ -43,7 +43,9 @@ from ..vps.naming import chunk_param_specs, local_blocks
 PARAM, OPT = "param", "opt"
 CLASSES = (PARAM, OPT)
 _SHIFT = 31  # rows of a 2-D view stay below 2**31
-_RULE = {"rep": 0, "rows": 1, "cols": 2, "glu": 3, "vocab": 4}
+# grouped experts ("ecols") are column blocks like "cols", plus a row block per EP rank
+# (`_ep_row_shift`): their one logical tensor per layer holds every expert
+_RULE = {"rep": 0, "rows": 1, "cols": 2, "glu": 3, "vocab": 4, "ecols": 2}
 
 
 class RoutingError(DynatrainError, ValueError):
@@ -105,9 +107,9 @@ def key_index(spec: ModelSpec) -> KeyIndex:
     i = 0
     while i < len(specs):
         p = specs[i]
-        if p.is_expert:  # the run of one expert's params, repeated for every expert
+        if p.local_expert >= 0:  # the run of one expert's params, repeated for every expert
             j = i  # the experts of one layer are consecutive (norms separate layers)
-            while j < len(specs) and specs[j].is_expert:
+            while j < len(specs) and specs[j].local_expert >= 0:
                 j += 1
             group = specs[i:j]
             keys += [q.key.format(e=e) for e in range(E) for q in group]
@@ -137,7 +139,15 @@ def key_index(spec: ModelSpec) -> KeyIndex:
 
 
 def _cols_axis(p) -> int:
-    return 0 if p.rule != "cols" else (1 if p.axis == "tp" else 2)
+    return 0 if p.rule not in ("cols", "ecols") else (1 if p.axis == "tp" else 2)
+
+
+def _ep_row_shift(p, ep: int) -> np.ndarray:
+    """Rows to add to a local box of `p` on EP ranks 0..ep-1: grouped experts ("ecols")
+    hold the EP rank's row block of one logical tensor; other expert weights change key
+    with the EP rank instead (`KeyIndex.expert_ids`)."""
+    n = np.arange(ep, dtype=np.int64)
+    return n * p.local_shape[0] if p.rule == "ecols" else n * 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -295,6 +305,7 @@ def _param_regions(spec: ModelSpec, L: Layout, hs: HolderSets, kidx: KeyIndex) -
                 if p.is_expert:
                     keys = kidx.expert_ids(p, EP)
                     erange = np.arange(EP, dtype=np.int64)
+                    rsh = _ep_row_shift(p, EP)
                 for b in range(n):
                     mk = (p.rule, p.local_shape, p.logical_shape, b)
                     boxes = memo.get(mk)
@@ -307,7 +318,7 @@ def _param_regions(spec: ModelSpec, L: Layout, hs: HolderSets, kidx: KeyIndex) -
                             pid, sb = hs.pattern(ETP * EP, EDP), b
                         base = sb + ETP * (erange + EP * EDP * pp)
                         for bx in boxes:
-                            vec.append((keys, bx, pid, base, cp))
+                            vec.append((keys, bx, pid, base, cp, rsh))
                         continue
                     if rep:
                         pid, base = hs.pattern(1, TP * DPCP), TP * DPCP * pp
@@ -324,7 +335,8 @@ def _param_regions(spec: ModelSpec, L: Layout, hs: HolderSets, kidx: KeyIndex) -
     if vec:
         n = np.array([len(v[0]) for v in vec])
         bx = np.repeat(np.array([v[1] for v in vec], np.int64), n, axis=0)
-        em.add(key=np.concatenate([v[0] for v in vec]), r0=bx[:, 0], r1=bx[:, 1],
+        sh = np.concatenate([v[5] for v in vec])
+        em.add(key=np.concatenate([v[0] for v in vec]), r0=bx[:, 0] + sh, r1=bx[:, 1] + sh,
                c0=bx[:, 2], c1=bx[:, 3], pid=np.repeat([v[2] for v in vec], n),
                base=np.concatenate([v[3] for v in vec]), copy=np.repeat([v[4] for v in vec], n))
     return em
@@ -455,6 +467,7 @@ def _buffer_regions(em, buf, specs, kidx, hs, L, pp, single, TP, ETP, EP, EDP, D
     ne = EP if buf.is_expert else 1
     keys2d = np.stack([kidx.expert_ids(p, ne)[:ne] if p.is_expert else
                        np.full(ne, kidx.ids[p.key], np.int64) for p in ps])
+    shift2d = np.stack([_ep_row_shift(p, ne) for p in ps])
     for sel_rep in (False, True):
         for sel_exp in (False, True):
             m = (rep[pi] == sel_rep) & (expert[pi] == sel_exp)
@@ -473,7 +486,8 @@ def _buffer_regions(em, buf, specs, kidx, hs, L, pp, single, TP, ETP, EP, EDP, D
             n = len(mp)
             ee = np.tile(np.arange(ne, dtype=np.int64), n)
             rr = np.repeat(np.arange(n), ne)
-            em.add(key=keys2d[mp[rr], ee], r0=r0[m][rr], r1=r1[m][rr], c0=c0[m][rr],
+            rs = shift2d[mp[rr], ee]
+            em.add(key=keys2d[mp[rr], ee], r0=r0[m][rr] + rs, r1=r1[m][rr] + rs, c0=c0[m][rr],
                    c1=c1[m][rr], pid=pid, base=bb[rr] + estride * ee, copy=copy[mp[rr]])
 
 

@@ -50,6 +50,10 @@ class ModelSpec:
     # which layers are MoE (1) and which dense (0), one entry per layer (megatron-core's
     # `moe_layer_freq` expanded); None: every layer of an MoE model is MoE
     moe_layer_pattern: Optional[tuple[int, ...]] = None
+    # the experts of an MoE layer as megatron-core 0.16's GroupedMLP (`--moe-grouped-gemm`
+    # with local layers): two parameters per layer, `weight1` and `weight2`, holding every
+    # local expert's fc1 / fc2 (vps.naming: rule "ecols"); False: one module per expert
+    moe_grouped_gemm: bool = False
     # multi-latent attention (megatron-core's local MLA spec) in place of linear_qkv: the
     # query's low rank (None: a full-rank query projection), the key-value's, and the head
     # sizes of the query-key part without / with rotary positions and of the values
@@ -112,6 +116,10 @@ class ModelSpec:
                     raise ModelSpecError(
                         f"model {self.name!r}: moe_layer_pattern {list(pat)} must have one 0 "
                         f"(dense) or 1 (MoE) per layer ({self.num_layers})")
+            if self.moe_grouped_gemm and self.add_bias_linear:
+                raise ModelSpecError(
+                    f"model {self.name!r}: moe_grouped_gemm has no biases (megatron-core's "
+                    f"GroupedMLP: --disable-bias-linear)")
             if not 0 < self.moe_router_topk <= self.num_moe_experts:
                 raise ModelSpecError(
                     f"model {self.name!r}: moe_router_topk {self.moe_router_topk} must be in "

@@ -21,8 +21,26 @@ How a local tensor maps to its logical tensor (`Rule`):
   glu    GLU fc1 (stride 2): local `[gate_r; up_r]` -> two dim-0 blocks of `[gate; up]`
   vocab  embedding / output layer: dim-0 block of the PADDED vocab, clipped to rows < V
   rep    replicated (norms, router, row-parallel biases, position embedding)
+  ecols  grouped experts (below): dim-0 block of the EP rank, dim-1 block of the expert-TP rank
 Dense weights are split over TP, expert weights over expert-TP (`axis` "tp" / "etp").
-Global expert = ep_rank * (E / EP) + local index. Layers per chunk follow
+Global expert = ep_rank * (E / EP) + local index.
+
+Grouped experts (`moe_grouped_gemm`: megatron-core 0.16's GroupedMLP, built by its local spec
+for `--moe-grouped-gemm`) keep all local experts of a layer in two parameters, read in its
+forward as `weight1.view(E_l, h, X)` and `weight2.view(E_l, Y, h)` (X = gF/ETP with g = 2
+for GLU, whose fc1 output is `[gate_r | up_r]`, else 1; Y = F/ETP; F the expert FFN size).
+Their memory order is not megatron's checkpoint order (that is the transpose, expert by
+expert), so the logical tensors are chosen in memory order, one per layer and parameter:
+
+    decoder.layers.3.mlp.experts.weight1   [E*h*g, F]  row (e, i, j): column f = expert e's
+                                                       fc1 weight [j*F + f, i] (j: gate, up)
+    decoder.layers.3.mlp.experts.weight2   [E, F*h]    row e, column y*h + i = expert e's
+                                                       fc2 weight [i, y]
+
+and the local tensors viewed 2-D in memory order, `weight1` as [E_l*h*g, F/ETP] and
+`weight2` as [E_l, (F/ETP)*h]: each is ONE box of its logical tensor, at rows
+ep_rank * (local rows) and columns etp_rank * (local columns) (rule "ecols"). `local_shape`
+is that 2-D view, not the parameter's own shape (`weight1` is [h, E_l*X] as registered). Layers per chunk follow
 `Layout.stage_layers` (uniform assignment, as megatron-core without a custom PP layout).
 
 Documented exception: the padded vocab rows `[V, V')` (V' = ceil(V/(m*TP))*m*TP, so their
@@ -45,7 +63,7 @@ from .model_spec import ModelSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
-RULES = ("rep", "rows", "cols", "glu", "vocab")
+RULES = ("rep", "rows", "cols", "glu", "vocab", "ecols")
 SPLIT_AXES = ("tp", "etp")
 
 
@@ -164,6 +182,9 @@ class _ChunkBuilder:
             shp[1] //= n
         elif rule == "vocab":
             shp[0] = self.spec.padded_vocab_size(self.layout.tp) // self.layout.tp
+        elif rule == "ecols":
+            shp[0] //= self.layout.ep
+            shp[1] //= n
         self.out.append(ParamSpec(local_name, tuple(shp), tuple(logical_shape), rule, axis,
                                   key, **kw))
 
@@ -211,7 +232,9 @@ class _ChunkBuilder:
             if s.add_bias_linear:
                 self.add(lp + "mlp.router.bias", kp + "mlp.router.bias", (E,), "rep")
             nl = E // self.layout.ep
-            for i in range(nl):
+            if s.moe_grouped_gemm:
+                self.grouped_experts(lp + "mlp.experts.", kp + "mlp.experts.", nl)
+            for i in range(nl if not s.moe_grouped_gemm else 0):
                 self.mlp(lp + f"mlp.experts.local_experts.{i}", kp + "mlp.experts.{e}",
                          s.moe_ffn_hidden_size, "etp", is_expert=True, local_expert=i,
                          num_local_experts=nl)
@@ -222,6 +245,17 @@ class _ChunkBuilder:
             if te:
                 self.fused_norm(lp, kp, "pre_mlp_layernorm", s.hidden_size)
             self.mlp(lp + "mlp", kp + "mlp", s.ffn_hidden_size, "tp")
+
+    def grouped_experts(self, local: str, key: str, nl: int) -> None:
+        """GroupedMLP's `weight1`, `weight2` (module doc: grouped experts)."""
+        s = self.spec
+        h, F = s.hidden_size, s.moe_ffn_hidden_size
+        g = 2 if s.swiglu else 1
+        E = s.num_moe_experts
+        self.add(local + "weight1", key + "weight1", (E * h * g, F), "ecols", "etp",
+                 is_expert=True, num_local_experts=nl)
+        self.add(local + "weight2", key + "weight2", (E, F * h), "ecols", "etp",
+                 is_expert=True, num_local_experts=nl)
 
     def mla(self, local: str, key: str) -> None:
         """Multi-latent attention as megatron-core's local spec builds it (0.16.1): the
@@ -360,6 +394,8 @@ def local_blocks(p: ParamSpec, spec: ModelSpec, layout: Layout,
         return (Block(Box.full(ls), Box((i * ls[0],) + (0,) * (nd - 1), ls)),)
     if p.rule == "cols":
         return (Block(Box.full(ls), Box((0, i * ls[1]) + (0,) * (nd - 2), ls)),)
+    if p.rule == "ecols":
+        return (Block(Box.full(ls), Box((coords.ep * ls[0], i * ls[1]), ls)),)
     if p.rule == "glu":
         half = ls[0] // 2
         ffn = p.logical_shape[0] // 2
