@@ -24,7 +24,7 @@ def plain(name: str):
 LAYOUTS = [("tiny-gpt", "tp2pp2", 8), ("tiny-gpt+tied", "tp2pp2", 8),
            ("tiny-gpt+ln+bf16", "tp1pp2vpp2", 8), ("tiny-gpt", "tp2cp2", 8),
            ("tiny-moe", "tp2pp2ep2etp1", 8), ("tiny-moe", "tp2pp1ep1etp1", 4),
-           ("tiny-moe+shared", "tp1pp2ep4", 8)]
+           ("tiny-moe+shared", "tp1pp2ep4", 8), ("tiny-moe+gmm+bf16", "tp2pp1ep2etp2", 4)]
 
 
 @pytest.mark.parametrize("model,text,world", LAYOUTS)
@@ -81,6 +81,7 @@ PAIRS = [
     ("tiny-gpt", "tp2pp1", 4, "tp1pp2vpp2", 8),      # scale out, VPP
     ("tiny-moe", "tp1pp2ep2etp1", 4, "tp1pp1ep4etp1", 4),
     ("tiny-moe+shared", "tp2pp1ep1etp1", 4, "tp2pp2ep2etp2", 8),
+    ("tiny-moe+gmm+bf16", "tp2pp1ep2etp2", 4, "tp1pp2ep4etp1", 8),  # grouped experts
 ]
 
 
