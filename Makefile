@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 NPROC ?= 4
 STAMP := $(VENV)/.installed
 
-.PHONY: install run run-mcore test test-fast bench clean
+.PHONY: install run run-mcore test test-fast bench clean gpu-wheels
 
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,6 +41,13 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not multirank"
+
+# what scripts/gpu_check.py needs on the lent GPU machine (Python 3.12, its own torch, no
+# network, no megatron-core): wheels in the git-ignored gpu_wheels/, which the device tool
+# carries with the tree (carry=["gpu_wheels"]); docs/gpu.md
+gpu-wheels: $(STAMP)
+	$(BIN)/pip download -q --no-deps --python-version 3.12 --only-binary=:all: -d gpu_wheels \
+	  megatron-core==0.16.1 "packaging>=24.2" "einops~=0.8" psutil
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

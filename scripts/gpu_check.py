@@ -71,11 +71,35 @@ UNVERIFIED_HERE = (
 
 
 # ------------------------------------------------------------------------- bootstrap
+MODELS = ("gpt-50m", "gpt-200m", "llama3-70b")  # the model configs the checks read
+
+
+def tree_configs_writable_by_others(root: Path = ROOT) -> tuple[list[str], list[str]]:
+    """The project reads a model config only when nobody but its owner can write it
+    (`safe_files.read_yaml`). A tree copied with the copier's umask (002 is common) has
+    group-writable files, and every check would then refuse its model: the group and
+    world write bits of this user's own files under `root/configs` are cleared here.
+    Returns (files fixed, files left as they are: another user's)."""
+    fixed, left = [], []
+    base = root / "configs"
+    for f in sorted(base.rglob("*")) if base.is_dir() else []:
+        st = f.lstat()
+        if not f.is_file() or f.is_symlink() or not st.st_mode & 0o022:
+            continue
+        if st.st_uid != os.getuid():
+            left.append(str(f.relative_to(root)))
+            continue
+        os.chmod(f, st.st_mode & ~0o022)
+        fixed.append(str(f.relative_to(root)))
+    return fixed, left
+
+
 def bootstrap(wheels: Path = WHEELS, cache: Optional[Path] = None) -> list[str]:
     """Put this tree and, for each wheel whose top-level module is missing, the unzipped
     wheel on `sys.path`. Returns the folders added (also for the workers' PYTHONPATH)."""
     import importlib.util
 
+    tree_configs_writable_by_others()
     added = [str(ROOT)]
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
@@ -119,7 +143,20 @@ def preflight() -> dict:
             out[mod] = getattr(m, "__version__", "present")
         except Exception as e:  # noqa: BLE001 - reported
             out[mod] = f"missing ({type(e).__name__})"
+    out["model configs"] = _models_readable()
     return out
+
+
+def _models_readable() -> str:
+    """"ok" when every model config the checks use reads, else the first refusal."""
+    from dynatrain_megatron.vps.model_spec import ModelSpec
+
+    for name in MODELS:
+        try:
+            ModelSpec.from_yaml(ROOT / f"configs/models/{name}.yaml")
+        except Exception as e:  # noqa: BLE001 - reported: every check would fail alike
+            return f"{type(e).__name__}: {e}"
+    return "ok"
 
 
 # ----------------------------------------------------------------------------- workers

@@ -393,27 +393,98 @@ def test_gpu_check_dry_run_reports_missing_torch_apis_instead_of_failing(tmp_pat
     assert lines[("preflight", "new_group(device_id=)")] == "False"
     assert lines[("preflight", "ProcessGroup.abort")] == "False"
     assert lines[("preflight", "distributed.config.use_torchcomms")] == "False"
+    assert lines[("preflight", "model")] == "ok"  # every model config a check reads
     names = [line.split()[1] for line in p.stdout.splitlines() if line.startswith("check ")]
     assert names == ["a_background_prep", "b_memory_plan", "c_background_comms",
                      "d_abort_destroy", "e_executor_geometry", "g_megatron_lm"]
     md = (tmp_path / "gpu.md").read_text()
     assert md.startswith("# GPU check") and "dry run" in md and "| ProcessGroup.abort | False |" in md
     assert all(f"({x})" in md for x in "abcdefg")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", script)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = mod
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        del sys.modules["gpu_check"]
+    mod = _gpu_check_module()
     for c in mod.CHECKS:  # every check has its worker; the limits fit in 8 minutes
         assert callable(getattr(mod, f"w_{c.name}", None) or getattr(mod, f"run_{c.name}"))
     assert sum(c.limit_s for c in mod.CHECKS) <= 480 and mod.TOTAL_BUDGET_S < 480
     bad = subprocess.run([sys.executable, str(script), str(tmp_path), "--dry-run", "--only",
                           "nope"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "unknown checks" in bad.stderr
+
+
+def _gpu_check_module():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts/gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules["gpu_check"]
+    return mod
+
+
+def test_gpu_check_makes_its_copied_configs_readable(tmp_path):
+    """A tree copied onto the lent machine with a umask of 002 has group-writable model
+    configs, which the project refuses to read (so every check would fail): the check's
+    bootstrap clears those bits on this user's own files, and leaves links alone."""
+    import os
+
+    mod = _gpu_check_module()
+    models = tmp_path / "configs/models"
+    models.mkdir(parents=True)
+    for name, mode in (("a.yaml", 0o664), ("b.yaml", 0o644), ("c.yaml", 0o666)):
+        (models / name).write_text("name: x\n")
+        os.chmod(models / name, mode)
+    (models / "link.yaml").symlink_to(models / "b.yaml")
+    fixed, left = mod.tree_configs_writable_by_others(tmp_path)
+    assert fixed == ["configs/models/a.yaml", "configs/models/c.yaml"] and left == []
+    assert {p.name: p.lstat().st_mode & 0o777 for p in models.iterdir() if not p.is_symlink()} \
+        == {"a.yaml": 0o644, "b.yaml": 0o644, "c.yaml": 0o644}
+    assert mod.tree_configs_writable_by_others(tmp_path) == ([], [])
+
+
+def _gpu_check_workers_on_cpu(names: list) -> dict:
+    """gpu_check's workers on the CPU runtime (one gloo rank), with small models where the
+    GPU run uses large ones and the device-memory readings faked: what they call in the
+    project is what the one GPU run will call, so a change that breaks them fails here."""
+    import torch
+
+    from dynatrain_megatron.compat import prepare_runtime
+
+    prepare_runtime()
+    mod = _gpu_check_module()
+    real = mod._spec
+    small = dict(num_layers=4, hidden_size=512, ffn_hidden_size=1024, vocab_size=4000)
+    mod._spec = lambda name, **kw: (real(name, **kw).replace(**small) if name == "llama3-70b"
+                                    else real("tiny-gpt", **kw))
+    GiB = 1 << 30
+    torch.cuda.mem_get_info = lambda *a: (50 * GiB, 80 * GiB)  # this child process only
+    torch.cuda.memory_stats = lambda *a: {}
+    torch.cuda.max_memory_reserved = lambda *a: 0
+    return {n: getattr(mod, f"w_{n}")() for n in names}
+
+
+@pytest.mark.multirank
+def test_gpu_check_workers_run_on_the_cpu_with_small_models():
+    """The GPU check has one run on a lent machine: its workers' own logic (not the GPU's
+    figures) is exercised here. (d) is all CUDA/NCCL and is left to the GPU."""
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    (out,) = run_on_ranks(_gpu_check_workers_on_cpu, 1, ["a_background_prep", "b_memory_plan",
+                                                         "c_background_comms",
+                                                         "e_executor_geometry"], timeout=600)
+    a, b, c, e = (out[k] for k in ("a_background_prep", "b_memory_plan", "c_background_comms",
+                                   "e_executor_geometry"))
+    # (a) dropout 0.1 with and without B prepared beside A: the same bits
+    assert a["ok"] and a["losses_equal"] and a["weights_equal"] and a["prepare_error"] is None, a
+    # (b) two A->A switches, each planned and landed
+    assert b["ok"] and [r["aborted"] for r in b["switches"]] == [None, None], b
+    assert all(r["mode"] == "background" for r in b["switches"])
+    # (c) six groups made in the background while the main thread ran collectives
+    assert c["ok"] and c["groups"] == 6 and c["main_collectives"] >= 20, c
+    # (e) one rank's pieces through the loopback executor, the pause's parts measured
+    assert e["ok"] and not e["errors"] and e["pieces"] > 0 and e["bytes"] > e["local_bytes"], e
+    assert set(e["pause_breakdown"]) >= {"plan_s", "executor_s", "checksum_s"}
 
 
 def test_placement_falls_back_to_rank_order_without_ordered_groups(monkeypatch):
@@ -836,6 +907,7 @@ def _vote_case(deadline: float) -> dict:
     return out
 
 
+@pytest.mark.multirank
 def test_votes_agree_and_a_dead_or_hung_peer_fails_every_vote_alike():
     from dynatrain_megatron.testing.multiproc import run_on_ranks
 
@@ -933,6 +1005,7 @@ def _prepare_deadline_case(mode: str) -> dict:
     return dict(out=out, s=waited, abandon_s=time.monotonic() - t1)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("mode", ["fail", "hang"])
 def test_background_preparation_has_a_deadline(mode):
     from dynatrain_megatron.testing.multiproc import run_on_ranks
@@ -1014,6 +1087,69 @@ def test_b_groups_get_the_jobs_nccl_options(monkeypatch, tmp_path):
     assert len(dp_like) >= 2
 
 
+# the job's args Megatron-LM's get_model makes a DDP config from besides the config's own
+# field names (facts of core_v0.16.1 and core_v0.19.0's training.py)
+_DDP_RENAMED_ARGS = ("accumulate_allreduce_grads_in_fp32", "check_for_nan_in_loss_and_grad",
+                     "check_for_large_grads", "ddp_bucket_size", "ddp_num_buckets",
+                     "ddp_average_in_collective", "ddp_pad_buckets_for_high_nccl_busbw")
+# what B's args may differ in from the job's: its layout, and how B's weights are made
+_LAYOUT_ARGS = {"tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                "context_parallel_size", "expert_model_parallel_size",
+                "expert_tensor_parallel_size", "data_parallel_size", "world_size", "rank",
+                "num_distributed_optimizer_instances", "decoder_first_pipeline_num_layers",
+                "decoder_last_pipeline_num_layers", "padded_vocab_size", "sequence_parallel",
+                "overlap_p2p_comm", "tp_comm_overlap", "use_cpu_initialization",
+                "data_parallel_random_init", "init_model_with_meta_device",
+                "enable_gloo_process_groups"}
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_b_ddp_config_comes_from_the_jobs_args_field_for_field(monkeypatch, backend):
+    """Inside Megatron-LM, B's DDP config is made by Megatron-LM's own get_model from a copy
+    of the job's args set to B (megatron_lm/builder.py). That copy equals the job's args in
+    every attribute but B's layout and weight-making ones; in particular every argument a
+    DDP config is made from (each config field's namesake and the renamed flags) is the
+    job's, but the optimizer-instance count, which is B's. (That get_model turns these args
+    into the config is Megatron-LM's code, run by the Megatron-LM tests.)"""
+    import dataclasses
+    import types
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from dynatrain_megatron.megatron_lm.builder import MegatronLMBuilder
+    from dynatrain_megatron.megatron_lm.transformer_config import JobIntents
+    from dynatrain_megatron.mcore.train_config import TrainConfig
+
+    ddp_args = [f.name for f in dataclasses.fields(DistributedDataParallelConfig)]
+    ddp_args += list(_DDP_RENAMED_ARGS)
+    job = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+               data_parallel_size=2, world_size=8, rank=0, sequence_parallel=True,
+               enable_gloo_process_groups=True, hidden_dropout=0.1, lr=3e-4, seed=1234,
+               transformer_impl="transformer_engine", nccl_communicator_config_path="/x.yaml")
+    # every DDP source set to a value of its own (not a default), so a reset would show
+    job.update({n: ("job", n) for n in ddp_args})
+    job["num_distributed_optimizer_instances"] = 1
+    args = types.SimpleNamespace(**job)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    builder = MegatronLMBuilder(TINY_GPT, TrainConfig(), args=args,
+                                intents=JobIntents.from_args(args),
+                                model_provider=lambda *x: None)
+    b = Layout.parse("tp1pp2dp4", 8)
+    b_args = builder.args_for(b, types.SimpleNamespace(rank=5), init_weights=False)
+    assert vars(args) == job  # the job's own args are untouched
+    for n in ddp_args:
+        if n != "num_distributed_optimizer_instances":
+            assert getattr(b_args, n) is getattr(args, n), n
+    assert b_args.num_distributed_optimizer_instances == b.doi
+    differ = {k for k in set(vars(args)) | set(vars(b_args))
+              if getattr(args, k, None) != getattr(b_args, k, None)}
+    assert differ <= _LAYOUT_ARGS, differ - _LAYOUT_ARGS
+    assert b_args.tensor_model_parallel_size == 1 and b_args.data_parallel_size == 4
+    # B's groups have no gloo twins under NCCL (megatron's legacy checkpoint formats only)
+    assert b_args.enable_gloo_process_groups is (backend == "gloo")
+
+
 def test_options_we_cannot_honour_are_refused_at_start():
     import types
 
@@ -1056,6 +1192,7 @@ def _transfer_release_case() -> dict:
                 transfer_kept=any(g is transfer for g in b.created))
 
 
+@pytest.mark.multirank
 def test_transfer_group_destroyed_by_every_rank_together_on_scale_in():
     from dynatrain_megatron.testing.multiproc import run_on_ranks
 
@@ -1065,6 +1202,60 @@ def test_transfer_group_destroyed_by_every_rank_together_on_scale_in():
     assert all("transfer" not in r["later"] and "non-member" not in r["later"] for r in res)
     assert res[2]["later"] == res[3]["later"] == []  # nothing of B's on the leaving ranks
     assert res[0]["later"] == res[1]["later"] and res[0]["later"]  # members, one order
+
+
+def _first_layout_groups_case() -> dict:
+    """megatron-core's own initialize_model_parallel (as Megatron-LM calls it at start,
+    gloo twins included), wrapped as the first layout, then released."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from dynatrain_megatron.compat import prepare_runtime
+    from dynatrain_megatron.megatron_lm.adapter import wrap_megatron_groups
+
+    prepare_runtime()
+    registry = dist.distributed_c10d._world.pg_map
+    before = len(registry)
+    ps.initialize_model_parallel(2, 2, create_gloo_process_groups=True)
+    made = len(registry) - before
+    held: dict = {}  # group -> (its first global name, its members): same on every member
+    for k, v in sorted(vars(ps).items()):
+        if isinstance(v, dist.ProcessGroup) and v is not dist.group.WORLD:
+            held.setdefault(id(v), (k, tuple(dist.get_process_group_ranks(v))))
+    groups = wrap_megatron_groups(Layout.parse("tp2pp2", 4))
+    order = [held.get(id(g)) for g in groups.created]
+    destroyed = []
+    real = dist.destroy_process_group
+    dist.destroy_process_group = lambda g=None: destroyed.append(held.get(id(g))) or real(g)
+    try:
+        groups.destroy()  # what releasing the first layout does, on every rank
+    finally:
+        dist.destroy_process_group = real
+    left = len(registry) - before
+    ps.destroy_model_parallel()
+    return dict(made=made, order=order, destroyed=destroyed, all_held=len(set(held.values())),
+                left=left)
+
+
+@pytest.mark.multirank
+def test_megatron_lm_first_layout_groups_are_destroyed_with_it():
+    """Issue 27, 10: the groups Megatron-LM made for the first layout (megatron-core's
+    parallel_state, gloo twins included) belong to that layout and are destroyed with it,
+    every rank in the same order; torch's registry keeps none of them."""
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    res = run_on_ranks(_first_layout_groups_case, 4, timeout=300)
+    for me, r in enumerate(res):
+        assert r["made"] > 4 and r["left"] == 0, r  # every group megatron made is gone
+        assert None not in r["order"] and r["destroyed"] == r["order"], r
+        assert len(r["order"]) == r["all_held"]  # every distinct group megatron holds
+        for name, members in r["order"]:  # each of its members destroys it too
+            assert all((name, members) in res[m]["order"] for m in members), (me, name)
+    # any two ranks destroy the groups they share in the same order
+    for a in res:
+        for b in res:
+            common = [g for g in a["order"] if g in b["order"]]
+            assert common == [g for g in b["order"] if g in a["order"]]
 
 
 def test_releasing_a_layout_with_tp_comm_overlap_frees_tes_user_buffers(monkeypatch):

@@ -271,7 +271,7 @@ def test_placement_failure_fails_the_switch_and_keeps_a(job, monkeypatch):
 
     ctl, sig_dir, outside, victim = job
     monkeypatch.setattr(H.dist, "get_rank", lambda *a: 0)
-    monkeypatch.setattr(H, "everyone_ok", lambda ok: ok)  # one rank stands for all here
+    monkeypatch.setattr(H, "everyone_ok", lambda ok, group=None: ok)  # one rank for all
 
     def boom(*a, **k):
         raise sf.RequestError("no rank-ordered placement")  # any exception type
@@ -308,7 +308,10 @@ def test_failed_background_preparation_is_a_failed_request_and_keeps_a(job, monk
 
     ctl, sig_dir, outside, victim = job
     monkeypatch.setattr(H.dist, "get_rank", lambda *a: 0)
-    monkeypatch.setattr(H, "everyone_ok", lambda ok: ok)  # one rank stands for all here
+    votes, cpu_group = [], object()
+    monkeypatch.setattr(H, "control_group", lambda: cpu_group)
+    # one rank stands for all here; the vote's group is recorded
+    monkeypatch.setattr(H, "everyone_ok", lambda ok, group=None: votes.append(group) or ok)
     hook = H.DynatrainHook(ctl.spec, TrainConfig(global_batch_size=8, micro_batch_size=2), ctl)
     a = Layout.parse("tp2pp2", 4)
     hook.start(None, a, Placement((0, 1, 2, 3)))
@@ -322,5 +325,7 @@ def test_failed_background_preparation_is_a_failed_request_and_keeps_a(job, monk
     assert hook.layout == a and not hook.devices.pending and hook.decision is None
     assert "preparing tp2pp1dp2 failed: RuntimeError" in hook.failed[-1]
     assert "B does not fit" in hook.failed[-1]
+    # the vote ran on the CPU control group (never the default group: NCCL under NCCL)
+    assert votes == [cpu_group]
     (rec,) = [json.loads(p.read_text()) for p in sig_dir.glob("switch.json.failed.*")]
     assert rec["outcome"] == "failed" and "B does not fit" in rec["reason"]

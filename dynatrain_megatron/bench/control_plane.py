@@ -272,7 +272,7 @@ def emulate_rank(spec: ModelSpec, src: Layout, src_placement: Placement, dst: La
             raise RuntimeError(prep.error)
         everyone_ok(True, control_group())  # the ready vote of the step it lands at
         warm_up_groups(groups_b)
-        everyone_ok(True)  # the hook: every rank's preparation succeeded
+        everyone_ok(True, control_group())  # the hook: every rank's preparation succeeded
         res = switch_layout(spec, builder, None, src, src_placement, dst, build_groups, None,
                             options, prepared=prep, transport=wire)
         if res.aborted:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..elastic import job_presence
 from ..elastic.controller import Controller, Decision
 from ..elastic.schedule import load_schedule
-from ..elastic.communicators import everyone_ok
+from ..elastic.communicators import control_group, everyone_ok
 from ..elastic.device_manager import DeviceManager
 from ..elastic.standby_channel import StandbyChannel
 from ..elastic.groups import build_groups
@@ -320,7 +320,7 @@ class DynatrainHook:
             except Exception as e:  # noqa: BLE001 - B's groups or preparation failed
                 error = e
             t1 = self.stall.lap("warm_up", t1)
-            ok = everyone_ok(error is None)
+            ok = everyone_ok(error is None, control_group())  # gloo: never NCCL's own value
             self.stall.lap("votes", t1)
             if not ok:  # every rank gives up alike, A untouched
                 return self._preparation_failed(trainer, dst, kw, error)
