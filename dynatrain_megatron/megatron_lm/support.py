@@ -162,6 +162,8 @@ SUPPORTED: tuple[tuple[str, str], ...] = (
     ("DeepSeek-style multi-latent attention (--multi-latent-attention with --q-lora-rank, "
      "--kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim, --qk-layernorm), "
      "local layers", "tests/test_megatron_lm_recipes.py::deepseek"),
+    ("no --use-distributed-optimizer (plain DDP: the optimizer state replicated over DP, "
+     "each piece moved from one replica)", "tests/test_megatron_lm_recipes.py::deepseek"),
     ("any option that changes no state shape (activations, dropout, fusions, recompute, "
      "attention backend, loss options, rotary variants): carried by B, built by Megatron-LM",
      "megatron_lm/builder.py"),
