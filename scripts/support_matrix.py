@@ -97,8 +97,8 @@ def matrix() -> str:
     L += [f"| `{a}` | {AXIS_MEANING[a]} | {flags[a]} |" for a in GRAMMAR_AXES]
     L += ["",
           "Megatron-LM releases: " + ", ".join(f"`{r.name}`" for r in RELEASES)
-          + ". Precisions: " + ", ".join(ms.PARAMS_DTYPES) + ". Optimizer: Adam with "
-          "`--use-distributed-optimizer`.",
+          + ". Precisions: " + ", ".join(ms.PARAMS_DTYPES) + ". Optimizer: Adam, with "
+          "`--use-distributed-optimizer` or without it (plain DDP).",
           "",
           "Checked to switch inside Megatron-LM (the test that checks it):", ""]
     L += [f"- {r}" for r in supported()]

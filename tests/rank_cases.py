@@ -59,7 +59,8 @@ def train_cases(cases: list[tuple[str, str, int, dict]]) -> list[dict]:
 
 def spec_variant(name: str) -> ModelSpec:
     """`tiny-gpt+tied` = tiny-gpt with tied embeddings, `+bf16` = bf16 params, `+v1280` = a
-    vocab of 1280, `+gmm` = grouped experts, ..."""
+    vocab of 1280, `+gmm` = grouped experts, `+ddp` = without the distributed optimizer,
+    ..."""
     base, *mods = name.split("+")
     s = spec(base)
     for m in mods:
@@ -69,7 +70,9 @@ def spec_variant(name: str) -> ModelSpec:
              # 1280 rows: no vocab padding up to TP 2, padding rows at TP 4 (1536)
              "v1280": lambda x: x.replace(vocab_size=1280),
              # grouped experts (GroupedMLP; megatron-core requires bf16 for them)
-             "gmm": lambda x: x.replace(moe_grouped_gemm=True)}[m](s)
+             "gmm": lambda x: x.replace(moe_grouped_gemm=True),
+             # plain DDP: megatron's FP32Optimizer / Float16OptimizerWithFloat16Params
+             "ddp": lambda x: x.replace(distributed_optimizer=False)}[m](s)
     return s
 
 

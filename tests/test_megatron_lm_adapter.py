@@ -213,9 +213,12 @@ def test_megatron_lm_defaults_are_refused_with_reasons():
                       rampup_batch_size=["16", "16", "1000"], cuda_graph_impl="local",
                       optimizer="sgd")
     why = "\n".join(mlm.unsupported_args(a))
-    for s in ("--use-distributed-optimizer", "--rampup-batch-size", "--cuda-graph-impl local",
-              "--optimizer sgd"):
+    for s in ("--rampup-batch-size", "--cuda-graph-impl local", "--optimizer sgd"):
         assert s in why
+    # plain DDP switches: its replicated optimizer state is in the planning layout
+    assert "distributed-optimizer" not in why
+    assert mlm.spec_from_megatron_args(a).distributed_optimizer is False
+    assert mlm.spec_from_megatron_args(megatron_args()).distributed_optimizer is True
     # Megatron-LM's default dropout is carried by B's config: accepted, with a warning
     assert "dropout" not in why
     assert any("--hidden-dropout 0.1" in n and "--attention-dropout 0.1" in n

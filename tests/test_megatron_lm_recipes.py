@@ -12,7 +12,10 @@ One group of two jobs on 4 gloo ranks per recipe, each checking several things:
 * deepseek: DeepSeek-shaped attention: `--multi-latent-attention` with low-rank query and
   key-value projections (`--q-lora-rank 32 --kv-lora-rank 16`, split head sizes) and their
   norms (`--qk-layernorm`); a TP, PP and DP change, tp2pp2dp1 -> tp1pp1dp4 (every
-  column-parallel low-rank projection is re-split).
+  column-parallel low-rank projection is re-split). Without `--use-distributed-optimizer`
+  (plain DDP: megatron-core's Float16OptimizerWithFloat16Params, every DP replica holding
+  the fp32 main params and Adam moments of its shard): each of B's four replicas gets all
+  of it.
 * qwen_moe: Qwen3-MoE-shaped: `--qk-layernorm`, top-2 routing with the aux loss, a shared
   expert, `--moe-layer-freq [0,1,1,1]` (a dense first layer), `--rotary-base 1000000`,
   GQA, bf16, `--moe-grouped-gemm` (megatron-core 0.16's GroupedMLP: all local experts of a
@@ -31,7 +34,7 @@ import pytest
 
 from megatron_lm_runs import (CPU_FLAGS, MOCK_DATA, TINY_MODEL, assert_final_checkpoints_identical,
                               assert_losses_as_restart, assert_switched_as_scheduled,
-                              layout_flags, switch_and_restart)
+                              layout_flags, load_common, switch_and_restart)
 from megatron_lm_tree import release_name, require_snapshot
 
 pytestmark = pytest.mark.multirank
@@ -57,6 +60,8 @@ DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank",
             "--qk-layernorm", "--position-embedding-type", "rope", "--swiglu",
             "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
             "--disable-bias-linear", "--bf16", "--ffn-hidden-size", "128"]
+# recipes run as plain DDP: without the common --use-distributed-optimizer
+PLAIN_DDP = {"deepseek"}
 RECIPES = {  # name: (recipe flags, flags at A, flags at B, A, B)
     "llama": (LLAMA, layout_flags(2, 1), layout_flags(1, 2), "tp2pp1dp2", "tp1pp2dp2"),
     "qwen_moe": (QWEN_MOE, layout_flags(1, 2, expert_model_parallel_size=2),
@@ -76,6 +81,8 @@ def runs(request, tmp_path_factory):
     recipe, a, b, lay_a, lay_b = RECIPES[request.param]
     common = (CPU_FLAGS + TINY_MODEL + MOCK_DATA + recipe
               + ["--eval-interval", "1000", "--train-iters", str(N)])
+    if request.param in PLAIN_DDP:
+        common = [f for f in common if f != "--use-distributed-optimizer"]
     # B takes the placement the planner chooses: Megatron-LM's loss line must still print
     # after the switch (from the device of B's last stage, `compat.megatron_lm.set_last_rank`)
     # the restart resumes the switched run's own --save at K (A's state): two jobs, not three
@@ -98,6 +105,7 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert args["num_query_groups"] == "2" and args["untie_embeddings_and_output_weights"] == "True"
     elif runs["recipe"] == "deepseek":
         assert args["multi_latent_attention"] == "True"
+        assert args["use_distributed_optimizer"] == "False"
         assert (args["q_lora_rank"], args["kv_lora_rank"]) == ("32", "16")
     else:
         assert args["rotary_base"] == "1000000" and args["qk_layernorm"] == "True"
@@ -125,6 +133,17 @@ def test_final_checkpoints_are_bit_identical(runs):
     if runs["recipe"] == "deepseek":  # MLA's low-rank projections and their norms
         assert {"linear_q_down_proj", "linear_kv_up_proj", "kv_layernorm"} <= {
             part for k in ours for part in k.split(".")}
+    if runs["recipe"] in PLAIN_DDP:
+        # a plain optimizer's state: every weight's fp32 main copy and moments, whole; its
+        # step (one for all parameters) in the common state
+        weights = {k for k in ours if not k.startswith("optimizer.")
+                   and k.endswith((".weight", ".bias"))}
+        for kind in ("fp32_param", "exp_avg", "exp_avg_sq"):
+            assert {k[len(f"optimizer.state.{kind}."):] for k in ours
+                    if k.startswith(f"optimizer.state.{kind}.")} == weights
+        steps = [load_common(runs["w"] / run / f"iter_{N:07d}")["optimizer"]["optimizer"]
+                 ["state"]["common_step"] for run in ("switched", "resumed")]
+        assert steps[0] == steps[1] == N, steps
 
 
 def test_losses_match_megatron_lm_restart(runs):

@@ -35,6 +35,9 @@ DENSE_4 = [
     # a vocab of 1280: A (TP 2) has no padding rows, so nothing is gathered, and B's (TP 4,
     # 1536 rows) start at zero as the checkpoint path leaves them
     ("tp2pp2dp1", "tp4pp1dp1", {"model": "tiny-gpt+v1280", "ckpt": True, "steps_after": 3}),
+    # plain DDP (FP32Optimizer, the state replicated over DP): TP 2->1, DP 2->4, each of A's
+    # two replicas a possible source (bf16's Float16Optimizer: test_megatron_lm_recipes)
+    ("tp2pp1dp2", "tp1pp1dp4", {"model": "tiny-gpt+ddp", "ckpt": True, "steps_after": 3}),
 ]
 MOE_4 = [
     ("tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4", {"back": True}),  # EP 2->4

@@ -8,7 +8,10 @@ module reads what *is* where, from megatron-core's own metadata:
     function applied to element indices (`grouped_experts`), viewed 2-D in memory order;
   - `main_param`, `exp_avg`, `exp_avg_sq`: each DistributedOptimizer's ownership ranges
     (`gbuf_ranges[...]["param_map"][p]["param"]`), a flat range of the TP-local parameter,
-    cut into boxes and mapped to global coordinates with the weight's own blocks.
+    cut into boxes and mapped to global coordinates with the weight's own blocks; under
+    plain DDP (`Float16OptimizerWithFloat16Params`, `FP32Optimizer`) the whole parameter,
+    its fp32 main copy (`param.main_param`, or the parameter itself when it is fp32) and
+    that copy's Adam state (`param_optimizer_states`).
 `LiveState.view(kind, chunk, local_name, local_box)` returns the tensor view that stores a
 box, which is what the executor packs from and unpacks into.
 """
@@ -73,6 +76,62 @@ def optimizers_of(optimizer) -> list:
     if optimizer is None:
         return []
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def is_distributed(opt) -> bool:
+    """Whether one of `optimizers_of`'s optimizers is megatron-core's DistributedOptimizer
+    (its state sharded over DP) rather than a plain one (each DP replica holds all)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(opt, DistributedOptimizer)
+
+
+def fp32_copies_of(opt) -> list[list[torch.Tensor]]:
+    """The separate fp32 main copies one of `optimizers_of`'s optimizers keeps of bf16/fp16
+    weights, per param group (none for fp32 weights, whose main copy is the weight or a
+    view of it): what rebuilding the weights from their masters copies from."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    if is_distributed(opt):
+        return opt.shard_fp32_from_float16_groups
+    if isinstance(opt, Float16OptimizerWithFloat16Params):
+        return opt.fp32_from_float16_groups
+    return []
+
+
+def _plain_main_params(opt) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(model param, fp32 main param) of a plain megatron optimizer, in its group order:
+    `Float16OptimizerWithFloat16Params` keeps an fp32 copy of each bf16/fp16 parameter
+    (`float16_groups` beside `fp32_from_float16_groups`) and steps fp32 parameters
+    themselves (`fp32_from_fp32_groups`); `FP32Optimizer` steps the model's parameters."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    if isinstance(opt, Float16OptimizerWithFloat16Params):
+        for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+            yield from zip(model_group, main_group)
+        for group in opt.fp32_from_fp32_groups:
+            for p in group:
+                yield p, p
+        return
+    for group in opt.optimizer.param_groups:
+        for p in group["params"]:
+            yield p, p
+
+
+def param_optimizer_states(opt) -> Iterator[tuple[torch.nn.Parameter, int, int,
+                                                  dict[str, torch.Tensor]]]:
+    """Every model parameter `opt` steps, with the flat range `[start, end)` of it whose
+    state this rank holds and that state (`param`: the fp32 main copy, `exp_avg`,
+    `exp_avg_sq`, ...): the distributed optimizer's owned shard (1-D), or under plain DDP
+    the whole parameter's state (shaped as the parameter)."""
+    if is_distributed(opt):
+        for p, (gbuf_idx, dtype, bucket_idx) in opt.model_param_gbuf_map.items():
+            rng = opt.gbuf_ranges[gbuf_idx][dtype][bucket_idx]["param_map"][p]["param"]
+            yield p, rng.start, rng.end, opt._get_main_param_and_optimizer_states(p)
+        return
+    state = opt.optimizer.state
+    for p, main in _plain_main_params(opt):
+        yield p, 0, p.numel(), {"param": main, **state.get(main, {})}
 
 
 def steps_in_param_groups(inner: torch.optim.Optimizer) -> bool:
@@ -156,8 +215,8 @@ def storage_fingerprint(model: list, optimizer) -> tuple:
         for name, p in unwrap(m).named_parameters():
             out.append((name, p.data_ptr(), tuple(p.shape)))
     for opt in optimizers_of(optimizer):
-        for p in opt.model_param_gbuf_map:
-            for k, t in sorted(opt._get_main_param_and_optimizer_states(p).items()):
+        for _, _, _, states in param_optimizer_states(opt):
+            for k, t in sorted(states.items()):
                 out.append((k, t.data_ptr(), tuple(t.shape)) if torch.is_tensor(t) else (k, None))
     return tuple(out)
 
@@ -225,9 +284,11 @@ class LiveState:
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
         from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-        # optimizer shards are distinct across DP, so an optimizer fragment is main when its
-        # weight's replica id is main up to the DP coordinate (no TP / tied-copy duplicate)
+        # distributed optimizer shards are distinct across DP, so an optimizer fragment is
+        # main when its weight's replica id is main up to the DP coordinate (no TP /
+        # tied-copy duplicate); a plain optimizer's state is main where its weight is
         self._opt_main: dict[tuple[int, str], bool] = {}
+        self._weight_main: dict[tuple[int, str], bool] = {}
         self._sorted_ptrs = [sorted((p.data_ptr(), n) for n, p in ps.items()) for ps in self.params]
         for ci, chunk in enumerate(self.chunks):
             # the chunk's own data-parallel group, not megatron's global one: B is bound
@@ -256,6 +317,7 @@ class LiveState:
                 lbox = Box(local_off, tuple(sh.local_shape))
                 rid = sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,)
                 self._opt_main[(ci, name)] = all(r == 0 for r in rid[:-1])
+                self._weight_main[(ci, name)] = bool(is_main_replica(sh.replica_id))
                 self.keys[(ci, name)] = key
                 if key in VOCAB_KEYS:
                     keep = max(0, min(gbox.shape[0], self.vocab_size - gbox.offsets[0]))
@@ -331,13 +393,15 @@ class LiveState:
     def _read_optimizer_ranges(self) -> None:
         self._opt_instance: dict[tuple[int, str], int] = {}
         for opt in optimizers_of(self.optimizer):
-            for p, (gbuf_idx, dtype, bucket_idx) in opt.model_param_gbuf_map.items():
-                rng = opt.gbuf_ranges[gbuf_idx][dtype][bucket_idx]["param_map"][p]["param"]
+            distributed = is_distributed(opt)
+            for p, start, end, states in param_optimizer_states(opt):
                 ci, name = self._owner[id(p)]
-                states = opt._get_main_param_and_optimizer_states(p)
-                self.opt_ranges[(ci, name)] = (rng.start, rng.end, states)
+                self.opt_ranges[(ci, name)] = (start, end, states)
                 # with several optimizer instances the same shard lives once per instance
-                self._opt_instance[(ci, name)] = getattr(opt, "distributed_optimizer_instance_id", 0)
+                self._opt_instance[(ci, name)] = (
+                    getattr(opt, "distributed_optimizer_instance_id", 0) if distributed else 0)
+                if not distributed and (ci, name) in self._weight_main:
+                    self._opt_main[(ci, name)] = self._weight_main[(ci, name)]
 
     def optimizer_fragments(self, kinds: Iterable[str] = OPT_KINDS,
                             padding: bool = False) -> list[LiveFragment]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..vps.errors import DynatrainError
-from .live import optimizers_of, unwrap
+from .live import optimizers_of, param_optimizer_states, unwrap
 
 log = logging.getLogger("dynatrain")
 
@@ -40,8 +40,7 @@ def optimizer_storages(optimizer, model: list) -> list[torch.UntypedStorage]:
     weights = {p.untyped_storage().data_ptr() for m in model for p in unwrap(m).parameters()}
     out: dict[int, torch.UntypedStorage] = {}
     for opt in optimizers_of(optimizer):
-        for p in opt.model_param_gbuf_map:
-            states = opt._get_main_param_and_optimizer_states(p)
+        for _, _, _, states in param_optimizer_states(opt):
             for k in _STATE_KEYS:
                 t = states.get(k)
                 if not torch.is_tensor(t):

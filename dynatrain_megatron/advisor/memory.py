@@ -145,7 +145,10 @@ def _stage_tables(spec: ModelSpec, layout: Layout, bucket_size: Optional[int]
                                                                            np.int64)
                 for b in an.buffers(pp, chunk):
                     n += b.numel
-                    el, _ = b.owned_prefix_counts([p.numel for p in b.params])
+                    if spec.distributed_optimizer:
+                        el, _ = b.owned_prefix_counts([p.numel for p in b.params])
+                    else:  # plain DDP: every replica owns all of its parameters' state
+                        el = sum(p.numel for p in b.params)
                     if b.is_expert:
                         e = e + el
                     else:
@@ -197,13 +200,16 @@ def state_lower_bound(spec: ModelSpec, layout: Layout, grad_bytes: int = 4) -> n
     pb = DTYPE_BYTES[spec.params_dtype]
     per_owned = OPT_DTYPE_BYTES * (2 + (spec.params_dtype != "fp32"))
     expert_split = L.ep * L.etp
+    dense_shards = L.dense_shards if spec.distributed_optimizer else 1
     expert_shards = L.expert_shards if L.ep > 1 else L.dense_shards
+    if not spec.distributed_optimizer:
+        expert_shards = 1
     stages = L.stage_num_layers(spec.num_layers)
     best = np.zeros(L.pp)
     for i, n in enumerate(stages):
         d = n * dl / L.tp + (emb / L.tp if i == 0 else 0) + (out / L.tp if i == L.pp - 1 else 0)
         e = n * el / expert_split
-        v = (d + e) * (pb + grad_bytes) + (d / L.dense_shards + e / expert_shards) * per_owned
+        v = (d + e) * (pb + grad_bytes) + (d / dense_shards + e / expert_shards) * per_owned
         best[i] = np.floor(v)
     return best
 

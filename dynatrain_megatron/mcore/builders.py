@@ -221,15 +221,18 @@ def restore_tensor_parallel_attributes(chunks: list[torch.nn.Module], spec: Mode
                 mark(m.weight, 1, 1)
 
 
-def wrap_ddp(chunks: list[torch.nn.Module], config, train: TrainConfig, groups: ParallelGroups):
-    """DDP per chunk. Like Megatron-LM, only chunk 0 is bucketed (others: one bucket)."""
+def wrap_ddp(chunks: list[torch.nn.Module], config, train: TrainConfig, groups: ParallelGroups,
+             distributed_optimizer: bool = True):
+    """DDP per chunk. Like Megatron-LM, only chunk 0 is bucketed (others: one bucket).
+    `distributed_optimizer`: the buffers are laid out for megatron's distributed optimizer
+    (`ModelSpec.distributed_optimizer`), else for a plain one (gradients all-reduced)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=train.overlap_grad_reduce,
         overlap_param_gather=train.overlap_param_gather,
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=distributed_optimizer,
         num_distributed_optimizer_instances=groups.layout.doi,
         check_for_nan_in_grad=False,
         bucket_size=train.ddp_bucket_size,
@@ -240,7 +243,9 @@ def wrap_ddp(chunks: list[torch.nn.Module], config, train: TrainConfig, groups: 
 
 
 def build_optimizer(model: list, spec: ModelSpec, train: TrainConfig, groups: ParallelGroups):
-    """ChainedOptimizer of DistributedOptimizers (dense and, for MoE, expert) with Adam."""
+    """Adam, as a ChainedOptimizer (dense and, for MoE, expert) of megatron's
+    DistributedOptimizers, or of its plain optimizers when `spec.distributed_optimizer` is
+    off (Float16OptimizerWithFloat16Params for bf16/fp16, FP32Optimizer for fp32)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     cfg = OptimizerConfig(
@@ -248,7 +253,7 @@ def build_optimizer(model: list, spec: ModelSpec, train: TrainConfig, groups: Pa
         adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
         clip_grad=train.clip_grad, bf16=spec.params_dtype == "bf16",
         fp16=spec.params_dtype == "fp16", params_dtype=_TORCH_DTYPES[spec.params_dtype],
-        use_distributed_optimizer=True)
+        use_distributed_optimizer=spec.distributed_optimizer)
     # megatron refuses gloo twins with an explicit pg_collection; they only serve
     # checkpoint code paths, which find the gloo globals set by `install` on CPU
     with default_group_as(groups.layout_group_cpu or groups.layout_group):
@@ -306,7 +311,7 @@ def build_training_objects(spec: ModelSpec, layout: Layout, groups: ParallelGrou
     chunks = build_model_chunks(spec, layout, groups, config, init_weights=init_weights)
     if not init_weights:
         restore_tensor_parallel_attributes(chunks, spec)
-    model = wrap_ddp(chunks, config, train, groups)
+    model = wrap_ddp(chunks, config, train, groups, spec.distributed_optimizer)
     optimizer = build_optimizer(model, spec, train, groups)
     scheduler = build_scheduler(optimizer, train)
     config.finalize_model_grads_func = finalize_model_grads

@@ -172,6 +172,8 @@ def spec_from_megatron_args(args: Any, vocab_size: Optional[int] = None,
         # as Megatron-LM's config (changes bf16/fp16 numerics; fp32 is unaffected)
         attention_softmax_in_fp32=bool(arg_value(args, "attention_softmax_in_fp32", False)
                                        or arg_value(args, "apply_query_key_layer_scaling", False)),
+        # without --use-distributed-optimizer every DP replica holds all optimizer state
+        distributed_optimizer=bool(arg_value(args, "use_distributed_optimizer", True)),
     )
     if arg_value(args, "multi_latent_attention", False):
         kw.update(multi_latent_attention=True, q_lora_rank=arg_value(args, "q_lora_rank"),

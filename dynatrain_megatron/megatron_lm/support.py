@@ -58,10 +58,6 @@ def _optimizer(a: Any) -> list[str]:
     return [] if opt == "adam" else [f"--optimizer {opt}"]
 
 
-def _without_distributed_optimizer(a: Any) -> list[str]:
-    return [] if _v(a, "use_distributed_optimizer", True) else ["no --use-distributed-optimizer"]
-
-
 def _layer_pattern(a: Any) -> list[str]:
     out = []
     if (_set(_v(a, "multi_latent_attention"))
@@ -101,9 +97,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "Megatron-LM's own --load at another layout fails for SGD (no optimizer state is "
             "created before the load, core_v0.16.1); the Muon "
             "optimizers are layer-wise, with state the switch does not read", _optimizer),
-    Refusal("no --use-distributed-optimizer", "not_yet",
-            "the planning layout describes the distributed optimizer's shards; the plain "
-            "optimizer's replicated state is not described yet", _without_distributed_optimizer),
     Refusal("--use-torch-fsdp2, --use-megatron-fsdp, --use-custom-fsdp, "
             "--use-layer-wise-distributed-optimizer, --optimizer-cpu-offload, "
             "--use-precision-aware-optimizer", "not_yet",
@@ -169,6 +162,8 @@ SUPPORTED: tuple[tuple[str, str], ...] = (
     ("DeepSeek-style multi-latent attention (--multi-latent-attention with --q-lora-rank, "
      "--kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim, --qk-layernorm), "
      "local layers", "tests/test_megatron_lm_recipes.py::deepseek"),
+    ("no --use-distributed-optimizer (plain DDP: the optimizer state replicated over DP, "
+     "each piece moved from one replica)", "tests/test_megatron_lm_recipes.py::deepseek"),
     ("any option that changes no state shape (activations, dropout, fusions, recompute, "
      "attention backend, loss options, rotary variants): carried by B, built by Megatron-LM",
      "megatron_lm/builder.py"),

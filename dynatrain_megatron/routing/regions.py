@@ -11,6 +11,9 @@ of virtual ranks:
     opt    region = one box of the part of a TP-local tensor that one distributed-optimizer
                     shard owns, held by that shard's rank in every *copy* (module doc of
                     `vps.analytic`: TP-replicated tensors keep one copy per TP rank).
+           without the distributed optimizer (`ModelSpec.distributed_optimizer`
+                    False) every replica of a weight holds its whole optimizer state: the
+                    `opt` regions are the `param` regions.
 
 Holder sets are arithmetic progressions of virtual ranks (`base + s1*i + s2*j`), interned,
 so a table for Qwen3-235B on 4096 ranks has ~1e5 regions and a few thousand sets, built
@@ -371,6 +374,8 @@ def _flat_to_boxes(s: np.ndarray, e: np.ndarray, C: np.ndarray):
 
 def _opt_regions(spec: ModelSpec, L: Layout, bucket_size: Optional[int], hs: HolderSets,
                  kidx: KeyIndex) -> _Emitter:
+    if not spec.distributed_optimizer:  # held exactly where the weights are
+        return _param_regions(spec, L, hs, kidx)
     em = _Emitter()
     TP, ETP, EP, EDP, DPCP = L.tp, L.etp, L.ep, L.edp, L.dp_cp
     al = analytic_layout(spec, L, bucket_size)

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from ..compat.torch_features import ordered_groups
-from ..adapters.live import (LiveState, optimizer_state_complete, optimizers_of,
-                             read_optimizer_step, storage_fingerprint, write_optimizer_step)
+from ..adapters.live import (LiveState, fp32_copies_of, optimizer_state_complete,
+                             optimizers_of, read_optimizer_step, storage_fingerprint,
+                             write_optimizer_step)
 from ..adapters.verify import check_live_matches_analytic
 from ..routing.piece import Piece
 from ..routing.placement_search import best_rank_ordered, placement_choice
@@ -268,13 +269,16 @@ def rebuild_weights_from_masters(objs) -> None:
 
     For fp32 parameters megatron's "main" shard *is* a view of the parameter buffer, so
     the transfer already wrote the weights: only optimizers with a separate fp32 copy of
-    low-precision weights need the copy (a self-copy of the whole model otherwise)."""
+    low-precision weights need the copy (a self-copy of the whole model otherwise).
+    A plain optimizer (no distributed optimizer) holds whole fp32 copies: the copy is the
+    whole rebuild, with nothing to gather."""
     for opt in optimizers_of(objs.optimizer):
-        if any(len(g) for g in getattr(opt, "shard_fp32_from_float16_groups", [[0]])):
+        if any(len(g) for g in fp32_copies_of(opt)):
             opt._copy_main_params_to_model_params()
     for m in objs.model:
-        if any(bg.intra_distributed_optimizer_instance_size > 1
-               for bg in m.bucket_groups + m.expert_parallel_bucket_groups):
+        if m.ddp_config.use_distributed_optimizer and any(
+                bg.intra_distributed_optimizer_instance_size > 1
+                for bg in m.bucket_groups + m.expert_parallel_bucket_groups):
             m.start_param_sync(force_sync=True)  # nothing to gather where DP is 1
 
 

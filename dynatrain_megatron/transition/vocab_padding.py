@@ -104,7 +104,7 @@ def padding_holdings(a: AnalyticLayout, placement: Placement,
     V, L = a.spec.vocab_size, a.layout
     if a.spec.padded_vocab_size(L.tp) == V:
         return []
-    owned_cache: dict[tuple[int, int, int], dict] = {}
+    owned_cache: dict[tuple[int, ...], dict] = {}
     out: list[Holding] = []
     for vr in range(L.world_size):
         lts = [lt for lt in a.local_tensors(vr) if lt.spec.rule == "vocab"]
@@ -125,8 +125,10 @@ def padding_holdings(a: AnalyticLayout, placement: Placement,
                                    a.copy_index(lt.spec, c) * n + idx))
             if not opt:
                 continue
-            S, shard, instance = a.shard_index(lt.spec, c)
-            ck = (c.pp, c.dp_cp % L.dense_shards, c.edp % L.expert_shards)
+            # the ranks with the same owned ranges (all of them without the distributed
+            # optimizer: each owns all it holds)
+            ck = ((c.pp, c.dp_cp % L.dense_shards, c.edp % L.expert_shards)
+                  if a.spec.distributed_optimizer else (c.pp,))
             if ck not in owned_cache:
                 owned_cache[ck] = a.owned_ranges(vr)
             rng = owned_cache[ck].get((lt.chunk, lt.local_name))
@@ -135,7 +137,7 @@ def padding_holdings(a: AnalyticLayout, placement: Placement,
             s, e = max(rng[0], pad), min(rng[1], rows * cols)
             if e <= s:
                 continue
-            rep = a.copy_index(lt.spec, c) * L.doi + instance
+            rep = a.opt_replica(lt.spec, c)
             for kind in opt:
                 out.append(Holding(lt.key, kind, base + s, base + e, dev, rep))
     return sorted(out)

@@ -26,6 +26,11 @@ per instance (`instance = dp_index // S`, `shard_index = dp_index % S`). Then
 so the replica-0 fragments cover each logical tensor exactly once for every kind: for the
 parameter, shard index 0 of copy 0; for optimizer state, the disjoint owned ranges of all
 shard indices of copy 0 (they partition every local tensor).
+
+Without the distributed optimizer (`ModelSpec.distributed_optimizer` False: megatron-core's
+`Float16OptimizerWithFloat16Params` or `FP32Optimizer` under plain DDP) every rank owns the
+whole of each local tensor's optimizer state, replicated exactly as the parameter is:
+    main_param, exp_avg(_sq):      replica = copy * N + dp_index   (the parameter's)
 """
 from __future__ import annotations
 
@@ -82,6 +87,10 @@ class AnalyticLayout:
                  *, bucket_chunks_after_first: bool = False,
                  pad_buckets_for_high_nccl_busbw: bool = False) -> None:
         layout.check_model(spec)
+        if layout.doi > 1 and not spec.distributed_optimizer:
+            raise LayoutError(f"layout {layout}: doi{layout.doi} distributed-optimizer "
+                              f"instances need the distributed optimizer (model "
+                              f"{spec.name!r} is trained without it)")
         if spec.is_moe and layout.ep == 1 and layout.tp % layout.etp:
             # megatron-core 0.16.1 keeps expert weights in the dense buffer when EP = 1;
             # its DP x CP shard groups would then mix different expert-TP shards
@@ -169,12 +178,25 @@ class AnalyticLayout:
             return c.etp if rep else 0
         return c.tp if rep else c.tp // self.layout.etp
 
+    def opt_replica(self, p: ParamSpec, c: RankCoords) -> int:
+        """Replica number of the optimizer state a rank holds of `p` (module doc)."""
+        if not self.spec.distributed_optimizer:
+            n, idx = self.dp_index(p, c)
+            return self.copy_index(p, c) * n + idx
+        return self.copy_index(p, c) * self.layout.doi + self.shard_index(p, c)[2]
+
     def owned_ranges(self, rank: int) -> dict[tuple[int, str], tuple[int, int]]:
         """`(chunk, local_name) -> (start, stop)`: megatron's `param_range_map["param"]`,
         the flat range of the TP-local param whose optimizer state `rank` owns (vocab
-        padding included; params it owns nothing of are absent)."""
+        padding included; params it owns nothing of are absent). Without the distributed
+        optimizer: every local param, whole."""
         c = self.layout.coords(rank)
         out: dict[tuple[int, str], tuple[int, int]] = {}
+        if not self.spec.distributed_optimizer:
+            for chunk in range(self.layout.vpp):
+                for p in self.chunk_params(c.pp, chunk):
+                    out[(chunk, p.local_name)] = (0, p.numel)
+            return out
         for chunk in range(self.layout.vpp):
             for buf in self.buffers(c.pp, chunk):
                 r = (c.edp if buf.is_expert else c.dp_cp) % buf.shard_size
@@ -209,8 +231,9 @@ class AnalyticLayout:
                 continue
             s, e = rng
             inner = math.prod(lt.local_shape[1:])
-            # replicas: the TP copies, and the same shard in every optimizer instance
-            copy = self.copy_index(lt.spec, c) * self.layout.doi + self.shard_index(lt.spec, c)[2]
+            # replicas: the TP copies, and the same shard in every optimizer instance (or,
+            # without the distributed optimizer, every data-parallel replica)
+            copy = self.opt_replica(lt.spec, c)
             for b in lt.blocks:  # blocks are dim-0 row ranges: one flat range each
                 b0 = b.local.offsets[0] * inner
                 cs, ce = max(s, b0), min(e, b0 + b.local.shape[0] * inner)
@@ -252,7 +275,8 @@ class AnalyticLayout:
                     sl = slice(t, t + 1) if vocab else slice(None)
                     pnum[pp, sl] += sum(pre)
                     ntens[pp, sl] += sum(1 for x in pre if x)
-                for buf in self.buffers(pp, chunk):
+                # without the distributed optimizer a rank owns all it holds (below)
+                for buf in self.buffers(pp, chunk) if spec.distributed_optimizer else ():
                     bp = [params[q.local_name] for q in buf.params]
                     bvocab = any(p.rule == "vocab" for p in bp)
                     for t in range(TP if bvocab else 1):
@@ -266,6 +290,9 @@ class AnalyticLayout:
                             dense_n[pp, sl] += n
         a = self._rank_coords_arrays()
         pp, tp = a["pp"], a["tp"]
+        if not spec.distributed_optimizer:  # each rank owns the state of all it holds
+            return {"param_numel": pnum[pp, tp], "tensors": ntens[pp, tp],
+                    "owned_numel": pnum[pp, tp], "owned_tensors": ntens[pp, tp]}
         dc, ed = a["dp_cp"] % Sd, a["edp"] % Se  # the shard index inside an instance
         opt = dense[pp, tp, dc] + expert[pp, ed]
         return {"param_numel": pnum[pp, tp], "tensors": ntens[pp, tp],

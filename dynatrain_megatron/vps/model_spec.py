@@ -71,6 +71,11 @@ class ModelSpec:
     # numerics only (no state shape): megatron-core's default; Megatron-LM's is False
     # unless --attention-softmax-in-fp32 / --apply-query-key-layer-scaling
     attention_softmax_in_fp32: bool = True
+    # where the fp32 main params and Adam moments live: sharded over data parallelism by
+    # megatron-core's distributed optimizer (Megatron-LM's --use-distributed-optimizer), or
+    # False: a plain optimizer (Float16OptimizerWithFloat16Params / FP32Optimizer) whose
+    # every data-parallel replica holds all of the state of its TP/PP/EP shard
+    distributed_optimizer: bool = True
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

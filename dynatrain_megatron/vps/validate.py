@@ -69,6 +69,9 @@ def _axis_errors(spec: ModelSpec, layout: Layout, transformer_engine: bool) -> l
     if layout.cp > 1 and not transformer_engine:
         e.append(f"cp{layout.cp} needs Transformer Engine's attention (megatron-core's local "
                  f"DotProductAttention refuses context_parallel_size > 1)")
+    if layout.doi > 1 and not spec.distributed_optimizer:
+        e.append(f"doi{layout.doi} (several distributed-optimizer instances) needs the "
+                 f"distributed optimizer; this job's optimizer is not distributed")
     if not spec.is_moe:
         if layout.etp != layout.tp:
             e.append(f"etp{layout.etp} needs an MoE model (num_moe_experts is not set): expert "
