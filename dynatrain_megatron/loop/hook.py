@@ -155,7 +155,7 @@ class DynatrainHook:
             return trainer  # the last step: only a switch scheduled for it lands (`end_job`)
         if self.devices.pending:
             return self._switch_when_due(trainer)
-        layout_group, standby = self._groups(trainer)
+        layout_group, standby = vote_groups(self.layout, self.channel, trainer)
         t0 = time.perf_counter()
         d = self.controller.poll(trainer.iteration, self.layout.world_size, layout_group,
                                  standby)
@@ -173,7 +173,7 @@ class DynatrainHook:
         boundary where B is ready on every rank; a scheduled one lands exactly after its
         iteration, waiting there for whatever of the preparation is left."""
         at = self.decision.at if self.decision is not None else None
-        groups = self._groups(trainer)
+        groups = vote_groups(self.layout, self.channel, trainer)
         t0 = time.perf_counter()
         if at is None:
             ready = self.devices.ready(*groups)
@@ -291,11 +291,8 @@ class DynatrainHook:
                                   reason)
 
     def _switch(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
-        self.stall.before_switch()  # the last switch's stall, if not reported yet
-        try:
+        with self.stall.attempt():  # the last switch's stall first; see StallTracker.attempt
             return self._switch_now(trainer)
-        finally:
-            self.stall.attempt_ended()  # collections resume unless B's steps are measured
 
     def _switch_now(self, trainer: Optional[Trainer]) -> Optional[Trainer]:
         src, src_placement = self.layout, self.layout_placement
@@ -559,7 +556,7 @@ class DynatrainHook:
         on standby, if any): a switch still being prepared is cancelled everywhere (its
         background work ends before this returns, so nothing of it outlives the world) and
         its request filed as not applied; the standby ranks leave `standby()`."""
-        layout_group, standby = self._groups(trainer)
+        layout_group, standby = vote_groups(self.layout, self.channel, trainer)
         out = self.layout is not None and self.layout.world_size < dist.get_world_size()
         if self.devices.pending:
             if out:  # standby ranks wait in the preparation's vote: this one says stop
@@ -570,9 +567,6 @@ class DynatrainHook:
             return
         if out:
             self.controller.stop(standby)
-
-    def _groups(self, trainer: Optional[Trainer]) -> tuple:
-        return vote_groups(self.layout, self.channel, trainer)
 
     def _cancel_preparation(self, reason: str) -> None:
         """The job ends with a switch still being prepared: wait for its background work

@@ -14,9 +14,10 @@ their work anyway (a job that turned the collector off itself keeps it off).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -100,6 +101,16 @@ class StallTracker:
         if self._gc_paused:
             self._gc_paused = False
             gc.enable()
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[None]:
+        """Around a switch attempt: `before_switch` on entry, `attempt_ended` on every exit
+        (automatic collections resume unless a committed switch is being measured)."""
+        self.before_switch()
+        try:
+            yield
+        finally:
+            self.attempt_ended()
 
     def before_switch(self) -> None:
         """A switch starts before the last one was measured: report that one now, inside
