@@ -2,7 +2,8 @@
 """The README's support matrix, generated from the code that decides what is supported.
 
     python scripts/support_matrix.py            # print it
-    python scripts/support_matrix.py --write    # replace it in README.md, between the markers
+    python scripts/support_matrix.py --write    # replace it in README.md, between the markers,
+                                                # and the table that ends docs/recipes.md
     python scripts/support_matrix.py --check    # exit 1 when README.md differs (a test runs this)
 
 Sources: the layout grammar (`vps/layout.py:GRAMMAR_AXES`) and the Megatron-LM flag each
@@ -139,7 +140,20 @@ def main() -> int:
             return 1
         return 0
     README.write_text(text.replace(old, section()))
+    write_recipes_table()
     return 0
+
+
+def write_recipes_table() -> None:
+    """docs/recipes.md ends with `support_markdown()`'s table: replace it there."""
+    from dynatrain_megatron.megatron_lm.support import support_markdown
+
+    path = ROOT / "docs" / "recipes.md"
+    text = path.read_text()
+    head = "| Megatron-LM job | `--dynatrain` | why |"
+    if head not in text:
+        raise SystemExit(f"{path}: no support table (a line {head!r}) to replace")
+    path.write_text(text[:text.rindex(head)] + support_markdown())
 
 
 if __name__ == "__main__":
