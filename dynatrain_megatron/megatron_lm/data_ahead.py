@@ -124,11 +124,12 @@ class DataAhead:
         self._note = StepNote(iteration, int(arg_value(self.args, "consumed_train_samples", 0)),
                               int(arg_value(self.args, "consumed_valid_samples", 0) or 0))
 
-    def target(self, layout: Layout, groups: Any,
-               note: Optional[StepNote] = None) -> tuple[int, str]:
+    def target(self, layout: Layout, groups: Any, note: Optional[StepNote] = None,
+               decision: Any = None) -> tuple[int, str]:
         """(consumed train samples at the switch, "") when B's iterators can be built ahead
-        for it, else (-1, why not). `note`: the step boundary counted from (the last)."""
-        d, note = self.decision(), note or self._note
+        for it, else (-1, why not). `note`: the step boundary counted from (the last);
+        `decision`: the switch's (the hook's current one)."""
+        d, note = decision or self.decision(), note or self._note
         at = getattr(d, "at", None)
         if threading.current_thread() is threading.main_thread():
             return -1, "B is built in the pause"
@@ -156,8 +157,8 @@ class DataAhead:
         the switch's consumed samples, kept for `take`. A failure of Megatron-LM's build
         leaves it to the switch, as without this (logged, not raised)."""
         self.drop()
-        note = self._note
-        consumed, why = self.target(layout, groups, note)
+        note, decision = self._note, self.decision()
+        consumed, why = self.target(layout, groups, note, decision)
         group = _group_of(groups)
         if group is None:
             return
@@ -177,7 +178,7 @@ class DataAhead:
                         "they are built at the switch", type(e).__name__, e)
             return
         self.last_seconds = time.perf_counter() - t0
-        requested = getattr(self.decision(), "at", None) is None
+        requested = getattr(decision, "at", None) is None
         stride = (int(arg_value(self.args, "micro_batch_size")) * layout.dp) if requested else 0
         with self._lock:
             self._built = BuiltAhead(groups, consumed, note.consumed_valid, built[0],
