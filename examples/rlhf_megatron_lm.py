@@ -21,6 +21,7 @@ tests/megatron_lm_rlhf_job.py runs it in a test (tests/test_megatron_lm_rlhf.py)
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ def start_megatron_lm(extra_args_provider: Callable = add_rlhf_args) -> ModuleTy
     from dynatrain_megatron.compat.megatron_lm import prepare_megatron_lm
 
     prepare_megatron_lm()  # the CPU runtime where there is no GPU
-    import pretrain_gpt
+    import megatron.training
     from megatron.training import arguments
     from megatron.training.initialize import initialize_megatron
 
@@ -66,7 +67,13 @@ def start_megatron_lm(extra_args_provider: Callable = add_rlhf_args) -> ModuleTy
         initialize_megatron()
     else:
         initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=defaults)
-    return pretrain_gpt
+    # the checkout's own pretrain_gpt.py, beside the megatron/ it runs with
+    checkout = Path(megatron.training.__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", checkout / "pretrain_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["pretrain_gpt"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @dataclass(frozen=True)
