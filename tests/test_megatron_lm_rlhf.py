@@ -63,3 +63,16 @@ def test_tokens_at_g_equal_megatron_core_from_a_checkpoint(rlhf):
     assert rlhf["ckpt_missing"] == []
     assert rlhf["tokens"][0] == rlhf["ckpt_tokens"]
     assert all(len(t) == 4 for g in rlhf["tokens"] for t in g)
+
+
+def test_elastic_job_refuses_missing_objects_and_provider():
+    """Bad input: one-line errors before anything is read or built (no Megatron-LM run)."""
+    from types import SimpleNamespace
+
+    from dynatrain_megatron.api_types import ApiError
+    from dynatrain_megatron.megatron_lm.job import elastic_job
+
+    with pytest.raises(ApiError, match="model chunks, optimizer and scheduler"):
+        elastic_job([], object(), object(), None, args=SimpleNamespace())
+    with pytest.raises(ApiError, match="pass model_provider="):  # pytest has no provider
+        elastic_job([object()], object(), object(), None, args=SimpleNamespace())

@@ -9,19 +9,18 @@ exactly what a restart there would.
 from __future__ import annotations
 
 import copy
-import logging
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..transition.switch_types import SwitchOptions
-from ..vps.errors import DynatrainError
 from .arguments import describe_job
 
-log = logging.getLogger("dynatrain")
+if TYPE_CHECKING:
+    from ..api import ElasticJob
 
 
 def elastic_job(model: list, optimizer: Any, scheduler: Any, config: Any, *,
                 args: Any = None, model_provider: Optional[Callable] = None,
-                options: SwitchOptions = SwitchOptions()):
+                options: SwitchOptions = SwitchOptions()) -> "ElasticJob":
     """The public API (`api.ElasticJob`) on a running Megatron-LM job's own objects: its
     model chunks (`get_model`'s, in DDP), its optimizer and its scheduler
     (`setup_model_and_optimizer`'s), `config` the chunks' TransformerConfig. `args`:
@@ -41,6 +40,7 @@ def elastic_job(model: list, optimizer: Any, scheduler: Any, config: Any, *,
     import torch.distributed as dist
 
     from ..api import ElasticJob
+    from ..api_types import ApiError
     from ..elastic.communicators import ensure_control_group
     from ..elastic.groups import GroupOptions, set_group_options
     from ..mcore.builders import TrainingObjects
@@ -48,14 +48,17 @@ def elastic_job(model: list, optimizer: Any, scheduler: Any, config: Any, *,
     from .builder import MegatronLMBuilder, script_model_provider
     from .transformer_config import JobIntents
 
+    if not model or optimizer is None or scheduler is None:
+        raise ApiError("elastic_job needs Megatron-LM's model chunks, optimizer and scheduler "
+                       "(setup_model_and_optimizer's)")
     if args is None:
         from megatron.training import get_args
 
         args = get_args()
     provider = model_provider or script_model_provider()
     if provider is None:
-        raise DynatrainError("elastic_job: pass model_provider= (the running script has no "
-                             "model_provider and gpt_builder)")
+        raise ApiError("elastic_job: pass model_provider= (the running script has no "
+                       "model_provider and gpt_builder)")
     check_switchable(args)
     ensure_control_group()  # the votes' CPU group
     set_group_options(GroupOptions.from_megatron_args(args))
