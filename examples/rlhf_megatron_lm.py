@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # rlhf_loop.py beside this file
 
@@ -142,11 +142,20 @@ def elastic_job_of(training: MegatronLMTraining) -> Any:
                        model_provider=training.model_provider)
 
 
-def main(at_generation: Optional[Callable] = None) -> int:
+def run_rounds(training: Any, job: Any, args: Any, **hooks: Any) -> list:
+    """The RLHF rounds of the command line (`--rlhf-*`) on `training` and its `job`
+    (`rlhf_loop`; `hooks`: its `at_generation`, `before_generation`). Returns each round's
+    generation."""
+    from rlhf_loop import rlhf_loop
+
+    return rlhf_loop(training, job, rounds=args.rlhf_rounds, train_steps=args.rlhf_train_steps,
+                     gen_layout=args.rlhf_generate, prompts=PROMPTS,
+                     num_tokens=args.rlhf_num_tokens, optimizer=args.rlhf_optimizer, **hooks)
+
+
+def main() -> int:
     import torch.distributed as dist
     from megatron.training import get_args
-
-    from rlhf_loop import rlhf_loop
 
     gpt = start_megatron_lm()
     args = get_args()
@@ -155,10 +164,7 @@ def main(at_generation: Optional[Callable] = None) -> int:
         logging.getLogger(name).setLevel(logging.INFO if dist.get_rank() == 0 else logging.WARNING)
     training = MegatronLMTraining(gpt)
     job = elastic_job_of(training)
-    gens = rlhf_loop(training, job, rounds=args.rlhf_rounds, train_steps=args.rlhf_train_steps,
-                     gen_layout=args.rlhf_generate, prompts=PROMPTS,
-                     num_tokens=args.rlhf_num_tokens, optimizer=args.rlhf_optimizer,
-                     at_generation=at_generation)
+    gens = run_rounds(training, job, args)
     if dist.get_rank() == 0:
         for r, g in enumerate(gens):
             for prompt, tokens in zip(g.prompts, g.tokens):

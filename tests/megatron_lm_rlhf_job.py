@@ -22,9 +22,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-NUM_TOKENS = 4
-
-
 def _all(flag: bool) -> bool:
     import torch
     import torch.distributed as dist
@@ -74,7 +71,6 @@ def main() -> int:
     from megatron.training import get_args
 
     import rlhf_megatron_lm as ex
-    from rlhf_loop import rlhf_loop
     from dynatrain_megatron.adapters.live import LiveState, read_optimizer_step
     from dynatrain_megatron.adapters.offload import optimizer_storages
     from dynatrain_megatron.elastic.groups import build_groups
@@ -88,6 +84,7 @@ def main() -> int:
     gpt = ex.start_megatron_lm()
     args = get_args()
     gen_layout, rounds, steps = args.rlhf_generate, args.rlhf_rounds, args.rlhf_train_steps
+    num_tokens = args.rlhf_num_tokens
     work = Path(os.environ["RLHF_WORK"])
     rank = dist.get_rank()
     out: dict = {}
@@ -154,9 +151,8 @@ def main() -> int:
     rec = _Recording(tr)
     t0 = time.perf_counter()
     # G's chunks are built in round 0 and kept for the next rounds (weights_back(keep=True))
-    gens = rlhf_loop(rec, job, rounds=rounds, train_steps=steps, gen_layout=gen_layout,
-                     prompts=ex.PROMPTS, num_tokens=NUM_TOKENS, optimizer="host",
-                     at_generation=at_generation, before_generation=before_generation)
+    gens = ex.run_rounds(rec, job, args, at_generation=at_generation,
+                         before_generation=before_generation)
     after = after_round(rounds - 1)  # the last round trip, before training on
     loop_s = time.perf_counter() - t0
     rec.step()
@@ -179,7 +175,7 @@ def main() -> int:
     result = chunk.load_state_dict(loaded, strict=False)
     out["ckpt_missing"] = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     out["ckpt_tokens"] = list(map(list, generate_greedy(
-        objs.model, groups.pg_collection, byte_tokenizer(), ex.PROMPTS, NUM_TOKENS).tokens))
+        objs.model, groups.pg_collection, byte_tokenizer(), ex.PROMPTS, num_tokens).tokens))
     release(objs)
     out["job_s"] = time.perf_counter() - t_start
     if rank == 0:

@@ -3,8 +3,8 @@ own training objects (`setup_model_and_optimizer`'s chunks, optimizer and schedu
 `train_step`) trains at A = tp2pp2dp1, switches the weights alone to G = tp2pp1dp2 (no
 pipeline, two replicas), in bf16 (the weights at G in Megatron-LM's Float16Module, the
 fp32 masters apart in the optimizer), generates with megatron-core's static engine and a
-KV cache, switches back and trains on: the example examples/rlhf_megatron_lm.py, run by
-tests/megatron_lm_rlhf_job.py beside a twin that never leaves A. One job on 4 gloo ranks
+KV cache, switches back and trains on: the example examples/rlhf_megatron_lm.py (its
+set-up and its rounds), run by tests/megatron_lm_rlhf_job.py beside a twin that never leaves A. One job on 4 gloo ranks
 (about a minute on 2 cores); what it checks is in that script's docstring."""
 import json
 
@@ -27,7 +27,8 @@ def rlhf(tmp_path_factory):
     result = w / "result.json"
     flags = CPU_FLAGS + TINY_GPT + layout_flags(2, 2) + [
         "--train-iters", "20", "--rlhf-generate", G, "--rlhf-rounds", str(ROUNDS),
-        "--rlhf-train-steps", str(STEPS), "--bf16"]
+        "--rlhf-train-steps", str(STEPS), "--rlhf-num-tokens", "4", "--rlhf-optimizer", "host",
+        "--bf16"]
     log = run_megatron_lm(tree, 4, flags, w / "rlhf.log", script=script,
                           env={"RLHF_WORK": str(w), "RLHF_RESULT": str(result)})
     return dict(json.loads(result.read_text()), log=log)
