@@ -7,7 +7,8 @@ generates greedily with megatron-core's own inference code (the static engine, a
 comes back to A and trains on, with the training state exactly as if it had never left.
 
 Run from a Megatron-LM checkout (its `pretrain_gpt.py`, `model_provider.py` and
-`gpt_builders.py` importable), with Megatron-LM's own flags plus `--rlhf-*` ones:
+`gpt_builders.py` importable; no patch needed: this is not `pretrain()`'s loop), with
+Megatron-LM's own flags plus `--rlhf-*` ones:
 
     cd <Megatron-LM checkout>
     PYTHONPATH=<this project>:. torchrun --nproc-per-node 4 <this project>/examples/rlhf_megatron_lm.py \\
@@ -154,10 +155,10 @@ def run_rounds(training: Any, job: Any, args: Any, **hooks: Any) -> list:
 
 
 def main() -> int:
+    gpt = start_megatron_lm()  # first: the CPU runtime precedes megatron's imports
     import torch.distributed as dist
     from megatron.training import get_args
 
-    gpt = start_megatron_lm()
     args = get_args()
     logging.basicConfig(format="%(asctime)s %(message)s")
     for name in ("dynatrain", "dynatrain.example"):  # one line per event, from rank 0
@@ -176,4 +177,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from dynatrain_megatron import process_env
+
+    process_env.apply()  # before torch is imported
     sys.exit(main())
