@@ -557,7 +557,6 @@ def reset_session() -> None:
 
 __all__: Iterable[str] = (
     "LoopObjects", "MegatronLMSession", "check_live_state", "check_switchable", "current_session",
-    "dynatrain_step",
-    "finish_training", "left_out", "register_dataset_provider", "reset_session",
+    "dynatrain_step", "finish_training", "left_out", "register_dataset_provider", "reset_session",
     "wrap_megatron_groups",
 )

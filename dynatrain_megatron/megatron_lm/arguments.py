@@ -342,6 +342,6 @@ def describe_job(args: Any, world_size: int) -> tuple[ModelSpec, TrainConfig, La
 
 
 __all__ = ("args_for_layout", "chain_extra_args_providers", "describe_job",
-           "layout_from_megatron_args", "params_dtype_of", "performance_differences", "refuse_when_parsed",
-           "spec_from_megatron_args", "support_matrix", "train_config_from_megatron_args",
+           "layout_from_megatron_args", "params_dtype_of", "performance_differences",
+           "refuse_when_parsed", "spec_from_megatron_args", "support_matrix", "train_config_from_megatron_args",
            "unsupported_args")
