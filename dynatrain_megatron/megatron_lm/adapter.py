@@ -72,8 +72,9 @@ from ..vps.errors import DynatrainError
 from ..vps.layout import GROUP_AXES, Layout
 from ..vps.model_spec import ModelSpec
 from ..mcore.train_config import TrainConfig
-from .arguments import (arg_value, args_for_layout, describe_job, params_dtype_of,
-                        performance_differences, unsupported_args)
+from .arguments import (arg_value, args_for_layout, params_dtype_of, performance_differences,
+                        unsupported_args)
+from .description import describe_job
 from .data_ahead import DataAhead, retire_in_background
 from .step_guard import StepGuard
 from .transformer_config import JobIntents

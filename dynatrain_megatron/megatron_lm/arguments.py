@@ -310,38 +310,7 @@ def performance_differences(args: Any) -> list[str]:
     return out
 
 
-def _tokenizer_vocab_size() -> Optional[int]:
-    """The unpadded vocabulary of Megatron-LM's global tokenizer, when it has one."""
-    try:
-        from megatron.training import get_tokenizer
-
-        tok = get_tokenizer()
-        return int(tok.vocab_size) if tok is not None else None
-    except Exception:  # no global tokenizer in this release/config: fall back to args
-        return None
-
-
-def describe_job(args: Any, world_size: int) -> tuple[ModelSpec, TrainConfig, Layout]:
-    """(the model, the training schedule, the layout) of the Megatron-LM job of `args` on
-    `world_size` ranks. The model's names follow the layers Megatron-LM builds (TE's or
-    the local ones, grouped experts or not)."""
-    try:
-        spec = spec_from_megatron_args(args, vocab_size=_tokenizer_vocab_size())
-    except DynatrainError as e:  # a tokenizer whose size does not explain the padding
-        log.warning("dynatrain: %s; treating all %s rows as vocabulary", e,
-                    arg_value(args, "padded_vocab_size"))
-        spec = spec_from_megatron_args(args)
-    spec = spec.replace(transformer_engine=arg_value(
-        args, "transformer_impl", "transformer_engine") == "transformer_engine")
-    if spec.is_moe and arg_value(args, "moe_grouped_gemm", False) and not spec.transformer_engine:
-        from ..compat.megatron_lm import local_spec_groups_experts
-
-        spec = spec.replace(moe_grouped_gemm=local_spec_groups_experts())
-    return (spec, train_config_from_megatron_args(args),
-            layout_from_megatron_args(args, spec, world_size))
-
-
-__all__ = ("args_for_layout", "chain_extra_args_providers", "describe_job",
-           "layout_from_megatron_args", "params_dtype_of", "performance_differences",
-           "refuse_when_parsed", "spec_from_megatron_args", "support_matrix", "train_config_from_megatron_args",
+__all__ = ("args_for_layout", "chain_extra_args_providers", "layout_from_megatron_args",
+           "params_dtype_of", "performance_differences", "refuse_when_parsed",
+           "spec_from_megatron_args", "support_matrix", "train_config_from_megatron_args",
            "unsupported_args")

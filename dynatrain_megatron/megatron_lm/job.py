@@ -12,7 +12,7 @@ import copy
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..transition.switch_types import SwitchOptions
-from .arguments import describe_job
+from .description import describe_job
 
 if TYPE_CHECKING:
     from ..api import ElasticJob
