@@ -274,7 +274,8 @@ def switch_budget(spec: ModelSpec, src: Layout, dst: Layout, report: dict[str, A
                       f"efficiency {transfer['fabric']['efficiency']:g}), "
                       f"{transfer['rounds']} round(s)"))
         t.append(Term("transfer (checksum phase)", transfer["checksum_seconds"], "stall",
-                      "simulated", "receivers' pass + one exchange of the sums per round"))
+                      "simulated", "transition/executor.Executor with checksums on (as "
+                      "always): the receivers' pass + one exchange of the sums per round"))
     else:
         t.append(Term("transfer", report["estimated_seconds"], "stall", "modelled",
                       "ideal links (routing.cost.estimate)"))
@@ -310,10 +311,11 @@ def switch_budget(spec: ModelSpec, src: Layout, dst: Layout, report: dict[str, A
                   SOURCES["release_rebind_s"] + " (loop/switching.switch_trainer: "
                   "mcore/session.release with its collection deferred, Trainer.rebind)"))
     destroyed = k.get("switch_destroyed", 0)
-    t.append(Term("A's NCCL communicators destroyed", destroyed * c.nccl_destroy_s, "stall",
-                  "modelled", f"{destroyed} groups of A's destroyed (emulated; "
-                  f"elastic/groups.ParallelGroups.destroy from mcore/session.release) x "
-                  f"{c.nccl_destroy_s * 1e3:g} ms; not in the CPU figure above (gloo)"))
+    t.append(Term("NCCL communicators destroyed", destroyed * c.nccl_destroy_s, "stall",
+                  "modelled", f"{destroyed} groups destroyed (emulated: B's transfer group, "
+                  f"switch._release_transfer, and A's, elastic/groups.ParallelGroups.destroy "
+                  f"from mcore/session.release) x {c.nccl_destroy_s * 1e3:g} ms; not in the "
+                  f"CPU figure above (gloo)"))
     t.append(Term("Megatron-LM's counters and the data iterators taken", 2 * c.gloo_vote_s(WB),
                   "stall", "modelled",
                   f"megatron_lm/adapter.rebind_loop: _agree_counters (a MAX all-reduce) and "
