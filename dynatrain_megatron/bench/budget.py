@@ -32,8 +32,10 @@ HOW = ("measured", "modelled", "simulated")
 
 # where a constant comes from (printed with the budget)
 SOURCES = {
-    "non_member_new_group_s": "measured: torch 2.13 new_group as a non-member, 'fake' backend "
-                              "at world 4096, this 2-core machine under load (67-193 us/call)",
+    "non_member_new_group_s": "measured: torch 2.13 new_group as a non-member, 'fake' "
+                              "backend at world 4096 on this 2-core machine: 22 us/call for "
+                              "2-rank groups at load 15, 67-193 us under heavier load; 100 us "
+                              "used (larger member lists cost more)",
     "nccl_comm_init_s": "assumed: ncclCommInitRank with its group, order of 0.1-1 s at "
                         "thousands of GPUs (NCCL 2.2x release notes on init at scale); "
                         "to measure on GPUs",
