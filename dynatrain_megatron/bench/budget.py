@@ -231,11 +231,13 @@ def switch_budget(spec: ModelSpec, src: Layout, dst: Layout, report: dict[str, A
     weights_only = set(report.get("kinds", ())) == {"param"}
     t = _background(k, W, c)
     bg = sum(x.seconds for x in t)
-    # the steps of A the preparation spans; B's data iterators are built at the count of
-    # the boundary before their build and advanced at the switch by what A consumed since
+    # the steps of A the preparation spans (the switch lands at the first boundary after
+    # it); B's data iterators are built at the count of the last boundary before their
+    # build starts, and advanced at the switch by what A consumed since
     spanned = max(1, math.ceil(bg / step_a)) if step_a > 0 else 1
     after_note = c.data_iterator_s + c.prepare_rest_s
-    skip_steps = max(1, math.ceil(after_note / step_a)) if step_a > 0 else 1
+    noted = math.floor(max(0.0, bg - after_note) / step_a) if step_a > 0 else 0
+    skip_steps = max(1, spanned - noted)
     w = c.workload
     micro_b = max(1, w.global_batch_size // (w.micro_batch_size * dst.dp))
     vote = c.gloo_vote_s(W)
@@ -251,10 +253,11 @@ def switch_budget(spec: ModelSpec, src: Layout, dst: Layout, report: dict[str, A
                   f"loop/memory_check.SwitchMemoryCheck.plan: arithmetic and one MAX all-reduce "
                   f"on the CPU control group (gloo, {W} ranks): 2 x {W - 1} hops x "
                   f"{c.gloo_hop_s * 1e6:.0f} us"))
-    t.append(Term("ready votes while B is prepared", spanned * vote, "stall", "modelled",
-                  f"one gloo vote over {W} ranks at each of the {spanned} step boundaries the "
-                  f"background spans (elastic/device_manager.DeviceManager.vote), in place of "
-                  f"the controller's NCCL broadcast (not subtracted)"))
+    t.append(Term("ready votes while B is prepared", (spanned - 1) * vote, "stall",
+                  "modelled", f"one gloo vote over {W} ranks at each of the {spanned - 1} step "
+                  f"boundaries before the background ends (elastic/device_manager."
+                  f"DeviceManager.vote; the last, 'ready', is the switch's first vote), in "
+                  f"place of the controller's NCCL broadcast (not subtracted)"))
     # -- the switch step
     t.append(Term("step skew", c.step_skew_fraction * step_a, "stall", "modelled",
                   f"{c.step_skew_fraction:g} x step of A ({step_a:.2f} s, advisor.step_time)"))
@@ -325,10 +328,9 @@ def switch_budget(spec: ModelSpec, src: Layout, dst: Layout, report: dict[str, A
                   f"{WB - 1} hops x {c.gloo_hop_s * 1e6:.0f} us"))
     t.append(Term("data iterators advanced to the switch",
                   skip_steps * micro_b * c.skip_micro_batch_s, "stall", "modelled",
-                  f"data_ahead.advance: {skip_steps} step(s) of A since the count the build "
-                  f"started at (B's data iterators {c.data_iterator_s:g} s + the rest of the "
-                  f"preparation {c.prepare_rest_s:g} s over a step of {step_a:.2f} s, at "
-                  f"least 1) x {micro_b} micro-batches per step per data-parallel rank at B "
+                  f"data_ahead.advance: {skip_steps} step(s) of A since the boundary before "
+                  f"their build (the last {c.data_iterator_s:g} + {c.prepare_rest_s:g} s of "
+                  f"the {bg:.2f} s background, steps of {step_a:.2f} s; at least 1) x {micro_b} micro-batches per step per data-parallel rank at B "
                   f"(global batch {w.global_batch_size} / micro-batch {w.micro_batch_size} / "
                   f"dp {dst.dp}) x {c.skip_micro_batch_s * 1e3:g} ms; none for a scheduled "
                   f"switch (built at its exact count)"))
