@@ -309,8 +309,13 @@ def write_scale(rows: list[dict], out: Path, val=None, sens=None,
             "simulated_transfer", "control_plane", "budget", "checkpoint_estimate_seconds",
             "plan_seconds_runs", "emulation_load")
     slim = [{k: r[k] for k in keys if k in r} for r in rows]
+    shared = {}
+    for r in slim:  # the same constants and their sources in every row: kept once
+        r["budget"] = {k: v for k, v in r["budget"].items()
+                       if k not in ("constants", "sources") or shared.setdefault(k, v) != v}
     (out / "scale.json").write_text(json.dumps({"scenarios": slim, "validation": val,
-                                                "sensitivity": sens, "timing": timing},
+                                                "sensitivity": sens, "timing": timing,
+                                                "budget_constants": shared},
                                                indent=1,
                                                default=float) + "\n")
     return made + ["scale.md", "scale.json"]
