@@ -25,7 +25,9 @@ CAVEATS = (
     "(not reproduced here)",
     "a failed refit call leaves its copy service unusable",
     "SequentialMLP experts (local_experts.K) across an EP change: EP rank 1 silently gets "
-    "the wrong experts (only TE grouped 'weightK' names are remapped; found on 0.16)",
+    "the wrong experts (only TE grouped 'weightK' names are remapped; found on 0.16); "
+    "0.19 inside Megatron-LM, tp1pp2ep2 -> tp1pp1ep4: the refit's experts are not A's "
+    "either (scripts/bench_rlhf_megatron_lm.py --experts 4)",
     "megatron-core 0.19's gloo copy service stages every received piece in pinned memory: "
     "it fails on a machine without an accelerator (run here with pin_memory dropped)",
 )
@@ -58,19 +60,32 @@ def compare_with_refit(job: Any, gen_layout: str, repeat: int) -> dict:
     """Every rank: `repeat` + 1 weights-only round trips of `job` to `gen_layout` (the first
     builds G), then megatron-core's refit from the job's training chunks into chunks built
     at G by the job's own builder, its first call and `repeat` cached ones. Returns the
-    figures (the same on every rank) and whether both targets hold the same weights, bit
-    for bit, on every rank. `job` must use the default placement (`SwitchOptions(
+    figures (the same on every rank), whether both targets hold the same weights, bit for
+    bit, on every rank, and whether each holds A's weights in every replica (against A's
+    whole weights, gathered first). `job` must use the default placement (`SwitchOptions(
     placement="default")`)."""
     import torch
     import torch.distributed as dist
     from megatron.core.resharding import swap_model_weights
 
-    from ..adapters.live import storage_fingerprint
+    from ..adapters.live import LiveState, storage_fingerprint
+    from ..testing.gather import (broadcast_full_state, gather_full_state,
+                                  mismatches_against)
     from ..elastic.groups import build_groups, install
     from ..vps import Layout, Placement
     from .measure import max_over_ranks, refit_bytes, sum_over_ranks, timed
 
     a = job.objects
+    spec = job.builder.spec
+    # A's weights, whole, on every rank: what every replica at G must hold
+    full = gather_full_state(LiveState(a.model, a.optimizer, a.groups.virtual_rank,
+                                       spec.vocab_size), spec, kinds=("param",), dst=0)
+    full = broadcast_full_state(full)
+
+    def correct(model: list) -> bool:  # every replica of every weight at G is A's
+        live = LiveState(model, None, dist.get_rank(), spec.vocab_size)
+        return sum_over_ranks(len(mismatches_against(live, full, ("param",)))) == 0
+
     fp = storage_fingerprint(a.model, a.optimizer)
     plan = job.plan(gen_layout, weights_only=True)
     ours, transfer = [], []
@@ -81,6 +96,7 @@ def compare_with_refit(job: Any, gen_layout: str, repeat: int) -> dict:
         bytes_ours = gen.bytes_moved
         if i == repeat:
             ours_weights = [p.detach().clone() for m in gen.model for p in m.parameters()]
+            ours_correct = correct(gen.model)
             ours_phases = {k: round(v * 1e3, 1) for k, v in gen.phases}
         job.weights_back(keep=True)
     job.release_kept_weights()
@@ -96,6 +112,7 @@ def compare_with_refit(job: Any, gen_layout: str, repeat: int) -> dict:
         cached = [timed(swap_model_weights, a.model, target, "gloo")[1] for _ in range(repeat)]
     remote, _ = refit_bytes(target, a.model)
     refit_weights = [p.detach() for m in target for p in m.parameters()]
+    refit_correct = correct(target)
     same = len(ours_weights) == len(refit_weights) and all(
         torch.equal(x, y) for x, y in zip(ours_weights, refit_weights))
     same_everywhere = sum_over_ranks(0 if same else 1) == 0
@@ -109,7 +126,8 @@ def compare_with_refit(job: Any, gen_layout: str, repeat: int) -> dict:
                 ours_optimizer_touched=ours_touched, ours_phases=ours_phases,
                 refit_bytes=int(sum_over_ranks(remote)), refit_first_seconds=t_first,
                 refit_seconds=statistics.median(cached), refit_groups_seconds=t_groups,
-                refit_optimizer_touched=refit_touched, same_weights=same_everywhere)
+                refit_optimizer_touched=refit_touched, same_weights=same_everywhere,
+                ours_correct=ours_correct, refit_correct=refit_correct)
 
 
 def report_lines(r: dict, gen_layout: str) -> list[str]:
@@ -134,7 +152,8 @@ def report_lines(r: dict, gen_layout: str) -> list[str]:
         f"call ours (G kept) / refit cached "
         f"{r['ours_seconds'] / max(1e-9, r['refit_seconds']):.2f}, first calls "
         f"{r['ours_first_seconds'] / max(1e-9, r['refit_first_seconds']):.2f}",
-        f"  same weights at {gen_layout}, every rank: {r['same_weights']}",
+        f"  same weights at {gen_layout}, every rank: {r['same_weights']}; A's weights in "
+        f"every replica at G: ours {r['ours_correct']}, refit {r['refit_correct']}",
     ]
     return out + [f"  refit caveat: {c}" for c in CAVEATS]
 
