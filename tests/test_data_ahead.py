@@ -19,7 +19,7 @@ def world(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     group = dist.new_group([0])
-    yield SimpleNamespace(layout_group=group, layout_group_cpu=group,
+    yield SimpleNamespace(layout_group=group, layout_group_cpu=group, background=group,
                           transfer=dist.new_group([0]))
     dist.destroy_process_group()
 
@@ -59,16 +59,9 @@ def test_built_ahead_at_the_scheduled_switch_count_and_taken_only_when_it_fits(w
     # an evaluation ran in between (validation samples moved): built again at the switch
     _in_thread(ahead.build, lay, world, 1)
     assert ahead.take(world, 56, 16) is None
-    # B's own group not in global order (a placement): the world-spanning transfer group
-    # stands in for the build's world collectives
-    from dynatrain_megatron.megatron_lm.data_ahead import _stand_in_of
-
-    other = SimpleNamespace(layout_group=None, layout_group_cpu=None, transfer=world.transfer)
-    assert _stand_in_of(other, lay) is world.transfer
-    assert _stand_in_of(SimpleNamespace(), lay) is None
     # for other groups (a recovery re-formed the world): neither taken nor voted on
     _in_thread(ahead.build, lay, world, 1)
-    assert ahead.take(SimpleNamespace(layout_group=None, layout_group_cpu=None), 56, 8) is None
+    assert ahead.take(SimpleNamespace(background=None), 56, 8) is None
 
 
 def test_a_requested_switch_builds_at_the_count_now_and_advances_to_where_it_lands(world):
@@ -113,6 +106,64 @@ def test_not_built_ahead_in_the_pause_or_behind_the_loop(world):
     assert sched.target(lay, world) == (-1, "B is built in the pause")  # the main thread
     sched.build(lay, world, 1)
     assert built == [] and request.take(world, 24, 8) is None
+
+
+def test_every_switch_kind_needs_a_rank_of_b_and_a_stand_in_world(world):
+    """A requested switch goes through the same checks as a scheduled one: not on a rank
+    outside B, not where B's ranks are not the job's first ones (the build's collectives
+    would run on the real world), not with --phase-transition-iterations; nothing is built
+    and nothing is voted on for them."""
+    built = []
+    for at in (None, 7):
+        ahead = _ahead(SimpleNamespace(at=at), built)
+        ahead.note_step(3)
+        # B of 2 ranks whose preparation group is not ranks 0..1 (here: rank 0 alone)
+        two = Layout.parse("tp1pp1dp2", 2)
+        assert _in_thread(ahead.target, two, world) == (
+            -1, "B's ranks are not the job's first ranks")
+        assert _in_thread(ahead.target, two, SimpleNamespace(background=None)) == (
+            -1, "this rank is not in B")
+        lay = Layout.parse("tp1pp1dp1", 1)
+        phased = _ahead(SimpleNamespace(at=at), built, phase_transition_iterations="1,2")
+        phased.note_step(3)
+        assert _in_thread(phased.target, lay, world) == (-1, "--phase-transition-iterations")
+        _in_thread(ahead.build, two, world, 1)
+        _in_thread(phased.build, lay, world, 1)
+        assert ahead.take(world, 24, 8) is None and phased.take(world, 24, 8) is None
+    assert built == []
+
+
+def test_b_prepares_on_a_group_the_training_thread_never_uses(world):
+    """Under NCCL B's CPU twin is the control group where B spans the world (the training
+    thread's per-step ready votes run on it) and A's twin where A is on the same devices.
+    Set up that topology with gloo (the backend reported as NCCL while the groups are
+    made): the group B's data build votes on and stands in for the world with, and that
+    B's construction gathers on, is none of those, nor any of A's."""
+    import pytest as _pytest
+
+    from dynatrain_megatron.elastic import communicators as cm
+    from dynatrain_megatron.elastic import groups as G
+    from dynatrain_megatron.megatron_lm.data_ahead import _group_of, _stand_in_of
+    from dynatrain_megatron.transition.transport import control_group
+
+    lay = Layout.parse("tp1pp1dp1", 1)
+    with _pytest.MonkeyPatch.context() as m:
+        m.setattr(G.dist, "get_backend", lambda group=None: "nccl")
+        cm.create_control_group()
+        control = control_group()
+        a, b = G.build_groups(lay), G.build_groups(lay)
+    try:
+        assert control is not None and b.layout_group_cpu is control  # the NCCL topology
+        assert a.layout_group_cpu is b.layout_group_cpu
+        training = [control, a.layout_group, a.layout_group_cpu, *a.created]
+        for used in (_group_of(b), _stand_in_of(b, lay), getattr(b, "background", None)):
+            assert used is not None and not any(used is g for g in training)
+        assert b.background in b.created  # destroyed with B's groups
+        assert dist.get_process_group_ranks(b.background) == [0]
+    finally:
+        a.destroy()
+        b.destroy()
+        cm.forget_control_group()
 
 
 def test_step_note_refuses_negative_counts():
