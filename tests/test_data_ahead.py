@@ -166,6 +166,68 @@ def test_b_prepares_on_a_group_the_training_thread_never_uses(world):
         cm.forget_control_group()
 
 
+def _build_beside_votes_case() -> dict:
+    """One rank of 2 in the NCCL group topology (as in the test above): B's data build,
+    in the background with Megatron-LM's build stood in for by what it runs on the
+    default group (barriers, a flag broadcast), while this thread votes on the control
+    group as the hook does every step. Every collective's result is checked."""
+    import torch
+
+    from dynatrain_megatron.elastic import communicators as cm
+    from dynatrain_megatron.elastic import groups as G
+    from dynatrain_megatron.elastic.communicators import everyone_ok
+    from dynatrain_megatron.transition.transport import control_group
+    from dynatrain_megatron.vps.model_spec import ModelSpec
+
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"
+    try:
+        cm.create_control_group()
+        lay = Layout.parse("tp1pp1dp2", 2)
+        b = G.build_groups(lay)
+    finally:
+        dist.get_backend = real
+    rank = dist.get_rank()
+
+    def rebuild(args, num_chunks):
+        for i in range(20):
+            dist.barrier()
+            flags = torch.tensor([i + 1 if dist.get_rank() == 0 else 0], dtype=torch.int64)
+            dist.broadcast(flags, 0)
+            assert int(flags.item()) == i + 1, (i, flags)
+        return ["train"], None, None
+
+    args = argparse.Namespace(consumed_train_samples=24, consumed_valid_samples=8,
+                              global_batch_size=8, micro_batch_size=2, seq_length=32)
+    spec = ModelSpec(name="t", num_layers=2, hidden_size=64, num_attention_heads=8,
+                     num_query_groups=4, ffn_hidden_size=128, vocab_size=1000, seq_length=32)
+    ahead = DataAhead(args, spec=spec, sequence_parallel=False,
+                      decision=lambda: SimpleNamespace(at=7), rebuild=rebuild)
+    ahead.note_step(3)
+    t = threading.Thread(target=ahead.build, args=(lay, b, 1))
+    t.start()
+    votes = overlapped = 0
+    # the hook's ready vote, every rank the same number of times (until all are done)
+    while not everyone_ok(votes >= 20 and not t.is_alive(), control_group()):
+        assert not everyone_ok(rank == 0, control_group())  # and one that is not all-true
+        votes += 1
+        overlapped += t.is_alive()
+    t.join()
+    taken = ahead.take(b, 56, 8)
+    b.destroy()
+    cm.forget_control_group()
+    return dict(taken=taken, votes=votes, overlapped=overlapped)
+
+
+@pytest.mark.multirank
+def test_the_build_runs_beside_the_training_threads_votes():
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    res = run_on_ranks(_build_beside_votes_case, 2, timeout=180)
+    assert [r["taken"] for r in res] == [(["train"], None, None)] * 2
+    assert all(r["votes"] >= 20 and r["overlapped"] > 0 for r in res)
+
+
 def test_step_note_refuses_negative_counts():
     with pytest.raises(ValueError, match="non-negative"):
         StepNote(3, -8, 0)
