@@ -38,6 +38,15 @@ def _ahead(decision, built, train="train", **args):
     return ahead
 
 
+def _take(ahead, groups, consumed_train, consumed_valid):
+    """`DataAhead.take`'s iterators (the counters it agrees are checked: one rank agrees
+    with itself)."""
+    counters = {"consumed_valid_samples": consumed_valid, "skipped_train_samples": 5}
+    iterators, agreed = ahead.take(groups, consumed_train, counters)
+    assert agreed == counters
+    return iterators
+
+
 def _in_thread(fn, *a):
     out = []
     t = threading.Thread(target=lambda: out.append(fn(*a)))
@@ -53,15 +62,15 @@ def test_built_ahead_at_the_scheduled_switch_count_and_taken_only_when_it_fits(w
     ahead.note_step(3)  # 24 samples after iteration 3: 4 more steps of 8 until the switch
     _in_thread(ahead.build, lay, world, 1)
     assert built == [24 + 4 * 8]
-    assert ahead.take(world, 56, 8) == ("train", "valid", "test")
+    assert _take(ahead, world, 56, 8) == ("train", "valid", "test")
     assert ahead.args.do_train == 1  # what Megatron-LM's build set reaches the live args
-    assert ahead.take(world, 56, 8) is None  # taken once
+    assert _take(ahead, world, 56, 8) is None  # taken once
     # an evaluation ran in between (validation samples moved): built again at the switch
     _in_thread(ahead.build, lay, world, 1)
-    assert ahead.take(world, 56, 16) is None
-    # for other groups (a recovery re-formed the world): neither taken nor voted on
+    assert _take(ahead, world, 56, 16) is None
+    # for other groups (a recovery re-formed the world): not taken (counters still agreed)
     _in_thread(ahead.build, lay, world, 1)
-    assert ahead.take(SimpleNamespace(background=None), 56, 8) is None
+    assert _take(ahead, SimpleNamespace(background=None), 56, 8) is None
 
 
 def test_a_requested_switch_builds_at_the_count_now_and_advances_to_where_it_lands(world):
@@ -79,11 +88,11 @@ def test_a_requested_switch_builds_at_the_count_now_and_advances_to_where_it_lan
     assert _in_thread(ahead.target, lay, world) == (24, "")
     _in_thread(ahead.build, lay, world, 1)
     assert built == [24]
-    it = ahead.take(world, 40, 8)[0]  # two steps of 8 samples later: 8 micro-batches of 2
+    it = _take(ahead, world, 40, 8)[0]  # two steps of 8 samples later: 8 micro-batches of 2
     assert next(it[0]) == 40 // 2 and it[1] is None
     for consumed in (41, 20):  # not a whole micro-batch ahead; behind: built again
         _in_thread(ahead.build, lay, world, 1)
-        assert ahead.take(world, consumed, 8) is None
+        assert _take(ahead, world, consumed, 8) is None
     # a shuffled sampler cannot be advanced: built at the switch
     cyclic = _ahead(SimpleNamespace(at=None), built, dataloader_type="cyclic")
     cyclic.note_step(3)
@@ -105,7 +114,7 @@ def test_not_built_ahead_in_the_pause_or_behind_the_loop(world):
     sched.note_step(3)
     assert sched.target(lay, world) == (-1, "B is built in the pause")  # the main thread
     sched.build(lay, world, 1)
-    assert built == [] and request.take(world, 24, 8) is None
+    assert built == [] and _take(request, world, 24, 8) is None
 
 
 def test_every_switch_kind_needs_a_rank_of_b_and_a_stand_in_world(world):
@@ -129,7 +138,7 @@ def test_every_switch_kind_needs_a_rank_of_b_and_a_stand_in_world(world):
         assert _in_thread(phased.target, lay, world) == (-1, "--phase-transition-iterations")
         _in_thread(ahead.build, two, world, 1)
         _in_thread(phased.build, lay, world, 1)
-        assert ahead.take(world, 24, 8) is None and phased.take(world, 24, 8) is None
+        assert _take(ahead, world, 24, 8) is None and _take(phased, world, 24, 8) is None
     assert built == []
 
 
@@ -213,7 +222,10 @@ def _build_beside_votes_case() -> dict:
         votes += 1
         overlapped += t.is_alive()
     t.join()
-    taken = ahead.take(b, 56, 8)
+    # validation counts agreed (equal here), skipped samples as the largest (rank 1's)
+    taken, agreed = ahead.take(b, 56, {"consumed_valid_samples": 8,
+                                       "skipped_train_samples": 3 * rank})
+    assert agreed == {"consumed_valid_samples": 8, "skipped_train_samples": 3}
     b.destroy()
     cm.forget_control_group()
     return dict(taken=taken, votes=votes, overlapped=overlapped)

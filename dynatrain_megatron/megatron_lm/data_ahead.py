@@ -211,38 +211,43 @@ class DataAhead:
             iterators = tuple(self.rebuild(args, num_chunks))
         return iterators, {k: getattr(args, k) for k in _SET_BY_BUILD if hasattr(args, k)}
 
-    def take(self, groups: Any, consumed_train: int, consumed_valid: int) -> Optional[tuple]:
-        """At the switch (main thread, once the preparation has been collected): the
-        iterators built ahead when they are for exactly these groups and counts (and the
-        args values their build set are applied to the live args), else None (any built
-        ahead are dropped)."""
+    def take(self, groups: Any, consumed_train: int,
+             counters: dict[str, int]) -> tuple[Optional[tuple], dict[str, int]]:
+        """At the switch (main thread, once the preparation has been collected; collective
+        over B's ranks, one all-reduce): `counters`, Megatron-LM's sample counters that only
+        a layout's ranks advance (`consumed_valid_samples` among them), as the largest any
+        rank of B holds (a rank back from standby holds its last step's); and the iterators
+        built ahead where every rank of B built them for these groups, `consumed_train` and
+        the agreed validation count (the args values their build set are then applied to
+        the live args), else None (any built ahead are dropped)."""
+        from ..elastic.communicators import agreed_max
+
         with self._lock:
             built, self._built = self._built, None
         attempted, self._for = self._for is groups, None
-        if not attempted:  # on no rank of B (the build's own vote): nothing to agree on
-            return None
-        skip = built.micro_batches_to(consumed_train) if built is not None else None
-        fits = (built is not None and built.groups is groups and skip is not None
-                and built.consumed_valid == consumed_valid)
-        from ..elastic.communicators import everyone_ok
-
+        skip = (built.micro_batches_to(consumed_train)
+                if attempted and built is not None and built.groups is groups else None)
+        valid = built.consumed_valid if skip is not None else -1
+        names = list(counters)
+        # MAX of [counters, v, -v]: v's largest and smallest, equal where every rank built
+        *values, top, neg_bottom = agreed_max([int(counters[n]) for n in names] +
+                                              [valid, -valid], _switch_group(groups))
+        agreed = dict(zip(names, values))
         # every rank of B takes its own or none does (else one would build alone)
-        if not everyone_ok(fits, _group_of(groups)):
-            if built is None:
-                return None
-            log.info("B's data iterators built ahead are for %d/%d consumed samples, the "
-                     "switch is at %d/%d (train/valid) here or on another rank: built again "
-                     "at the switch",
-                     built.consumed_train, built.consumed_valid, consumed_train,
-                     consumed_valid)
-            return None
+        if not top == -neg_bottom == agreed["consumed_valid_samples"]:
+            if built is not None:
+                log.info("B's data iterators built ahead are for %d/%d consumed samples, the "
+                         "switch is at %d/%d (train/valid) here or on another rank: built "
+                         "again at the switch", built.consumed_train, built.consumed_valid,
+                         consumed_train, agreed["consumed_valid_samples"])
+            return None, agreed
         for k, v in built.set_by_build.items():
             setattr(self.args, k, v)
         if skip:
             advance(built.iterators[0], skip)
             log.info("B's data iterators built ahead at %d consumed samples, advanced by %d "
                      "micro-batches to %d", built.consumed_train, skip, consumed_train)
-        return built.iterators
+        return built.iterators, agreed
 
     def drop(self) -> None:
         """Forget iterators built ahead (their DataLoader workers end with them)."""
@@ -338,6 +343,12 @@ def _group_of(groups: Any) -> Any:
     twin is the control group where B spans the world under NCCL, and A's twin where A is
     on the same devices). None on a rank outside B."""
     return getattr(groups, "background", None)
+
+
+def _switch_group(groups: Any) -> Any:
+    """B's group over its ranks for the agreement at the switch (the main thread, nothing
+    else running): its CPU twin under NCCL, else its own."""
+    return getattr(groups, "layout_group_cpu", None) or getattr(groups, "layout_group", None)
 
 
 __all__ = ("BuiltAhead", "DataAhead", "StepNote", "retire_in_background")
