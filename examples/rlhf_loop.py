@@ -23,12 +23,14 @@ PROMPTS = ("The quick brown fox", "Once upon a time")
 
 def rlhf_loop(trainer, job, *, rounds: int, train_steps: int, gen_layout: str,
               prompts: Sequence[str], num_tokens: int, optimizer: str = "host",
-              at_generation: Optional[Callable] = None) -> list:
+              at_generation: Optional[Callable] = None,
+              before_generation: Optional[Callable] = None) -> list:
     """`rounds` times: train `train_steps` steps at the job's layout, then generate at
     `gen_layout` from the weights just trained. `trainer` trains `job`'s objects (the
-    stand-in job's `Trainer`); `optimizer`: "keep" or "host" (where the optimizer state
-    waits meanwhile). `at_generation(gen)`, if given, is called at G before generating.
-    Returns each round's `GreedyGeneration`."""
+    stand-in job's `Trainer`, or Megatron-LM's in examples/rlhf_megatron_lm.py);
+    `optimizer`: "keep" or "host" (where the optimizer state waits meanwhile). `before_generation(round)`, if given, is called at A before the
+    weights leave, `at_generation(gen)` at G before generating. Returns each round's
+    `GreedyGeneration`."""
     from dynatrain_megatron.generation import byte_tokenizer, generate_greedy
 
     tokenizer = byte_tokenizer()
@@ -38,6 +40,8 @@ def rlhf_loop(trainer, job, *, rounds: int, train_steps: int, gen_layout: str,
             for _ in range(train_steps):
                 step = trainer.step()
                 log.info("round %d: iteration %d, loss %.4f", r, step.iteration, step.loss)
+            if before_generation is not None:
+                before_generation(r)
             # G's chunks and groups are built in the first round and kept for the next
             gen = job.weights_to(gen_layout, optimizer=optimizer)
             if at_generation is not None:

@@ -73,13 +73,15 @@ def with_data_cache(flags: list[str]) -> list[str]:
     return [*flags, "--data-cache-path", cache]
 
 
-def torchrun_cmd(tree: Path, nproc: int, flags: list[str]) -> list[str]:
-    """The command of `tree`'s pretrain_gpt.py on `nproc` ranks: the workers forked after
+def torchrun_cmd(tree: Path, nproc: int, flags: list[str],
+                 script: Optional[Path] = None) -> list[str]:
+    """The command of `tree`'s pretrain_gpt.py (or another job `script` run in the tree) on
+    `nproc` ranks: the workers forked after
     one import of torch and Megatron-LM, in torchrun's environment
     (`dynatrain_megatron/testing/forked_launch.py`: most of a tiny job's start-up on 2
     cores); `DYNATRAIN_TEST_LAUNCHER=torchrun`: the plain torchrun command (the README's
     quickstart test always runs that)."""
-    script = str(tree / "pretrain_gpt.py")
+    script = str(script or tree / "pretrain_gpt.py")
     flags = with_data_cache(flags)
     if os.environ.get("DYNATRAIN_TEST_LAUNCHER") == "torchrun":
         return [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), script, *flags]
@@ -89,11 +91,12 @@ def torchrun_cmd(tree: Path, nproc: int, flags: list[str]) -> list[str]:
 
 def run_megatron_lm(tree: Path, nproc: int, flags: list[str], log: Path, *,
                     patched: bool = True, timeout: float = 900,
-                    env: Optional[dict] = None) -> str:
-    """Run pretrain_gpt.py of `tree` on `nproc` gloo ranks; returns the log text. An
-    unpatched tree gets the CPU runtime from `megatron_lm_unpatched/sitecustomize.py`."""
+                    env: Optional[dict] = None, script: Optional[Path] = None) -> str:
+    """Run pretrain_gpt.py of `tree` (or `script`, a job run in the tree) on `nproc` gloo
+    ranks; returns the log text. An unpatched tree gets the CPU runtime from
+    `megatron_lm_unpatched/sitecustomize.py`."""
     env = job_env(tree, patched=patched, extra=env)
-    cmd = torchrun_cmd(tree, nproc, flags)
+    cmd = torchrun_cmd(tree, nproc, flags, script)
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT,
                               timeout=timeout)

@@ -166,16 +166,25 @@ def rss_bytes() -> tuple[int, int]:
     return cur, hwm
 
 
-def refit_bytes(target_model) -> tuple[int, int]:
+def refit_bytes(target_model, src_model=None) -> tuple[int, int]:
     """(bytes this rank receives from other ranks, bytes it copies locally) in the refit's
-    cached plan."""
+    plan: the one cached on the target (megatron-core 0.16); where a release caches its
+    plans elsewhere (0.19 keeps them in a module-level dict), the same plan built again
+    with megatron-core's public `build_local_reshard_plan` from `src_model` (collective:
+    every rank calls this)."""
     from megatron.core.utils import unwrap_model
 
     core = unwrap_model(target_model[0])
     plan = getattr(core, "_cached_reshard_plan", None)
+    if plan is None and src_model is not None:
+        from megatron.core.resharding import build_local_reshard_plan
+
+        src = unwrap_model(src_model[0])
+        plan = build_local_reshard_plan(src, core, num_experts=src.config.num_moe_experts)
     if plan is None:
         return 0, 0
     params = dict(core.named_parameters())
+    params.update(core.named_buffers())  # 0.19's plans also carry persistent buffers
     me = dist.get_rank()
     remote = local = 0
     for op in plan.recv_ops:

@@ -72,9 +72,9 @@ from ..vps.errors import DynatrainError
 from ..vps.layout import GROUP_AXES, Layout
 from ..vps.model_spec import ModelSpec
 from ..mcore.train_config import TrainConfig
-from .arguments import (arg_value, args_for_layout, layout_from_megatron_args, params_dtype_of,
-                        performance_differences, spec_from_megatron_args,
-                        train_config_from_megatron_args, unsupported_args)
+from .arguments import (arg_value, args_for_layout, params_dtype_of, performance_differences,
+                        unsupported_args)
+from .description import describe_job
 from .data_ahead import DataAhead, retire_in_background
 from .step_guard import StepGuard
 from .transformer_config import JobIntents
@@ -145,17 +145,6 @@ def check_switchable(args: Any) -> None:
     if problems:
         raise DynatrainError("--dynatrain cannot switch this Megatron-LM job: "
                              + "; ".join(problems))
-
-
-def _tokenizer_vocab_size() -> Optional[int]:
-    """The unpadded vocabulary of Megatron-LM's global tokenizer, when it has one."""
-    try:
-        from megatron.training import get_tokenizer
-
-        tok = get_tokenizer()
-        return int(tok.vocab_size) if tok is not None else None
-    except Exception:  # no global tokenizer in this release/config: fall back to args
-        return None
 
 
 def wrap_megatron_groups(layout: Layout):
@@ -229,7 +218,7 @@ def megatron_first_groups() -> list:
     return out
 
 
-def _check_live_state(spec: ModelSpec, train: TrainConfig, objs) -> None:
+def check_live_state(spec: ModelSpec, train: TrainConfig, objs) -> None:
     """The switch's own pre-flight check, run once up front: the live model/optimizer state
     must be exactly what the analytic layout says, or we refuse before training goes on."""
     from ..adapters.live import LiveState
@@ -311,26 +300,10 @@ class MegatronLMSession:
         for note in performance_differences(args):
             log.warning("dynatrain: %s", note)
         self.args = args
-        try:
-            self.spec = spec_from_megatron_args(args, vocab_size=_tokenizer_vocab_size())
-        except DynatrainError as e:  # a tokenizer whose size does not explain the padding
-            log.warning("dynatrain: %s; treating all %s rows as vocabulary", e,
-                        arg_value(args, "padded_vocab_size"))
-            self.spec = spec_from_megatron_args(args)
-        # the analytic names follow the layers Megatron-LM builds (TE's or the local ones)
-        self.spec = self.spec.replace(transformer_engine=arg_value(
-            args, "transformer_impl", "transformer_engine") == "transformer_engine")
-        # grouped experts: whatever this release's local spec builds for --moe-grouped-gemm
-        if self.spec.is_moe and arg_value(args, "moe_grouped_gemm", False) \
-                and not self.spec.transformer_engine:
-            from ..compat.megatron_lm import local_spec_groups_experts
-
-            self.spec = self.spec.replace(moe_grouped_gemm=local_spec_groups_experts())
-        self.train = train_config_from_megatron_args(args)
-        layout = layout_from_megatron_args(args, self.spec, dist.get_world_size())
+        self.spec, self.train, layout = describe_job(args, dist.get_world_size())
         objs = TrainingObjects(layout=layout, groups=wrap_megatron_groups(layout), config=config,
                                model=model, optimizer=optimizer, scheduler=opt_param_scheduler)
-        _check_live_state(self.spec, self.train, objs)
+        check_live_state(self.spec, self.train, objs)
         self.trainer = Trainer(self.spec, self.train, objs,
                                consumed_samples=arg_value(args, "consumed_train_samples", 0))
         # B is built by Megatron-LM itself, from a copy of these args set to B (builder.py)
@@ -579,7 +552,7 @@ def reset_session() -> None:
 
 
 __all__: Iterable[str] = (
-    "LoopObjects", "MegatronLMSession", "check_switchable", "current_session", "dynatrain_step",
-    "finish_training", "left_out", "register_dataset_provider", "reset_session",
+    "LoopObjects", "MegatronLMSession", "check_live_state", "check_switchable", "current_session",
+    "dynatrain_step", "finish_training", "left_out", "register_dataset_provider", "reset_session",
     "wrap_megatron_groups",
 )

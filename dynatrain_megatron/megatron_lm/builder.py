@@ -129,13 +129,15 @@ class MegatronLMBuilder(MegatronBuilder):
         return objs
 
     def build_weights_detached(self, layout: Layout, groups: ParallelGroups) -> TrainingObjects:
-        """Weights-only targets (`ElasticJob.weights_to`) are not built by Megatron-LM's own
-        builders yet: refused, rather than built by megatron-core's without the job's
-        options."""
-        raise DynatrainError(f"a weights-only switch to {layout} inside Megatron-LM is not "
-                             f"supported yet (docs/api.md)")
+        """A layout's model chunks alone, for weights only (`ElasticJob.weights_to`, e.g. a
+        generation layout): built by the job's model provider through Megatron-LM's
+        `get_model` without DDP (a Float16Module where the job trains in bf16/fp16), no
+        optimizer, no scheduler, no weight initialisation; in this thread's views, as
+        `build_detached`, so A's globals, args and RNGs are untouched."""
+        return self._build(layout, groups, init_weights=False, weights_only=True)
 
-    def _build(self, layout: Layout, groups: ParallelGroups, init_weights: bool) -> TrainingObjects:
+    def _build(self, layout: Layout, groups: ParallelGroups, init_weights: bool,
+               weights_only: bool = False) -> TrainingObjects:
         from megatron.core.distributed import finalize_model_grads
         from megatron.training.arguments import core_transformer_config_from_args
 
@@ -149,24 +151,26 @@ class MegatronLMBuilder(MegatronBuilder):
                 stack.enter_context(private_rng())
             config = core_transformer_config_from_args(args)
             saved = _silence_init_methods(config) if not init_weights else {}
-            model = self._model(config, groups)
+            model = self._model(config, groups, wrap_with_ddp=not weights_only)
             for name, fn in saved.items():
                 setattr(config, name, fn)  # the config keeps the job's own afterwards
             for m in model:
                 while m is not None:  # DDP, Float16Module, the model: any may be asked
                     psv.register(m, view)
                     m = getattr(m, "module", None)
-            optimizer, scheduler = self._optimizer_and_scheduler(model)
-        config.finalize_model_grads_func = finalize_model_grads
+            optimizer, scheduler = ((None, None) if weights_only
+                                    else self._optimizer_and_scheduler(model))
+        if not weights_only:
+            config.finalize_model_grads_func = finalize_model_grads
         return TrainingObjects(layout=layout, groups=groups, config=config, model=model,
                                optimizer=optimizer, scheduler=scheduler)
 
-    def _model(self, config: Any, groups: ParallelGroups) -> list:
+    def _model(self, config: Any, groups: ParallelGroups, wrap_with_ddp: bool = True) -> list:
         from megatron.core.enums import ModelType
         from megatron.training.training import get_model
 
         model = _call_with_supported(get_model, self.model_provider, ModelType.encoder_or_decoder,
-                                     wrap_with_ddp=True, config=config,
+                                     wrap_with_ddp=wrap_with_ddp, config=config,
                                      pg_collection=groups.pg_collection)
         return model if isinstance(model, list) else [model]
 
