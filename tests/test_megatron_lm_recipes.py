@@ -59,7 +59,9 @@ DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank",
             "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
             "--qk-layernorm", "--position-embedding-type", "rope", "--swiglu",
             "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
-            "--disable-bias-linear", "--bf16", "--ffn-hidden-size", "128"]
+            "--disable-bias-linear", "--bf16", "--ffn-hidden-size", "128",
+            # multi-token prediction: planned from every rank's live metadata
+            "--mtp-num-layers", "1"]
 # recipes run as plain DDP: without the common --use-distributed-optimizer
 PLAIN_DDP = {"deepseek"}
 RECIPES = {  # name: (recipe flags, flags at A, flags at B, A, B)
@@ -107,6 +109,9 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert args["multi_latent_attention"] == "True"
         assert args["use_distributed_optimizer"] == "False"
         assert (args["q_lora_rank"], args["kv_lora_rank"]) == ("32", "16")
+        assert args["mtp_num_layers"] == "1"
+        # the switch was planned from the live metadata, gathered in the background
+        assert "planned from the live metadata" in runs["switched"]
     else:
         assert args["rotary_base"] == "1000000" and args["qk_layernorm"] == "True"
         assert args["moe_layer_freq"] == "[0, 1, 1, 1]"
@@ -133,6 +138,9 @@ def test_final_checkpoints_are_bit_identical(runs):
     if runs["recipe"] == "deepseek":  # MLA's low-rank projections and their norms
         assert {"linear_q_down_proj", "linear_kv_up_proj", "kv_layernorm"} <= {
             part for k in ours for part in k.split(".")}
+        # the multi-token prediction layer (its projection, norms and transformer layer)
+        assert {"eh_proj", "enorm", "hnorm", "transformer_layer"} <= {
+            part for k in ours if k.startswith("mtp.") for part in k.split(".")}
     if runs["recipe"] in PLAIN_DDP:
         # a plain optimizer's state: every weight's fp32 main copy and moments, whole; its
         # step (one for all parameters) in the common state

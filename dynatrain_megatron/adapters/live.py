@@ -245,6 +245,9 @@ class LiveState:
         self.keys: dict[tuple[int, str], str] = {}
         # the shape a parameter is viewed in where it is not its own (grouped experts)
         self.shapes: dict[tuple[int, str], tuple[int, ...]] = {}
+        # every logical tensor's global shape, as megatron-core's metadata gives it (vocab
+        # tensors: their unpadded rows); what a plan made from metadata checks both sides by
+        self.global_shapes: dict[str, tuple[int, ...]] = {}
         self.param_fragments: list[LiveFragment] = []
         self._read_model_metadata()
         self.opt_ranges: dict[tuple[int, str], tuple[int, int, dict[str, torch.Tensor]]] = {}
@@ -313,6 +316,9 @@ class LiveState:
                     continue  # a buffer (e.g. router expert_bias), not a parameter
                 pre = sh.prepend_axis_num
                 key = self._canonical_key(sh.key, name, sh.global_offset[:pre])
+                gshape = tuple(int(x) for x in sh.global_shape[pre:])
+                self.global_shapes[key] = ((self.vocab_size,) + gshape[1:] if key in VOCAB_KEYS
+                                           else gshape)
                 gbox = Box(tuple(sh.global_offset[pre:]), tuple(sh.local_shape))
                 lbox = Box(local_off, tuple(sh.local_shape))
                 rid = sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,)
@@ -380,7 +386,9 @@ class LiveState:
         dense/MoE `moe_layer_freq` pattern), the index in its key; the global expert is the
         next prepended axis."""
         if not sharded_key.startswith("decoder.layers."):
-            return sharded_key  # embedding, output layer (or its tied copy), final norm
+            # embedding, output layer (or its tied copy), final norm, the multi-token
+            # prediction layers (keyed one by one); a prepended axis (experts) in the key
+            return sharded_key + "".join(f"[{i}]" for i in prepended)
         own = _LAYER.match(sharded_key)
         layer, rest = (int(own.group(1)), prepended) if own else (prepended[0], prepended[1:])
         # TE's fused norm parameters keep the separate norm's logical key

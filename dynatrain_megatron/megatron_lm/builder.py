@@ -82,17 +82,23 @@ class MegatronLMBuilder(MegatronBuilder):
     `args`: the job's validated args at its first layout (never modified); `intents`: what
     Megatron-LM's validation turns on or off by layout; `model_provider`: the script's
     (`script_model_provider()`); `data_ahead`: where B's data iterators are built after a
-    background build of B (`data_ahead.DataAhead`; None: at the switch)."""
+    background build of B (`data_ahead.DataAhead`; None: at the switch); `plan_from`:
+    how switches are planned, "analytic" or, for a model the analytic layout does not
+    describe, "metadata" (`transition.metadata_exchange`)."""
 
     args: Any = None
     intents: Optional[JobIntents] = None
     model_provider: Optional[Callable] = None
     data_ahead: Any = None
+    plan_from: str = "analytic"
 
     def __post_init__(self) -> None:
         if self.args is None or self.intents is None or not callable(self.model_provider):
             raise DynatrainError("MegatronLMBuilder needs the job's args, its intents and "
                                  "the script's model provider")
+        if self.plan_from not in ("analytic", "metadata"):
+            raise DynatrainError(f"plan_from must be 'analytic' or 'metadata', got "
+                                 f"{self.plan_from!r}")
 
     def args_for(self, layout: Layout, groups: ParallelGroups, init_weights: bool) -> Any:
         """A copy of the job's args describing `layout` as a restart there would have them."""
