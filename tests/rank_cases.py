@@ -214,7 +214,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
         # a case may use another model than the group's (e.g. another vocab size)
         case_model = opts.get("model", model)
         s = spec_variant(case_model)
-        builder = MegatronBuilder(s, train)
+        builder = MegatronBuilder(s, train, plan_from=opts.get("plan_from", "analytic"))
 
         def full(tr):
             return gather_layout_state(s, tr)

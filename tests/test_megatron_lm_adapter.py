@@ -539,3 +539,12 @@ def test_mtp_is_planned_from_the_live_metadata_unless_tied():
     assert len(tied) == 1 and tied[0].startswith(
         "--mtp-num-layers without --untie-embeddings-and-output-weights: Megatron-LM's own "
         "--save cannot write"), tied
+
+
+def test_expert_bias_is_planned_from_the_live_metadata():
+    from dynatrain_megatron.megatron_lm.support import plans_from_metadata
+
+    args = megatron_args(num_experts=4, moe_router_score_function="sigmoid",
+                         moe_router_enable_expert_bias=True)
+    assert mlm.unsupported_args(args) == []
+    assert plans_from_metadata(args) == ["--moe-router-enable-expert-bias"]

@@ -229,23 +229,20 @@ def megatron_first_groups() -> list:
 
 def _check_live_state(spec: ModelSpec, train: TrainConfig, objs, metadata: bool = False) -> None:
     """The switch's own pre-flight check, run once up front: the live model/optimizer state
-    must be exactly what the analytic layout says, or we refuse before training goes on.
-    `metadata`: the job is planned from the live metadata (the analytic layout describes
-    it in part): the weights of the tensors both describe must agree."""
+    must be exactly what the analytic layout says, or we refuse before training goes on
+    (`metadata`: planned from the live metadata; the tensors both describe must agree)."""
     from ..adapters.live import LiveState
     from ..adapters.verify import check_live_matches_analytic, check_live_matches_analytic_where_both
     from ..vps.analytic import analytic_layout
-    from ..vps.fragment import OPT_KINDS
+    from ..vps.fragment import KINDS, OPT_KINDS
     from ..mcore.builders import bucket_size_of
 
     vr = objs.groups.virtual_rank
     live = LiveState(objs.model, objs.optimizer, vr, spec.vocab_size)
     expected = analytic_layout(spec, objs.layout, bucket_size_of(train, objs.layout))
-    if metadata:
-        check_live_matches_analytic_where_both(live.fragments(), expected.fragments(vr), vr)
-    else:
-        check_live_matches_analytic(live.fragments(OPT_KINDS), expected.fragments(vr, OPT_KINDS),
-                                    vr)
+    check = check_live_matches_analytic_where_both if metadata else check_live_matches_analytic
+    kinds = KINDS if metadata else OPT_KINDS
+    check(live.fragments(kinds), expected.fragments(vr, kinds), vr)
 
 
 def _prepare_config(args: Any, model: list, optimizer: Any, config: Any, old_config: Any) -> None:
@@ -334,12 +331,10 @@ class MegatronLMSession:
         layout = layout_from_megatron_args(args, self.spec, dist.get_world_size())
         objs = TrainingObjects(layout=layout, groups=wrap_megatron_groups(layout), config=config,
                                model=model, optimizer=optimizer, scheduler=opt_param_scheduler)
-        # what the analytic layout does not describe is planned from the live metadata
-        metadata = plans_from_metadata(args)
+        metadata = plans_from_metadata(args)  # what the analytic layout does not describe
         if metadata:
             log.info("dynatrain: %s: switches are planned from every rank's live sharded "
-                     "metadata (the analytic layout does not describe them)",
-                     ", ".join(metadata))
+                     "metadata", ", ".join(metadata))
         _check_live_state(self.spec, self.train, objs, bool(metadata))
         self.trainer = Trainer(self.spec, self.train, objs,
                                consumed_samples=arg_value(args, "consumed_train_samples", 0))

@@ -70,8 +70,6 @@ def _layer_pattern(a: Any) -> list[str]:
     for n in ("heterogeneous_layers_config_path", "spec", "experimental_attention_variant"):
         if _v(a, n) is not None:
             out.append("--" + n.replace("_", "-"))
-    if _set(_v(a, "moe_router_enable_expert_bias")):
-        out.append("--moe-router-enable-expert-bias")
     if _v(a, "add_qkv_bias", False) and not _v(a, "add_bias_linear", True):
         out.append("--add-qkv-bias without --add-bias-linear")
     if (_v(a, "position_embedding_type", "learned_absolute") == "learned_absolute"
@@ -90,7 +88,9 @@ def plans_from_metadata(args: Any) -> list[str]:
     """The options of `args` whose state the analytic layout (`vps/`) does not describe:
     a job with any is planned from every rank's live metadata of A and B
     (`transition.metadata_exchange`) instead of the analytic layout."""
-    return ["--mtp-num-layers"] if _set(_v(args, "mtp_num_layers")) else []
+    return [f for f, n in (("--mtp-num-layers", "mtp_num_layers"),
+                           ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias"))
+            if _set(_v(args, n))]
 
 
 def _hardware(a: Any) -> list[str]:
@@ -122,11 +122,10 @@ REFUSALS: tuple[Refusal, ...] = (
             "embeddings at PP > 1 (it asserts, core_v0.16.1), so no restart to such a layout "
             "exists to switch like", _mtp_tied),
     Refusal("--moe-grouped-gemm or --multi-latent-attention with TE layers, --spec, "
-            "--heterogeneous-layers-config-path, --experimental-attention-variant, "
-            "--moe-router-enable-expert-bias, ...", "not_yet",
+            "--heterogeneous-layers-config-path, --experimental-attention-variant, ...",
+            "not_yet",
             "the analytic layout (vps/naming.py) does not describe their parameters, and no "
-            "switch planned from the live metadata has been checked with them yet; the "
-            "router's expert bias is a buffer, trained state the switch does not carry yet",
+            "switch planned from the live metadata has been checked with them yet",
             _layer_pattern),
     Refusal("--use-tp-pp-dp-mapping, --pipeline-model-parallel-layout, "
             "--account-for-embedding-in-pipeline-split, --account-for-loss-in-pipeline-split, "
@@ -181,9 +180,10 @@ SUPPORTED: tuple[tuple[str, str], ...] = (
     ("no --use-distributed-optimizer (plain DDP: the optimizer state replicated over DP, "
      "each piece moved from one replica)", "tests/test_megatron_lm_recipes.py::deepseek"),
     ("multi-token prediction (--mtp-num-layers 1, untied embeddings; PP > 1 at A, the last "
-     "stage's copy of the embedding included): planned from every rank's live sharded "
-     "metadata, which the analytic layout does not describe",
-     "tests/test_megatron_lm_recipes.py::deepseek"),
+     "stage's copy of the embedding included) and aux-loss-free MoE routing "
+     "(--moe-router-score-function sigmoid --moe-router-enable-expert-bias: the router's "
+     "expert bias, a buffer, carried): planned from every rank's live sharded metadata, "
+     "which the analytic layout does not describe", "tests/test_megatron_lm_recipes.py::deepseek"),
     ("any option that changes no state shape (activations, dropout, fusions, recompute, "
      "attention backend, loss options, rotary variants): carried by B, built by Megatron-LM",
      "megatron_lm/builder.py"),

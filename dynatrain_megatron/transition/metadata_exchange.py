@@ -45,10 +45,14 @@ def _flat_lo(shape: Sequence[int], offsets: Sequence[int]) -> int:
 
 
 def _side(live: Optional[LiveState], device: int, kinds: tuple[str, ...]) -> tuple:
-    """This rank's part of one side: (records, padding holdings, global shapes). Records
-    of the optimizer kinds are sent once, as `main_param` (they share their boxes)."""
+    """This rank's part of one side: (records, padding holdings, global shapes, buffer
+    records). Records of the optimizer kinds are sent once, as `main_param` (they share
+    their boxes); buffers (no optimizer state) always, whatever `kinds`."""
     if live is None:
-        return [], [], {}
+        return [], [], {}, []
+    if live.unplaced:
+        raise ValueError(f"megatron-core's sharded metadata names state that is neither a "
+                         f"parameter nor a buffer here: {live.unplaced[:3]}")
     one = tuple(k for k in kinds if k == "param") + (("main_param",) if any(
         k in OPT_KINDS for k in kinds) else ())
     recs = [(f.key, f.kind, f.box.offsets, f.box.shape, device, f.chunk, f.local_name,
@@ -60,7 +64,10 @@ def _side(live: Optional[LiveState], device: int, kinds: tuple[str, ...]) -> tup
         cols = live.shape_of(f.chunk, f.local_name)[1:]
         lo = _flat_lo((0,) + tuple(cols), f.box.offsets)
         pads.append((f.key, f.kind, lo, lo + f.box.numel, device))
-    return recs, pads, dict(live.global_shapes)
+    bufs = [(f.key, "param", f.box.offsets, f.box.shape, device, f.chunk, f.local_name,
+             f.local_offsets, live.buffers[f.chunk][f.local_name].element_size())
+            for f in live.buffer_fragments]
+    return recs, pads, dict(live.global_shapes), bufs
 
 
 def _expand(rows: Sequence[tuple], kinds: tuple[str, ...]) -> list[tuple]:
@@ -77,12 +84,14 @@ def _expand(rows: Sequence[tuple], kinds: tuple[str, ...]) -> list[tuple]:
 class GatheredMetadata:
     """Everyone's records of both sides (what `metadata_plan` takes)."""
 
+    # the buffers' records are among them, as "param" records (`buffers`: whether any)
     src: list[StateRecord] = field(default_factory=list)
     dst: list[StateRecord] = field(default_factory=list)
     src_padding: list[Holding] = field(default_factory=list)
     dst_padding: list[Holding] = field(default_factory=list)
     src_shapes: dict = field(default_factory=dict)
     dst_shapes: dict = field(default_factory=dict)
+    buffers: bool = False
     payload_bytes: int = 0
     seconds: float = 0.0
 
@@ -94,24 +103,36 @@ def _merge_shapes(into: dict, got: dict, side: str, errors: list[str]) -> None:
 
 
 def gather_metadata(src_live: Optional[LiveState], dst_live: Optional[LiveState],
-                    kinds: Sequence[str], group: Any = None) -> GatheredMetadata:
+                    kinds: Sequence[str], group: Any = None,
+                    error: Optional[str] = None) -> GatheredMetadata:
     """Collective over `group` (every rank of the world, each with its own bindings at A
-    and at B, None where it holds nothing there): every rank's records, on every rank."""
+    and at B, None where it holds nothing there): every rank's records, on every rank.
+    A rank that failed before (`error`) or here still joins; then every rank raises
+    ValueError with every rank's reasons."""
     import pickle
 
     t0 = time.perf_counter()
     kinds = tuple(k for k in KINDS if k in set(kinds))
     me = dist.get_rank()
-    mine = (_side(src_live, me, kinds), _side(dst_live, me, kinds))
+    mine: Any = error
+    if error is None:
+        try:
+            mine = (_side(src_live, me, kinds), _side(dst_live, me, kinds))
+        except Exception as e:  # noqa: BLE001 - sent to every rank, raised below
+            mine = f"rank {me}: reading the live metadata: {type(e).__name__}: {e}"
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
+    failed = [x for x in everyone if isinstance(x, str)]
+    if failed:
+        raise ValueError("gathering the live metadata failed: " + "; ".join(failed[:4]))
     out = GatheredMetadata(payload_bytes=len(pickle.dumps(mine)))
     errors: list[str] = []
     for a, b in everyone:
-        for (recs, pads, shapes), records, holdings, all_shapes, side in (
+        for (recs, pads, shapes, bufs), records, holdings, all_shapes, side in (
                 (a, out.src, out.src_padding, out.src_shapes, "A"),
                 (b, out.dst, out.dst_padding, out.dst_shapes, "B")):
-            records += [StateRecord.from_tuple(r) for r in _expand(recs, kinds)]
+            records += [StateRecord.from_tuple(r) for r in _expand(recs, kinds) + list(bufs)]
+            out.buffers = out.buffers or bool(bufs)
             holdings += [Holding(key, kind, lo, hi, dev) for key, kind0, lo, hi, dev in pads
                          for kind in ((kind0,) if kind0 == "param" else
                                       tuple(k for k in kinds if k in OPT_KINDS))]
@@ -127,6 +148,8 @@ def plan_from_metadata(meta: GatheredMetadata, *, src_layout, dst_layout,
                        kinds: Sequence[str], itemsize: dict, ranks_per_node: int,
                        unavailable: Sequence[int] = ()) -> tuple[MetadataPlan, PaddingPlan]:
     """The transfer plan and the vocabulary padding plan of a switch, from `meta`."""
+    # buffers travel as "param" records, whatever the switch moves of the weights
+    kinds = tuple(kinds) + (("param",) if meta.buffers and "param" not in kinds else ())
     plan = metadata_plan(meta.src, meta.dst, src_layout=src_layout, dst_layout=dst_layout,
                          src_devices=src_devices, dst_devices=dst_devices, kinds=kinds,
                          itemsize=itemsize, ranks_per_node=ranks_per_node,

@@ -84,6 +84,8 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
     prep = Prepared(src, src_placement, dst, dst_placement, groups, kinds, tuple(unavailable),
                     background=background)
     vr_b = dst_placement.virtual_rank(me)
+    metadata = plans_from_metadata(builder)
+    gathered = [False]  # a metadata plan's gather: every rank joins it, even after a failure
     try:
         t0 = t()
         prep.objs = builder.build_detached(dst, groups) if vr_b is not None else None
@@ -93,13 +95,13 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
             prep.live = LiveState(prep.objs.model, prep.objs.optimizer, vr_b, spec.vocab_size)
         prep.phases["bind"] = t() - t0
         t0 = t()
-        metadata = plans_from_metadata(builder)
         if verify and prep.live is not None:
             _check_analytic(prep.live, spec, builder, dst, vr_b, kinds, metadata)
         prep.phases["verify"] = t() - t0
         t0 = t()
         if metadata:
-            _plan_from_metadata(prep, spec, src_objs, src_state, options, verify, builder)
+            _plan_from_metadata(prep, spec, src_objs, src_state, options, verify, builder,
+                                gathered)
         else:
             prep.plan = build_plan(spec, (src, src_placement), (dst, dst_placement), kinds=kinds,
                                    ranks_per_node=options.ranks_per_node,
@@ -127,7 +129,7 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
         prep.phases["verify"] += t() - t0
         t0 = t()
         if src_objs is not None and not unavailable:
-            _bind_source(prep, spec, builder, src_objs, verify, prep.src_live)
+            _bind_source(prep, spec, builder, src_objs, verify, prep.src_live, metadata)
         prep.phases["bind_src"] = t() - t0
         (faults or _NO_FAULTS).fail(me, "prepare", dst=str(dst))
         (faults or _NO_FAULTS).delay_preparation(me, str(dst))
@@ -135,6 +137,11 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
         prep.error = f"rank {me}: prepare: {type(e).__name__}: {e}"
         log.error("rank %d: preparing the switch %s -> %s failed (nothing has moved): %s",
                   me, src, dst, e, exc_info=True)
+        if metadata and not gathered[0]:  # the others wait in the gather: join it, failed
+            try:
+                gather_metadata(None, None, kinds, groups.transfer, error=prep.error)
+            except Exception:  # noqa: BLE001 - it raises every rank's errors, ours included
+                pass
     return prep
 
 
@@ -151,25 +158,29 @@ def _check_analytic(live: LiveState, spec: ModelSpec, builder: Builder, layout: 
 
 def _plan_from_metadata(prep: Prepared, spec: ModelSpec, src_objs: Any,
                         src_state: Optional[LiveState], options: SwitchOptions, verify: bool,
-                        builder: Builder) -> None:
+                        builder: Builder, gathered: list) -> None:
     """The plan and the padding plan from every rank's live metadata (collective over the
     world, on B's transfer group). A is bound here: from `src_state`, or from `src_objs`
     once its optimizer has state (its first step), which is then kept as the source
     binding if A's storage does not change before the pause."""
     me = dist.get_rank()
     vr_a = prep.src_placement.virtual_rank(me)
-    src_live = src_state
-    if src_live is None and src_objs is not None and vr_a is not None \
-            and me not in prep.unavailable:
-        if not optimizer_state_complete(src_objs.optimizer):
-            raise RuntimeError("A's optimizer has no state yet (no step taken): its live "
-                               "metadata cannot be read")
-        fp = storage_fingerprint(src_objs.model, src_objs.optimizer)
-        src_live = LiveState(src_objs.model, src_objs.optimizer, vr_a, spec.vocab_size)
-        if verify:
-            _check_analytic(src_live, spec, builder, prep.src, vr_a, prep.kinds, True)
-        prep.src_live, prep.src_fingerprint = src_live, fp
-    meta = gather_metadata(src_live, prep.live, prep.kinds, prep.groups.transfer)
+    src_live, error = src_state, None
+    try:
+        if src_live is None and src_objs is not None and vr_a is not None \
+                and me not in prep.unavailable:
+            if not optimizer_state_complete(src_objs.optimizer):
+                raise RuntimeError("A's optimizer has no state yet (no step taken): its live "
+                                   "metadata cannot be read")
+            fp = storage_fingerprint(src_objs.model, src_objs.optimizer)
+            src_live = LiveState(src_objs.model, src_objs.optimizer, vr_a, spec.vocab_size)
+            if verify:
+                _check_analytic(src_live, spec, builder, prep.src, vr_a, prep.kinds, True)
+            prep.src_live, prep.src_fingerprint = src_live, fp
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the gather
+        error = f"rank {me}: binding A: {type(e).__name__}: {e}"
+    gathered[0] = True
+    meta = gather_metadata(src_live, prep.live, prep.kinds, prep.groups.transfer, error=error)
     size = DTYPE_BYTES[spec.params_dtype]
     prep.plan, prep.padding_plan = plan_from_metadata(
         meta, src_layout=prep.src, dst_layout=prep.dst,
@@ -183,7 +194,8 @@ def _plan_from_metadata(prep: Prepared, spec: ModelSpec, src_objs: Any,
 
 
 def _bind_source(prep: Prepared, spec: ModelSpec, builder: Builder, objs: Any,
-                 verify: bool, bound: Optional[LiveState] = None) -> None:
+                 verify: bool, bound: Optional[LiveState] = None,
+                 metadata: bool = False) -> None:
     """A's binding, analytic check and source views, kept only if nothing of A's storage
     was reallocated meanwhile. Binding must not create anything in A's optimizer while it
     trains in another thread, so this waits for A's first step (the Adam states exist);
@@ -200,7 +212,7 @@ def _bind_source(prep: Prepared, spec: ModelSpec, builder: Builder, objs: Any,
             fp = storage_fingerprint(objs.model, objs.optimizer)
             live = LiveState(objs.model, objs.optimizer, vr_a, spec.vocab_size)
             if verify:
-                _check_analytic(live, spec, builder, prep.src, vr_a, prep.kinds, False)
+                _check_analytic(live, spec, builder, prep.src, vr_a, prep.kinds, metadata)
         views = {p: live.view(p.kind, p.src_chunk, p.src_local_name, p.src_local_box)
                  for p in prep.local_pieces + [p for ps in prep.round_pieces for p in ps]
                  if p.src_device == me}
