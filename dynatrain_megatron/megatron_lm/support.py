@@ -174,16 +174,14 @@ SUPPORTED: tuple[tuple[str, str], ...] = (
     ("MoE: top-k routing with the aux loss, shared experts, --moe-layer-freq dense/MoE "
      "patterns, --qk-layernorm, --moe-grouped-gemm (local layers), EP and expert-TP changes",
      "tests/test_megatron_lm_recipes.py::qwen_moe"),
-    ("DeepSeek-style multi-latent attention (--multi-latent-attention with --q-lora-rank, "
+    ("DeepSeek recipe: multi-latent attention (--multi-latent-attention, --q-lora-rank, "
      "--kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim, --qk-layernorm), "
-     "local layers", "tests/test_megatron_lm_recipes.py::deepseek"),
-    ("no --use-distributed-optimizer (plain DDP: the optimizer state replicated over DP, "
-     "each piece moved from one replica)", "tests/test_megatron_lm_recipes.py::deepseek"),
-    ("multi-token prediction (--mtp-num-layers 1, untied embeddings; PP > 1 at A, the last "
-     "stage's copy of the embedding included) and aux-loss-free MoE routing "
-     "(--moe-router-score-function sigmoid --moe-router-enable-expert-bias: the router's "
-     "expert bias, a buffer, carried): planned from every rank's live sharded metadata, "
-     "which the analytic layout does not describe", "tests/test_megatron_lm_recipes.py::deepseek"),
+     "local layers. Aux-loss-free MoE (--moe-router-score-function sigmoid "
+     "--moe-router-enable-expert-bias: the router's expert bias, a buffer, carried). "
+     "Multi-token prediction (--mtp-num-layers 1, untied, with the last stage's embedding "
+     "copy). These two are planned from every rank's live sharded metadata. No "
+     "--use-distributed-optimizer (plain DDP: each piece moved from one DP replica)",
+     "tests/test_megatron_lm_recipes.py::deepseek"),
     ("any option that changes no state shape (activations, dropout, fusions, recompute, "
      "attention backend, loss options, rotary variants): carried by B, built by Megatron-LM",
      "megatron_lm/builder.py"),
