@@ -135,3 +135,13 @@ def test_records_travel_as_tuples():
     assert StateRecord.from_tuple(r.as_tuple()) == r
     with pytest.raises(RoutingError):
         StateRecord("k", "grad", Box((0,), (1,)), 0, 0, "w", (0,))
+
+
+@pytest.mark.multirank
+def test_a_rank_that_failed_before_the_gather_joins_it_and_every_rank_raises():
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    import rank_cases
+
+    got = run_on_ranks(rank_cases.metadata_gather_with_a_failed_rank, 2, timeout=120)
+    assert got == ["gathering the live metadata failed: rank 1: prepare: boom"] * 2, got
