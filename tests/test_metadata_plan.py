@@ -145,3 +145,27 @@ def test_a_rank_that_failed_before_the_gather_joins_it_and_every_rank_raises():
 
     got = run_on_ranks(rank_cases.metadata_gather_with_a_failed_rank, 2, timeout=120)
     assert got == ["gathering the live metadata failed: rank 1: prepare: boom"] * 2, got
+
+
+def test_live_weights_are_checked_where_the_analytic_layout_describes_them_too():
+    from dynatrain_megatron.adapters.live import LiveFragment
+    from dynatrain_megatron.adapters.verify import check_live_matches_analytic_where_both
+    from dynatrain_megatron.vps.errors import FragmentMismatchError
+
+    s, A = spec("tiny-gpt"), lay("tp2pp2", 8)
+    al = analytic_layout(s, A)
+    rank = 7  # the last stage: the output layer
+    expected = al.fragments(rank, ("param",))
+    live = [LiveFragment(f.key, f.kind, f.box, f.rank, f.chunk, f.local_name, f.local_offsets,
+                         f.replica == 0) for f in expected]
+    # what the analytic layout does not describe (an MTP layer) is left out of the check
+    mtp = LiveFragment("mtp.layers.0.eh_proj.weight", "param", Box((0, 0), (8, 16)), rank, 0,
+                       "mtp.layers.0.eh_proj.weight", (0, 0), True)
+    assert check_live_matches_analytic_where_both(live + [mtp], expected, rank) == len(
+        {f.key for f in expected})
+    # a tensor both describe, at another place: refused, named
+    f = live[0]
+    moved = LiveFragment(f.key, f.kind, f.box, f.rank, f.chunk, f.local_name,
+                         tuple(o + 1 for o in f.local_offsets), f.main)
+    with pytest.raises(FragmentMismatchError, match=f.key.replace(".", r"\.")):
+        check_live_matches_analytic_where_both([moved] + live[1:], expected, rank)
