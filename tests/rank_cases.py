@@ -214,7 +214,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
         # a case may use another model than the group's (e.g. another vocab size)
         case_model = opts.get("model", model)
         s = spec_variant(case_model)
-        builder = MegatronBuilder(s, train)
+        builder = MegatronBuilder(s, train, plan_from=opts.get("plan_from", "analytic"))
 
         def full(tr):
             return gather_layout_state(s, tr)
@@ -747,3 +747,17 @@ def resume_case(ckpt_dir: str, layout: str, steps: int = 2) -> dict:
     out = dict(iteration=tr.iteration, losses=[tr.step().loss for _ in range(steps)])
     release(tr.objs)
     return out
+
+
+def metadata_gather_with_a_failed_rank() -> str:
+    """Every rank joins the metadata gather; the last failed before it (its B did not
+    build): every rank raises, with that rank's reason, none waits."""
+    from dynatrain_megatron.transition.metadata_exchange import gather_metadata
+
+    me, n = dist.get_rank(), dist.get_world_size()
+    try:
+        gather_metadata(None, None, ("main_param",), None,
+                        error=f"rank {me}: prepare: boom" if me == n - 1 else None)
+    except ValueError as e:
+        return str(e)
+    return "no error"

@@ -251,7 +251,7 @@ def test_options_carried_by_megatron_lm_building_b_are_accepted():
     (dict(use_tp_pp_dp_mapping=True), "--use-tp-pp-dp-mapping"),
     (dict(multi_latent_attention=True, transformer_impl="transformer_engine"),
      "--multi-latent-attention with --transformer-impl transformer_engine"),
-    (dict(mtp_num_layers=1), "--mtp-num-layers"),
+    (dict(mtp_num_layers=1, untie_embeddings_and_output_weights=False), "--mtp-num-layers"),
     (dict(fp8="hybrid"), "--fp8-format"),
     (dict(use_legacy_models=True), "--use-legacy-models"),
 ])
@@ -409,7 +409,8 @@ def test_unswitchable_job_is_refused_before_its_first_step():
     # comes there, naming the flag, and nothing is registered
     mlm.reset_session()
     with pytest.raises(DynatrainError, match="--mtp-num-layers"):
-        mlm.register_dataset_provider(lambda *a: None, megatron_args(mtp_num_layers=1))
+        mlm.register_dataset_provider(lambda *a: None, megatron_args(
+            mtp_num_layers=1, untie_embeddings_and_output_weights=False))
     assert mlm._DATASET_PROVIDER is None
     mlm.register_dataset_provider(print, megatron_args())
     assert mlm._DATASET_PROVIDER is print
@@ -524,3 +525,26 @@ def test_docs_recipes_table_is_the_generated_one():
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
     assert doc.endswith(support_markdown())
+
+
+def test_mtp_is_planned_from_the_live_metadata_unless_tied():
+    from dynatrain_megatron.megatron_lm.support import plans_from_metadata
+
+    untied = megatron_args(mtp_num_layers=1, untie_embeddings_and_output_weights=True)
+    assert mlm.unsupported_args(untied) == []
+    assert plans_from_metadata(untied) == ["--mtp-num-layers"]
+    assert plans_from_metadata(megatron_args()) == []
+    tied = mlm.unsupported_args(megatron_args(mtp_num_layers=1,
+                                              untie_embeddings_and_output_weights=False))
+    assert len(tied) == 1 and tied[0].startswith(
+        "--mtp-num-layers without --untie-embeddings-and-output-weights: Megatron-LM's own "
+        "--save cannot write"), tied
+
+
+def test_expert_bias_is_planned_from_the_live_metadata():
+    from dynatrain_megatron.megatron_lm.support import plans_from_metadata
+
+    args = megatron_args(num_experts=4, moe_router_score_function="sigmoid",
+                         moe_router_enable_expert_bias=True)
+    assert mlm.unsupported_args(args) == []
+    assert plans_from_metadata(args) == ["--moe-router-enable-expert-bias"]

@@ -11,8 +11,12 @@ One group of two jobs on 4 gloo ranks per recipe, each checking several things:
   within the run) and `--lr-warmup-init`; a TP *and* PP change, tp2pp1dp2 -> tp1pp2dp2.
 * deepseek: DeepSeek-shaped attention: `--multi-latent-attention` with low-rank query and
   key-value projections (`--q-lora-rank 32 --kv-lora-rank 16`, split head sizes) and their
-  norms (`--qk-layernorm`); a TP, PP and DP change, tp2pp2dp1 -> tp1pp1dp4 (every
-  column-parallel low-rank projection is re-split). Without `--use-distributed-optimizer`
+  norms (`--qk-layernorm`); aux-loss-free MoE (sigmoid scores, `--moe-router-enable-expert-bias`:
+  a buffer each MoE layer's router trains), a dense first layer; one multi-token prediction
+  layer (`--mtp-num-layers 1`, an MoE layer, beside a copy of the embedding on the last
+  stage). Planned from every rank's live metadata (the analytic layout does not describe
+  MTP or the bias). A TP, PP and DP change, tp2pp2dp1 -> tp1pp1dp4 (every column-parallel
+  low-rank projection is re-split, experts' TP 2 -> 1). Without `--use-distributed-optimizer`
   (plain DDP: megatron-core's Float16OptimizerWithFloat16Params, every DP replica holding
   the fp32 main params and Adam moments of its shard): each of B's four replicas gets all
   of it.
@@ -59,7 +63,14 @@ DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank",
             "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
             "--qk-layernorm", "--position-embedding-type", "rope", "--swiglu",
             "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
-            "--disable-bias-linear", "--bf16", "--ffn-hidden-size", "128"]
+            "--disable-bias-linear", "--bf16", "--ffn-hidden-size", "128",
+            # DeepSeek-V3's aux-loss-free MoE: sigmoid scores and a router expert bias (a
+            # buffer), dense first layer; and multi-token prediction: planned from every
+            # rank's live metadata, which the analytic layout does not describe
+            "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+            "--moe-layer-freq", "[0,1,1,1]", "--moe-router-score-function", "sigmoid",
+            "--moe-router-enable-expert-bias", "--mtp-num-layers", "1",
+            "--sequence-parallel"]  # MoE with TP (at A) needs it
 # recipes run as plain DDP: without the common --use-distributed-optimizer
 PLAIN_DDP = {"deepseek"}
 RECIPES = {  # name: (recipe flags, flags at A, flags at B, A, B)
@@ -107,6 +118,11 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert args["multi_latent_attention"] == "True"
         assert args["use_distributed_optimizer"] == "False"
         assert (args["q_lora_rank"], args["kv_lora_rank"]) == ("32", "16")
+        assert args["mtp_num_layers"] == "1"
+        assert args["moe_router_enable_expert_bias"] == "True"
+        assert args["moe_router_score_function"] == "sigmoid"
+        # the switch was planned from the live metadata, gathered in the background
+        assert "planned from the live metadata" in runs["switched"]
     else:
         assert args["rotary_base"] == "1000000" and args["qk_layernorm"] == "True"
         assert args["moe_layer_freq"] == "[0, 1, 1, 1]"
@@ -133,6 +149,13 @@ def test_final_checkpoints_are_bit_identical(runs):
     if runs["recipe"] == "deepseek":  # MLA's low-rank projections and their norms
         assert {"linear_q_down_proj", "linear_kv_up_proj", "kv_layernorm"} <= {
             part for k in ours for part in k.split(".")}
+        # the multi-token prediction layer (its projection, norms and transformer layer)
+        assert {"eh_proj", "enorm", "hnorm", "transformer_layer"} <= {
+            part for k in ours if k.startswith("mtp.") for part in k.split(".")}
+        # every MoE layer's router expert bias (a buffer, moved by the switch), trained
+        # away from its zero start before the switch: a B that kept zeros would differ
+        bias = [k for k in ours if k.endswith("router.expert_bias")]
+        assert bias and all(ours[k].abs().max() > 0 for k in bias), bias
     if runs["recipe"] in PLAIN_DDP:
         # a plain optimizer's state: every weight's fp32 main copy and moments, whole; its
         # step (one for all parameters) in the common state

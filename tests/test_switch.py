@@ -38,12 +38,18 @@ DENSE_4 = [
     # plain DDP (FP32Optimizer, the state replicated over DP): TP 2->1, DP 2->4, each of A's
     # two replicas a possible source (bf16's Float16Optimizer: test_megatron_lm_recipes)
     ("tp2pp1dp2", "tp1pp1dp4", {"model": "tiny-gpt+ddp", "ckpt": True, "steps_after": 3}),
+    # planned from every rank's live metadata, gathered in the background preparation
+    # (docs/metadata_plans.md): the same state, losses and bytes as the analytic plan's
+    ("tp2pp2dp1", "tp1pp4dp1", {"ckpt": True, "steps_after": 3, "background": True,
+                                "plan_from": "metadata"}),
+    ("tp4pp1dp1", "tp1pp1dp4", {"back": True, "plan_from": "metadata"}),
 ]
 MOE_4 = [
     ("tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4", {"back": True}),  # EP 2->4
     ("tp2pp1ep2etp1dp2", "tp2pp1ep2etp2dp2", {"ckpt": True, "steps_after": 5}),  # ETP 1->2
     ("tp2pp1ep2etp1dp2", "tp1pp2ep2etp1dp2", {"small_piece_bytes": 0, "back": True}),
     ("tp1pp2ep2etp1dp2", "tp2pp1ep2etp2dp2", {"ckpt": True, "steps_after": 3, "background": True}),
+    ("tp2pp1ep2etp1dp2", "tp1pp2ep2etp1dp2", {"back": True, "plan_from": "metadata"}),
 ]
 DENSE_8 = [
     ("tp2pp2dp2", "tp1pp4dp2", {"ckpt": True, "steps_after": 5}),
@@ -118,6 +124,8 @@ def _check(rec, opts):
         assert rec["source_bound_early"] == [expect] * len(rec["source_bound_early"])
     else:
         assert rec["iteration"] == 2 and rec["background"] == {}
+    if opts.get("plan_from") == "metadata":  # the plan came from the gathered metadata
+        assert "metadata_exchange" in {**rec["phases"], **rec["background"]}, rec["phases"]
     if opts.get("small_piece_bytes") == 0 and rec["moved"]:
         # pieces went straight from/into live storage (the contiguous ones), the rest staged
         assert 0 < rec["zero_copy"] < rec["net_all"], rec

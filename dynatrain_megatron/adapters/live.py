@@ -214,6 +214,8 @@ def storage_fingerprint(model: list, optimizer) -> tuple:
     for m in model:
         for name, p in unwrap(m).named_parameters():
             out.append((name, p.data_ptr(), tuple(p.shape)))
+        for name, b in unwrap(m).named_buffers():  # a buffer may be re-made (its dtype)
+            out.append((name, b.data_ptr(), tuple(b.shape), b.dtype))
     for opt in optimizers_of(optimizer):
         for _, _, _, states in param_optimizer_states(opt):
             for k, t in sorted(states.items()):
@@ -245,7 +247,19 @@ class LiveState:
         self.keys: dict[tuple[int, str], str] = {}
         # the shape a parameter is viewed in where it is not its own (grouped experts)
         self.shapes: dict[tuple[int, str], tuple[int, ...]] = {}
+        # every logical tensor's global shape, as megatron-core's metadata gives it (vocab
+        # tensors: their unpadded rows); what a plan made from metadata checks both sides by
+        self.global_shapes: dict[str, tuple[int, ...]] = {}
         self.param_fragments: list[LiveFragment] = []
+        # persistent buffers megatron-core checkpoints (a router's expert bias): trained
+        # state that is not a parameter, so no optimizer holds it; kind "param" fragments
+        # of their own, which a switch planned from the live metadata carries
+        self.buffers: list[dict[str, torch.Tensor]] = [
+            {n: b for n, b in c.named_buffers() if b is not None} for c in self.chunks]
+        self.buffer_fragments: list[LiveFragment] = []
+        # sharded tensors found neither in a parameter nor as a buffer (keys): a switch
+        # planned from the live metadata refuses to run without them
+        self.unplaced: list[str] = []
         self._read_model_metadata()
         self.opt_ranges: dict[tuple[int, str], tuple[int, int, dict[str, torch.Tensor]]] = {}
         self._read_optimizer_ranges()
@@ -260,6 +274,7 @@ class LiveState:
         # plain tensors on the same storage: a Parameter carries DDP's gradient hooks,
         # whose closures reach DDP and with it every communicator
         self.params = [{n: p.detach() for n, p in ps.items()} for ps in self.params]
+        self.buffers = [{n: b.detach() for n, b in bs.items()} for bs in self.buffers]
         self.opt_ranges = {k: (s, e, {n: t.detach() for n, t in st.items()})
                            for k, (s, e, st) in self.opt_ranges.items()}
         return self
@@ -310,9 +325,13 @@ class LiveState:
                 try:
                     name, local_off = self._locate(ci, sh.data)
                 except FragmentMismatchError:
-                    continue  # a buffer (e.g. router expert_bias), not a parameter
+                    self._add_buffer(ci, sh)  # e.g. a router's expert bias
+                    continue
                 pre = sh.prepend_axis_num
                 key = self._canonical_key(sh.key, name, sh.global_offset[:pre])
+                gshape = tuple(int(x) for x in sh.global_shape[pre:])
+                self.global_shapes[key] = ((self.vocab_size,) + gshape[1:] if key in VOCAB_KEYS
+                                           else gshape)
                 gbox = Box(tuple(sh.global_offset[pre:]), tuple(sh.local_shape))
                 lbox = Box(local_off, tuple(sh.local_shape))
                 rid = sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,)
@@ -334,6 +353,20 @@ class LiveState:
                 self.param_fragments.append(LiveFragment(
                     key, "param", gbox, self.rank, ci, name, lbox.offsets,
                     bool(is_main_replica(sh.replica_id))))
+
+    def _add_buffer(self, ci: int, sh: Any) -> None:
+        """A sharded tensor that is no parameter: a buffer of the chunk, whole (module
+        doc), else `unplaced`."""
+        name = next((n for n, b in self.buffers[ci].items() if b is sh.data), None)
+        if name is None or tuple(sh.local_shape) != tuple(sh.data.shape):
+            self.unplaced.append(sh.key)
+            return
+        pre = sh.prepend_axis_num
+        key = self._canonical_key(sh.key, name, sh.global_offset[:pre])
+        self.global_shapes[key] = tuple(int(x) for x in sh.global_shape[pre:])
+        self.buffer_fragments.append(LiveFragment(
+            key, "param", Box(tuple(sh.global_offset[pre:]), tuple(sh.local_shape)), self.rank,
+            ci, name, (0,) * len(sh.local_shape), True))
 
     def shape_of(self, chunk: int, local_name: str) -> tuple[int, ...]:
         """The shape the boxes of a local parameter are given in (module doc)."""
@@ -380,7 +413,9 @@ class LiveState:
         dense/MoE `moe_layer_freq` pattern), the index in its key; the global expert is the
         next prepended axis."""
         if not sharded_key.startswith("decoder.layers."):
-            return sharded_key  # embedding, output layer (or its tied copy), final norm
+            # embedding, output layer (or its tied copy), final norm, the multi-token
+            # prediction layers (keyed one by one); a prepended axis (experts) in the key
+            return sharded_key + "".join(f"[{i}]" for i in prepended)
         own = _LAYER.match(sharded_key)
         layer, rest = (int(own.group(1)), prepended) if own else (prepended[0], prepended[1:])
         # TE's fused norm parameters keep the separate norm's logical key
@@ -429,6 +464,8 @@ class LiveState:
     # ------------------------------------------------------------------ storage
     def view(self, kind: str, chunk: int, local_name: str, local_box: Box) -> torch.Tensor:
         """The tensor view storing `local_box` of a local parameter for state `kind`."""
+        if kind == "param" and local_name not in self.params[chunk]:
+            return self.buffers[chunk][local_name].detach()[local_box.slices()]
         shape = self.shape_of(chunk, local_name)
         if kind == "param":
             return self.params[chunk][local_name].detach().view(shape)[local_box.slices()]

@@ -36,3 +36,18 @@ def check_live_matches_analytic(live: Iterable[LiveFragment], analytic: Iterable
         f"rank {rank}: live fragments disagree with the analytic layout for {len(tensors)} "
         f"tensor(s): {', '.join(tensors[:5])}{' ...' if len(tensors) > 5 else ''}; "
         + "; ".join(detail))
+
+
+def check_live_matches_analytic_where_both(live: Iterable[LiveFragment],
+                                           analytic: Iterable[Fragment], rank: int) -> int:
+    """For a model the analytic layout describes only in part (a switch planned from the
+    live metadata): the weights' fragments of every logical tensor both place on this rank
+    must agree (what the analytic layout leaves out, and the optimizer's owned ranges,
+    which the parameters it does not know shift, are not compared). Returns how many tensors were
+    compared; raises FragmentMismatchError as `check_live_matches_analytic`."""
+    live = [f for f in live if f.kind == "param"]
+    analytic = [f for f in analytic if f.kind == "param"]
+    both = {f.key for f in live} & {f.key for f in analytic}
+    check_live_matches_analytic([f for f in live if f.key in both],
+                                [f for f in analytic if f.key in both], rank)
+    return len(both)

@@ -329,11 +329,20 @@ class MegatronBuilder:
 
     `transition` calls it through this small interface and never imports megatron
     builders itself; Megatron-LM users can supply a wrapper of `setup_model_and_optimizer`.
+    `plan_from`: how switches with it are planned, from the analytic layout or from every
+    rank's live metadata ("metadata", for models the analytic layout does not describe:
+    `transition.metadata_exchange`).
     """
 
     spec: ModelSpec
     train: TrainConfig
     config_factory: Optional[ConfigFactory] = None  # see build_training_objects
+    plan_from: str = "analytic"
+
+    def __post_init__(self) -> None:
+        if self.plan_from not in ("analytic", "metadata"):
+            raise ValueError(f"plan_from must be 'analytic' or 'metadata', got "
+                             f"{self.plan_from!r}")
 
     def bucket_size(self, layout: Layout) -> Optional[int]:
         return bucket_size_of(self.train, layout)

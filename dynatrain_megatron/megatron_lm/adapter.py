@@ -77,6 +77,7 @@ from .arguments import (arg_value, args_for_layout, params_dtype_of, performance
 from .description import describe_job
 from .data_ahead import DataAhead, retire_in_background
 from .step_guard import StepGuard
+from .support import plans_from_metadata
 from .transformer_config import JobIntents
 from ..compat import stand_in_world
 from ..compat.megatron_lm import set_last_rank
@@ -218,19 +219,22 @@ def megatron_first_groups() -> list:
     return out
 
 
-def check_live_state(spec: ModelSpec, train: TrainConfig, objs) -> None:
+def check_live_state(spec: ModelSpec, train: TrainConfig, objs, metadata: bool = False) -> None:
     """The switch's own pre-flight check, run once up front: the live model/optimizer state
-    must be exactly what the analytic layout says, or we refuse before training goes on."""
+    must be exactly what the analytic layout says, or we refuse before training goes on
+    (`metadata`: planned from the live metadata; the tensors both describe must agree)."""
     from ..adapters.live import LiveState
-    from ..adapters.verify import check_live_matches_analytic
+    from ..adapters.verify import check_live_matches_analytic, check_live_matches_analytic_where_both
     from ..vps.analytic import analytic_layout
-    from ..vps.fragment import OPT_KINDS
+    from ..vps.fragment import KINDS, OPT_KINDS
     from ..mcore.builders import bucket_size_of
 
     vr = objs.groups.virtual_rank
     live = LiveState(objs.model, objs.optimizer, vr, spec.vocab_size)
     expected = analytic_layout(spec, objs.layout, bucket_size_of(train, objs.layout))
-    check_live_matches_analytic(live.fragments(OPT_KINDS), expected.fragments(vr, OPT_KINDS), vr)
+    check = check_live_matches_analytic_where_both if metadata else check_live_matches_analytic
+    kinds = KINDS if metadata else OPT_KINDS
+    check(live.fragments(kinds), expected.fragments(vr, kinds), vr)
 
 
 def _prepare_config(args: Any, model: list, optimizer: Any, config: Any, old_config: Any) -> None:
@@ -303,7 +307,11 @@ class MegatronLMSession:
         self.spec, self.train, layout = describe_job(args, dist.get_world_size())
         objs = TrainingObjects(layout=layout, groups=wrap_megatron_groups(layout), config=config,
                                model=model, optimizer=optimizer, scheduler=opt_param_scheduler)
-        check_live_state(self.spec, self.train, objs)
+        metadata = plans_from_metadata(args)  # what the analytic layout does not describe
+        if metadata:
+            log.info("dynatrain: %s: switches are planned from every rank's live sharded "
+                     "metadata", ", ".join(metadata))
+        check_live_state(self.spec, self.train, objs, bool(metadata))
         self.trainer = Trainer(self.spec, self.train, objs,
                                consumed_samples=arg_value(args, "consumed_train_samples", 0))
         # B is built by Megatron-LM itself, from a copy of these args set to B (builder.py)
@@ -315,7 +323,8 @@ class MegatronLMSession:
             args, self.spec, self.train,
             builder=MegatronLMBuilder(self.spec, self.train, args=copy.copy(args),
                                       intents=self.intents, model_provider=_model_provider(),
-                                      data_ahead=self.data_ahead))
+                                      data_ahead=self.data_ahead,
+                                      plan_from="metadata" if metadata else "analytic"))
         from .metrics import attach
 
         attach(self.hook)  # its TensorBoard/W&B writers and iteration timer (metrics.py)

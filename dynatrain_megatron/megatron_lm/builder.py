@@ -93,6 +93,7 @@ class MegatronLMBuilder(MegatronBuilder):
         if self.args is None or self.intents is None or not callable(self.model_provider):
             raise DynatrainError("MegatronLMBuilder needs the job's args, its intents and "
                                  "the script's model provider")
+        super().__post_init__()
 
     def args_for(self, layout: Layout, groups: ParallelGroups, init_weights: bool) -> Any:
         """A copy of the job's args describing `layout` as a restart there would have them."""
@@ -124,6 +125,7 @@ class MegatronLMBuilder(MegatronBuilder):
         A's globals, args and RNGs are untouched, so this may run while A trains. B's data
         iterators follow, where they can be built ahead (`data_ahead`)."""
         objs = self._build(layout, groups, init_weights=False)
+        _buffers_as_loaded(objs.model)
         if self.data_ahead is not None:
             self.data_ahead.build(layout, groups, len(objs.model))
         return objs
@@ -188,6 +190,18 @@ class MegatronLMBuilder(MegatronBuilder):
             use_gloo_process_groups=any(getattr(args, n, False) for n in _GLOO_FLAGS),
             dump_param_to_param_group_map=getattr(args, "dump_param_to_param_group_map", None))
         return optimizer, lm_training.get_optimizer_param_scheduler(optimizer)
+
+
+def _buffers_as_loaded(model: list) -> None:
+    """Buffers in the dtype a restart's load leaves them in, before the switch writes A's
+    values into them: megatron-core's router keeps its expert bias in fp32 (a bf16 model's
+    conversion made it bf16; its load, save and forward turn it back), which its
+    `_maintain_float32_expert_bias` does; found by feature, not by release."""
+    for m in model:
+        for mod in m.modules():
+            keep = getattr(mod, "_maintain_float32_expert_bias", None)
+            if callable(keep):
+                keep()
 
 
 def _silence_init_methods(config: Any) -> dict[str, Callable]:

@@ -46,6 +46,7 @@ def elastic_job(model: list, optimizer: Any, scheduler: Any, config: Any, *,
     from ..mcore.builders import TrainingObjects
     from .adapter import check_live_state, check_switchable, wrap_megatron_groups
     from .builder import MegatronLMBuilder, script_model_provider
+    from .support import plans_from_metadata
     from .transformer_config import JobIntents
 
     if not model or optimizer is None or scheduler is None:
@@ -64,11 +65,13 @@ def elastic_job(model: list, optimizer: Any, scheduler: Any, config: Any, *,
     set_group_options(GroupOptions.from_megatron_args(args))
     spec, train, layout = describe_job(args, dist.get_world_size())
     groups = wrap_megatron_groups(layout)
+    metadata = bool(plans_from_metadata(args))  # what the analytic layout does not describe
     check_live_state(spec, train, TrainingObjects(layout=layout, groups=groups, config=config,
                                                   model=list(model), optimizer=optimizer,
-                                                  scheduler=scheduler))
+                                                  scheduler=scheduler), metadata)
     builder = MegatronLMBuilder(spec, train, args=copy.copy(args),
-                                intents=JobIntents.from_args(args), model_provider=provider)
+                                intents=JobIntents.from_args(args), model_provider=provider,
+                                plan_from="metadata" if metadata else "analytic")
     return ElasticJob(model, optimizer, scheduler, config=config, groups=groups,
                       builder=builder, options=options)
 

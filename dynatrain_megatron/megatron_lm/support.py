@@ -7,9 +7,10 @@ ours. What stays refused is listed in `REFUSALS`, one row per reason, each with 
 
 * `restart`: Megatron-LM's own restart (`--save` at A, `--load` at B) cannot do it either;
 * `hardware`: it needs hardware this project cannot test on (handled by design, unverified);
-* `not_yet`: Megatron-LM's restart can, but the switch cannot yet: mostly state the planning
-  layout (`vps/`, the analytic description of every rank's state that plans are made
-  from) does not describe yet.
+* `not_yet`: Megatron-LM's restart can, but the switch cannot yet.
+
+A model the analytic layout (`vps/`) does not describe (`plans_from_metadata`) is switched
+by plans made from every rank's live sharded metadata instead.
 
 `unsupported_args(args)` reads only flags (no derived values), so it runs on the parsed
 command line, before Megatron-LM builds anything; `support_matrix()` gives the rows the
@@ -63,22 +64,33 @@ def _layer_pattern(a: Any) -> list[str]:
     if (_set(_v(a, "multi_latent_attention"))
             and _v(a, "transformer_impl", "transformer_engine") == "transformer_engine"):
         out.append("--multi-latent-attention with --transformer-impl transformer_engine")
-    if _set(_v(a, "mtp_num_layers")):
-        out.append("--mtp-num-layers")
     if (_set(_v(a, "num_experts")) and _set(_v(a, "moe_grouped_gemm"))
             and _v(a, "transformer_impl", "transformer_engine") == "transformer_engine"):
         out.append("--moe-grouped-gemm with --transformer-impl transformer_engine")
     for n in ("heterogeneous_layers_config_path", "spec", "experimental_attention_variant"):
         if _v(a, n) is not None:
             out.append("--" + n.replace("_", "-"))
-    if _set(_v(a, "moe_router_enable_expert_bias")):
-        out.append("--moe-router-enable-expert-bias")
     if _v(a, "add_qkv_bias", False) and not _v(a, "add_bias_linear", True):
         out.append("--add-qkv-bias without --add-bias-linear")
     if (_v(a, "position_embedding_type", "learned_absolute") == "learned_absolute"
             and _v(a, "max_position_embeddings") not in (None, _v(a, "seq_length"))):
         out.append("--max-position-embeddings other than --seq-length (learned positions)")
     return out
+
+
+def _mtp_tied(a: Any) -> list[str]:
+    if _set(_v(a, "mtp_num_layers")) and not _v(a, "untie_embeddings_and_output_weights", False):
+        return ["--mtp-num-layers without --untie-embeddings-and-output-weights"]
+    return []
+
+
+def plans_from_metadata(args: Any) -> list[str]:
+    """The options of `args` whose state the analytic layout (`vps/`) does not describe:
+    a job with any is planned from every rank's live metadata of A and B
+    (`transition.metadata_exchange`) instead of the analytic layout."""
+    return [f for f, n in (("--mtp-num-layers", "mtp_num_layers"),
+                           ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias"))
+            if _set(_v(args, n))]
 
 
 def _hardware(a: Any) -> list[str]:
@@ -105,12 +117,15 @@ REFUSALS: tuple[Refusal, ...] = (
             _flags("use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp",
                    "use_layer_wise_distributed_optimizer", "optimizer_cpu_offload",
                    "use_precision_aware_optimizer")),
-    Refusal("--mtp-num-layers, --moe-grouped-gemm or --multi-latent-attention with TE layers, "
-            "--spec, "
-            "--heterogeneous-layers-config-path, --experimental-attention-variant, "
-            "--moe-router-enable-expert-bias, ...", "not_yet",
-            "their parameters (or buffers) are not in the planning layout's "
-            "naming table yet (vps/naming.py); B itself would be built right by Megatron-LM",
+    Refusal("--mtp-num-layers with tied embeddings", "restart",
+            "Megatron-LM's own --save cannot write multi-token prediction with tied "
+            "embeddings at PP > 1 (it asserts, core_v0.16.1), so no restart to such a layout "
+            "exists to switch like", _mtp_tied),
+    Refusal("--moe-grouped-gemm or --multi-latent-attention with TE layers, --spec, "
+            "--heterogeneous-layers-config-path, --experimental-attention-variant, ...",
+            "not_yet",
+            "the analytic layout (vps/naming.py) does not describe their parameters, and no "
+            "switch planned from the live metadata has been checked with them yet",
             _layer_pattern),
     Refusal("--use-tp-pp-dp-mapping, --pipeline-model-parallel-layout, "
             "--account-for-embedding-in-pipeline-split, --account-for-loss-in-pipeline-split, "
@@ -159,11 +174,14 @@ SUPPORTED: tuple[tuple[str, str], ...] = (
     ("MoE: top-k routing with the aux loss, shared experts, --moe-layer-freq dense/MoE "
      "patterns, --qk-layernorm, --moe-grouped-gemm (local layers), EP and expert-TP changes",
      "tests/test_megatron_lm_recipes.py::qwen_moe"),
-    ("DeepSeek-style multi-latent attention (--multi-latent-attention with --q-lora-rank, "
+    ("DeepSeek recipe: multi-latent attention (--multi-latent-attention, --q-lora-rank, "
      "--kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim, --qk-layernorm), "
-     "local layers", "tests/test_megatron_lm_recipes.py::deepseek"),
-    ("no --use-distributed-optimizer (plain DDP: the optimizer state replicated over DP, "
-     "each piece moved from one replica)", "tests/test_megatron_lm_recipes.py::deepseek"),
+     "local layers. Aux-loss-free MoE (--moe-router-score-function sigmoid "
+     "--moe-router-enable-expert-bias: the router's expert bias, a buffer, carried). "
+     "Multi-token prediction (--mtp-num-layers 1, untied, with the last stage's embedding "
+     "copy). These two are planned from every rank's live sharded metadata. No "
+     "--use-distributed-optimizer (plain DDP: each piece moved from one DP replica)",
+     "tests/test_megatron_lm_recipes.py::deepseek"),
     ("any option that changes no state shape (activations, dropout, fusions, recompute, "
      "attention backend, loss options, rotary variants): carried by B, built by Megatron-LM",
      "megatron_lm/builder.py"),
@@ -190,5 +208,5 @@ def support_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ("CLASSES", "REFUSALS", "Refusal", "support_markdown", "support_matrix",
-           "unsupported_args")
+__all__ = ("CLASSES", "REFUSALS", "Refusal", "plans_from_metadata", "support_markdown",
+           "support_matrix", "unsupported_args")

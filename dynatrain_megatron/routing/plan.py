@@ -230,6 +230,15 @@ class Plan:
         return self.geometry.materialize(self.src_placement, self.dst_placement,
                                          self.rows_p[r], self.rows_src[r], self.rows_dst[r])
 
+    def network_pieces_per_device(self, ndev: int) -> np.ndarray:
+        """How many network pieces each device sends plus receives, counted on the
+        geometry's rows (the scheduler's alignment padding bound)."""
+        g = self.geometry
+        net = self.rows_src != self.rows_dst
+        cnt = (g.p_npairs() * g.p_kinds())[self.rows_p[net]]
+        return (np.bincount(self.rows_src[net], weights=cnt, minlength=ndev)
+                + np.bincount(self.rows_dst[net], weights=cnt, minlength=ndev)).astype(np.int64)
+
     # ------------------------------------------------------------------ flows
     def flows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Network traffic aggregated per (src, dst, kind): arrays (src, dst, kind index

@@ -200,11 +200,7 @@ def _padding(plan: Plan, src, dst, ndev: int, align: int) -> np.ndarray:
     at most two pieces, each into at most 3 boxes)."""
     if align == 1:
         return np.zeros(ndev, np.int64)
-    g = plan.geometry
-    net = plan.rows_src != plan.rows_dst
-    cnt = (g.p_npairs() * g.p_kinds())[plan.rows_p[net]]
-    n = (np.bincount(plan.rows_src[net], weights=cnt, minlength=ndev)
-         + np.bincount(plan.rows_dst[net], weights=cnt, minlength=ndev)).astype(np.int64)
+    n = plan.network_pieces_per_device(ndev)
     f = (np.bincount(src, minlength=ndev) + np.bincount(dst, minlength=ndev)).astype(np.int64)
     return (align - 1) * (n + 6 * f)
 

@@ -6,7 +6,11 @@ Order of a switch (every rank of the union of A's and B's devices calls `switch_
   3. B's process groups (prebuilt in the background by the device manager, or built now);
   4. build B's model/DDP/optimizer on B's groups without initialising weights;
   5. bind A's and B's live state and check both against the analytic layouts;
-  6. plan (identical on every rank, no metadata exchange) and schedule under the budget;
+  6. plan (identical on every rank) and schedule under the budget: from the analytic
+     layouts, with no metadata exchanged, or, where the builder says the analytic layout
+     does not describe the model (`metadata_exchange.plans_from_metadata`), from every
+     rank's live metadata of A and B, gathered in the preparation (checked against the
+     analytic layouts only where both describe a tensor);
   7. execute: one batched exchange per round, local copies while the first is on the wire;
   8. rebuild weights from fp32 masters where we chose not to move them, carry scalars
      (optimizer step, LR scheduler, grad scaler, iteration, consumed samples);
@@ -29,7 +33,7 @@ from ..compat.torch_features import ordered_groups
 from ..adapters.live import (LiveState, fp32_copies_of, optimizer_state_complete,
                              optimizers_of, read_optimizer_step, storage_fingerprint,
                              write_optimizer_step)
-from ..adapters.verify import check_live_matches_analytic
+from ..adapters.verify import check_live_matches_analytic, check_live_matches_analytic_where_both
 from ..routing.piece import Piece
 from ..routing.placement_search import best_rank_ordered, placement_choice
 from ..routing.plan import device_plan_errors
@@ -42,6 +46,8 @@ from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
+from ..vps.naming import DTYPE_BYTES
+from .metadata_exchange import gather_metadata, plan_from_metadata, plans_from_metadata
 from .vocab_padding import carry_vocab_padding, padding_plan
 from .executor import PACK_ALIGN, Executor
 from .faults import FaultPlan
@@ -56,7 +62,8 @@ log = logging.getLogger("dynatrain")
 def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement: Placement,
                    dst: Layout, groups: LayoutGroups, options: SwitchOptions = SwitchOptions(),
                    *, unavailable: Sequence[int] = (), background: bool = False,
-                   faults: Optional[FaultPlan] = None, src_objs: Any = None) -> Prepared:
+                   faults: Optional[FaultPlan] = None, src_objs: Any = None,
+                   src_state: Optional[LiveState] = None) -> Prepared:
     """B's side of a switch (module doc, steps 4-6): never raises, a failure is recorded
     in `error`. `groups` are B's (their placement is B's placement). With
     `options.verify`, B's live fragments are checked against the analytic layout and
@@ -64,7 +71,11 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
 
     With `src_objs` (A's objects, which may be training in another thread meanwhile), A's
     side is bound and checked here too (`_bind_source`), which takes it out of the pause
-    as well; A's values are not read."""
+    as well; A's values are not read.
+
+    Planned from the live metadata (`plans_from_metadata(builder)`), this is collective
+    over the world (B's transfer group): every rank binds what it holds at A (`src_objs`,
+    or `src_state` already bound) and at B, and all gather it before planning."""
     t = time.perf_counter
     me = dist.get_rank()
     dst_placement = groups.placement
@@ -73,6 +84,8 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
     prep = Prepared(src, src_placement, dst, dst_placement, groups, kinds, tuple(unavailable),
                     background=background)
     vr_b = dst_placement.virtual_rank(me)
+    metadata = plans_from_metadata(builder)
+    gathered = [False]  # a metadata plan's gather: every rank joins it, even after a failure
     try:
         t0 = t()
         prep.objs = builder.build_detached(dst, groups) if vr_b is not None else None
@@ -83,15 +96,18 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
         prep.phases["bind"] = t() - t0
         t0 = t()
         if verify and prep.live is not None:
-            check_live_matches_analytic(
-                prep.live.fragments(kinds),
-                analytic_layout(spec, dst, builder.bucket_size(dst)).fragments(vr_b, kinds), vr_b)
+            _check_analytic(prep.live, spec, builder, dst, vr_b, kinds, metadata)
         prep.phases["verify"] = t() - t0
         t0 = t()
-        prep.plan = build_plan(spec, (src, src_placement), (dst, dst_placement), kinds=kinds,
-                               ranks_per_node=options.ranks_per_node,
-                               bucket_size=(builder.bucket_size(src), builder.bucket_size(dst)),
-                               unavailable=unavailable)
+        if metadata:
+            _plan_from_metadata(prep, spec, src_objs, src_state, options, verify, builder,
+                                gathered)
+        else:
+            prep.plan = build_plan(spec, (src, src_placement), (dst, dst_placement), kinds=kinds,
+                                   ranks_per_node=options.ranks_per_node,
+                                   bucket_size=(builder.bucket_size(src),
+                                                builder.bucket_size(dst)),
+                                   unavailable=unavailable)
         prep.rounds = schedule(prep.plan, options.memory_budget, align=PACK_ALIGN)
         prep.phases["plan"] = t() - t0
         t0 = t()
@@ -105,7 +121,7 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
                                                            p.dst_local_name, p.dst_local_box)
         prep.phases["views"] = t() - t0
         t0 = t()
-        if verify:
+        if verify and not metadata:  # a metadata plan checks its coverage as it is made
             errs = device_plan_errors(prep.plan, me, mine)
             if errs:
                 raise RoutingError(f"the plan {src} -> {dst} is wrong for device {me}: "
@@ -113,7 +129,7 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
         prep.phases["verify"] += t() - t0
         t0 = t()
         if src_objs is not None and not unavailable:
-            _bind_source(prep, spec, builder, src_objs, verify)
+            _bind_source(prep, spec, builder, src_objs, verify, prep.src_live, metadata)
         prep.phases["bind_src"] = t() - t0
         (faults or _NO_FAULTS).fail(me, "prepare", dst=str(dst))
         (faults or _NO_FAULTS).delay_preparation(me, str(dst))
@@ -121,11 +137,66 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
         prep.error = f"rank {me}: prepare: {type(e).__name__}: {e}"
         log.error("rank %d: preparing the switch %s -> %s failed (nothing has moved): %s",
                   me, src, dst, e, exc_info=True)
+        if metadata and not gathered[0]:  # the others wait in the gather: join it, failed
+            try:
+                gather_metadata(None, None, kinds, groups.transfer, error=prep.error)
+            except Exception:  # noqa: BLE001 - it raises every rank's errors, ours included
+                pass
     return prep
 
 
+def _check_analytic(live: LiveState, spec: ModelSpec, builder: Builder, layout: Layout,
+                    vr: int, kinds: tuple[str, ...], metadata: bool) -> None:
+    """A rank's live fragments against the analytic layout: all of them, or, for a switch
+    planned from the metadata, the weights of the tensors both describe."""
+    al = analytic_layout(spec, layout, builder.bucket_size(layout))
+    if metadata:  # the weights' fragments, whatever the switch moves
+        check_live_matches_analytic_where_both(live.fragments(("param",)),
+                                               al.fragments(vr, ("param",)), vr)
+    else:
+        check_live_matches_analytic(live.fragments(kinds), al.fragments(vr, kinds), vr)
+
+
+def _plan_from_metadata(prep: Prepared, spec: ModelSpec, src_objs: Any,
+                        src_state: Optional[LiveState], options: SwitchOptions, verify: bool,
+                        builder: Builder, gathered: list) -> None:
+    """The plan and the padding plan from every rank's live metadata (collective over the
+    world, on B's transfer group). A is bound here: from `src_state`, or from `src_objs`
+    once its optimizer has state (its first step), which is then kept as the source
+    binding if A's storage does not change before the pause."""
+    me = dist.get_rank()
+    vr_a = prep.src_placement.virtual_rank(me)
+    src_live, error = src_state, None
+    try:
+        if src_live is None and src_objs is not None and vr_a is not None \
+                and me not in prep.unavailable:
+            if not optimizer_state_complete(src_objs.optimizer):
+                raise RuntimeError("A's optimizer has no state yet (no step taken): its live "
+                                   "metadata cannot be read")
+            fp = storage_fingerprint(src_objs.model, src_objs.optimizer)
+            src_live = LiveState(src_objs.model, src_objs.optimizer, vr_a, spec.vocab_size)
+            if verify:
+                _check_analytic(src_live, spec, builder, prep.src, vr_a, prep.kinds, True)
+            prep.src_live, prep.src_fingerprint = src_live, fp
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the gather
+        error = f"rank {me}: binding A: {type(e).__name__}: {e}"
+    gathered[0] = True
+    meta = gather_metadata(src_live, prep.live, prep.kinds, prep.groups.transfer, error=error)
+    size = DTYPE_BYTES[spec.params_dtype]
+    prep.plan, prep.padding_plan = plan_from_metadata(
+        meta, src_layout=prep.src, dst_layout=prep.dst,
+        src_devices=prep.src_placement.devices, dst_devices=prep.dst_placement.devices,
+        kinds=prep.kinds, itemsize={k: size if k == "param" else 4 for k in KINDS},
+        ranks_per_node=options.ranks_per_node, unavailable=prep.unavailable)
+    prep.phases["metadata_exchange"] = meta.seconds
+    log.info("rank %d: switch %s -> %s planned from the live metadata (%d + %d records, "
+             "%d B sent, exchanged in %.3f s)", me, prep.src, prep.dst, len(meta.src),
+             len(meta.dst), meta.payload_bytes, meta.seconds)
+
+
 def _bind_source(prep: Prepared, spec: ModelSpec, builder: Builder, objs: Any,
-                 verify: bool) -> None:
+                 verify: bool, bound: Optional[LiveState] = None,
+                 metadata: bool = False) -> None:
     """A's binding, analytic check and source views, kept only if nothing of A's storage
     was reallocated meanwhile. Binding must not create anything in A's optimizer while it
     trains in another thread, so this waits for A's first step (the Adam states exist);
@@ -136,18 +207,20 @@ def _bind_source(prep: Prepared, spec: ModelSpec, builder: Builder, objs: Any,
     if vr_a is None or not optimizer_state_complete(objs.optimizer):
         return
     try:
-        fp = storage_fingerprint(objs.model, objs.optimizer)
-        live = LiveState(objs.model, objs.optimizer, vr_a, spec.vocab_size)
-        if verify:
-            check_live_matches_analytic(
-                live.fragments(prep.kinds),
-                analytic_layout(spec, prep.src, builder.bucket_size(prep.src))
-                .fragments(vr_a, prep.kinds), vr_a)
+        if bound is not None:  # bound and checked for the metadata plan
+            fp, live = prep.src_fingerprint, bound
+        else:
+            fp = storage_fingerprint(objs.model, objs.optimizer)
+            live = LiveState(objs.model, objs.optimizer, vr_a, spec.vocab_size)
+            if verify:
+                _check_analytic(live, spec, builder, prep.src, vr_a, prep.kinds, metadata)
         views = {p: live.view(p.kind, p.src_chunk, p.src_local_name, p.src_local_box)
                  for p in prep.local_pieces + [p for ps in prep.round_pieces for p in ps]
                  if p.src_device == me}
         if storage_fingerprint(objs.model, objs.optimizer) == fp:
             prep.src_live, prep.src_fingerprint, prep.src_views = live, fp, views
+        else:
+            prep.drop_source()
     except Exception as e:  # noqa: BLE001 - left to the pause, which reports it at the vote
         log.info("rank %d: binding A in the background failed (bound in the pause): %s", me, e)
 
@@ -366,8 +439,11 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         t1 = t()
         groups = new_groups if new_groups is not None else make_groups(dst, dst_placement)
         phases["groups"] = t() - t1
+        metadata = plans_from_metadata(builder)
         prepared = prepare_switch(spec, builder, src, src_placement, dst, groups, options,
-                                  unavailable=unavailable, faults=faults)
+                                  unavailable=unavailable, faults=faults,
+                                  src_objs=old_objs if metadata else None,
+                                  src_state=src_state if metadata else None)
     else:
         prepared.check_for(src, src_placement, dst, kinds, tuple(unavailable))
     (background if prepared.background else phases).update(prepared.phases)
@@ -402,9 +478,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         phases["bind"] = phases.get("bind", 0.0) + t() - t3
         t3 = t()
         if verify and old_live is not None and not bound_early:
-            check_live_matches_analytic(
-                old_live.fragments(kinds),
-                analytic_layout(spec, src, builder.bucket_size(src)).fragments(vr_a, kinds), vr_a)
+            _check_analytic(old_live, spec, builder, src, vr_a, kinds,
+                            plans_from_metadata(builder))
         phases["verify"] = phases.get("verify", 0.0) + t() - t3
     except Exception as e:  # noqa: BLE001 - every rank learns it at the vote below
         errors.append(f"rank {me}: prepare: {type(e).__name__}: {e}")
@@ -434,7 +509,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     try:
         # only the holders of A's padding rows and the needers of B's exchange (pure plan,
         # the same on every rank); after a death any surviving replica serves
-        pad_plan = padding_plan(
+        pad_plan = prepared.padding_plan if prepared.padding_plan is not None else padding_plan(
             (analytic_layout(spec, src, builder.bucket_size(src)), src_placement),
             (analytic_layout(spec, dst, builder.bucket_size(dst)), dst_placement), kinds,
             unavailable)

@@ -31,7 +31,9 @@ class SwitchError(DynatrainError, ValueError):
 
 
 class Builder(Protocol):
-    """Makes a layout's training objects (model chunks, DDP, optimizer, scheduler)."""
+    """Makes a layout's training objects (model chunks, DDP, optimizer, scheduler). It
+    may say, as `plan_from = "metadata"`, that the analytic layout does not describe its
+    models: switches are then planned from the live metadata (`metadata_exchange`)."""
 
     spec: ModelSpec
 
@@ -173,7 +175,8 @@ class Prepared:
     error: Optional[str] = None
     objs: Any = None  # B's objects (the builder's type), None on a rank outside B
     live: Optional[LiveState] = None
-    plan: Optional[Plan] = None
+    plan: Optional[Plan] = None  # or a routing.metadata_plan.MetadataPlan
+    padding_plan: Any = None  # the vocab padding's, when made from the live metadata
     rounds: list[Round] = field(default_factory=list)
     # this rank's pieces, materialised once: local copies, then each round's sends + recvs
     local_pieces: list[Piece] = field(default_factory=list)

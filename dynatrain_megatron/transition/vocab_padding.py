@@ -156,6 +156,14 @@ def padding_plan(src: Optional[tuple[AnalyticLayout, Placement]],
     kinds = tuple(kinds)
     needed = padding_holdings(dst[0], dst[1], kinds)
     held = padding_holdings(src[0], src[1], kinds) if src is not None else []
+    return padding_plan_from(held, needed, unavailable)
+
+
+def padding_plan_from(held: Sequence[Holding], needed: Sequence[Holding],
+                      unavailable: Sequence[int] = ()) -> PaddingPlan:
+    """`padding_plan` from the holdings of both sides, however they were found (the
+    analytic layouts, or every rank's live metadata: `metadata_exchange`)."""
+    held, needed = sorted(held), sorted(needed)
     if not held or not needed:
         return PaddingPlan((), tuple(held), tuple(needed))
     dead = set(unavailable)
@@ -272,7 +280,7 @@ def carry_vocab_padding(plan: PaddingPlan, me: int, old: Optional[LiveState],
             got, exp = rows.intervals(), _merged(want)
             if got != exp:
                 raise PaddingError(f"rank {me}: live padding rows at {name} {sorted(got)[:3]} "
-                                   f"differ from the analytic layout's {sorted(exp)[:3]}")
+                                   f"differ from the plan's {sorted(exp)[:3]}")
     except Exception as e:  # noqa: BLE001 - reported at the vote; the exchange goes on
         errors.append(f"rank {me}: vocab padding: {type(e).__name__}: {e}")
         src_rows = dst_rows = _Rows(None, ())
