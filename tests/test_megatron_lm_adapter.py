@@ -52,7 +52,7 @@ def test_module_imports_without_megatron_lm(monkeypatch):
 
 
 def test_dense_gqa_spec():
-    s = mlm.spec_from_megatron_args(megatron_args())
+    s = mla.spec_from_megatron_args(megatron_args())
     assert (s.num_layers, s.hidden_size, s.ffn_hidden_size) == (4, 64, 128)
     assert (s.num_attention_heads, s.num_query_groups, s.kv_channels) == (8, 4, 8)
     assert s.swiglu and s.position_embedding_type == "rope" and s.normalization == "RMSNorm"
@@ -63,57 +63,57 @@ def test_dense_gqa_spec():
 
 
 def test_query_groups_only_with_group_query_attention():
-    s = mlm.spec_from_megatron_args(megatron_args(group_query_attention=False, num_query_groups=1))
+    s = mla.spec_from_megatron_args(megatron_args(group_query_attention=False, num_query_groups=1))
     assert s.num_query_groups == 8
 
 
 def test_tokenizer_vocab_and_padding_check():
     # NullTokenizer of --vocab-size 1000 has 1001 ids; 1001 pads to 1024 at tp2 (m=128)
-    assert mlm.spec_from_megatron_args(megatron_args(), vocab_size=1001).vocab_size == 1001
+    assert mla.spec_from_megatron_args(megatron_args(), vocab_size=1001).vocab_size == 1001
     with pytest.raises(DynatrainError, match="padded_vocab_size=1280"):
-        mlm.spec_from_megatron_args(megatron_args(padded_vocab_size=1280), vocab_size=1001)
+        mla.spec_from_megatron_args(megatron_args(padded_vocab_size=1280), vocab_size=1001)
 
 
 def test_fp32_and_fp16_dtypes():
-    assert mlm.spec_from_megatron_args(megatron_args(bf16=False)).params_dtype == "fp32"
-    assert mlm.spec_from_megatron_args(megatron_args(bf16=False, fp16=True)).params_dtype == "fp16"
+    assert mla.spec_from_megatron_args(megatron_args(bf16=False)).params_dtype == "fp32"
+    assert mla.spec_from_megatron_args(megatron_args(bf16=False, fp16=True)).params_dtype == "fp16"
 
 
 def test_moe_spec():
     a = megatron_args(num_experts=8, moe_ffn_hidden_size=32, moe_router_topk=2,
                       moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=[0.01],
                       moe_shared_expert_intermediate_size=None, expert_model_parallel_size=2)
-    s = mlm.spec_from_megatron_args(a)
+    s = mla.spec_from_megatron_args(a)
     assert s.is_moe and s.num_moe_experts == 8 and s.moe_ffn_hidden_size == 32
     assert s.moe_aux_loss_coeff == 0.01 and s.moe_token_dispatcher_type == "alltoall"
     # several coefficients (one per load-balancing type): numerics B's own config carries
-    assert mlm.spec_from_megatron_args(megatron_args(
+    assert mla.spec_from_megatron_args(megatron_args(
         num_experts=8, moe_aux_loss_coeff=[0.01, 0.1])).moe_aux_loss_coeff == 0.01
 
 
 def test_train_config():
-    t = mlm.train_config_from_megatron_args(megatron_args())
+    t = mla.train_config_from_megatron_args(megatron_args())
     assert (t.micro_batch_size, t.global_batch_size, t.train_iters) == (2, 16, 100)
     assert (t.lr, t.min_lr, t.lr_warmup_iters, t.lr_decay_style) == (3e-4, 3e-5, 10, "cosine")
     assert (t.weight_decay, t.adam_beta2, t.clip_grad, t.seed) == (0.1, 0.95, 1.0, 1234)
     # sample-based training: iterations from the samples
-    t = mlm.train_config_from_megatron_args(megatron_args(train_iters=None, train_samples=320))
+    t = mla.train_config_from_megatron_args(megatron_args(train_iters=None, train_samples=320))
     assert t.train_iters == 20
 
 
 def test_layout_from_args():
-    spec = mlm.spec_from_megatron_args(megatron_args())
-    assert str(mlm.layout_from_megatron_args(megatron_args(), spec, 8)) == "tp2pp2dp2"
+    spec = mla.spec_from_megatron_args(megatron_args())
+    assert str(mla.layout_from_megatron_args(megatron_args(), spec, 8)) == "tp2pp2dp2"
     a = megatron_args(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
-    lay = mlm.layout_from_megatron_args(a, spec, 4)
+    lay = mla.layout_from_megatron_args(a, spec, 4)
     assert (lay.tp, lay.pp, lay.vpp, lay.dp) == (2, 2, 2, 1)
     a = megatron_args(tensor_model_parallel_size=1, expert_tensor_parallel_size=1,
                       pipeline_model_parallel_size=3, decoder_first_pipeline_num_layers=1,
                       decoder_last_pipeline_num_layers=1)
-    lay = mlm.layout_from_megatron_args(a, mlm.spec_from_megatron_args(a), 3)
+    lay = mla.layout_from_megatron_args(a, mla.spec_from_megatron_args(a), 3)
     assert (lay.ppf, lay.ppl) == (1, 1)
     with pytest.raises(DynatrainError, match="not a multiple"):
-        mlm.layout_from_megatron_args(megatron_args(), spec, 6)
+        mla.layout_from_megatron_args(megatron_args(), spec, 6)
 
 
 @pytest.mark.parametrize("text,world", [("tp2pp2dp2", 8), ("tp1pp2vpp2dp4", 8),
@@ -122,11 +122,11 @@ def test_layout_from_args():
 @pytest.mark.parametrize("doi_before", [1, 2])
 def test_args_for_layout_round_trip(text, world, doi_before):
     # from a job with one or two optimizer instances: the layout's doi replaces the old
-    spec = mlm.spec_from_megatron_args(megatron_args(num_layers=8))
+    spec = mla.spec_from_megatron_args(megatron_args(num_layers=8))
     lay = Layout.parse(text, world)
     a = megatron_args(num_layers=8, num_distributed_optimizer_instances=doi_before)
     vars(a).update(mlm.args_for_layout(lay, spec))
-    assert mlm.layout_from_megatron_args(a, spec, world) == lay
+    assert mla.layout_from_megatron_args(a, spec, world) == lay
     assert a.padded_vocab_size == spec.padded_vocab_size(lay.tp)
     assert a.data_parallel_size == lay.dp
     assert a.num_distributed_optimizer_instances == lay.doi
@@ -136,11 +136,11 @@ def test_optimizer_instances_are_accepted_and_read():
     a = megatron_args(tensor_model_parallel_size=1, expert_tensor_parallel_size=1,
                       pipeline_model_parallel_size=1, num_distributed_optimizer_instances=2)
     assert mlm.unsupported_args(a) == []
-    lay = mlm.layout_from_megatron_args(a, mlm.spec_from_megatron_args(a), 4)
+    lay = mla.layout_from_megatron_args(a, mla.spec_from_megatron_args(a), 4)
     assert str(lay) == "tp1pp1doi2dp4" and lay.dense_shards == 2
     with pytest.raises(DynatrainError, match="doi4"):  # megatron-core refuses it too
-        mlm.layout_from_megatron_args(megatron_args(num_distributed_optimizer_instances=4),
-                                      mlm.spec_from_megatron_args(a), 8)
+        mla.layout_from_megatron_args(megatron_args(num_distributed_optimizer_instances=4),
+                                      mla.spec_from_megatron_args(a), 8)
 
 
 class _Group:
@@ -217,8 +217,8 @@ def test_megatron_lm_defaults_are_refused_with_reasons():
         assert s in why
     # plain DDP switches: its replicated optimizer state is in the planning layout
     assert "distributed-optimizer" not in why
-    assert mlm.spec_from_megatron_args(a).distributed_optimizer is False
-    assert mlm.spec_from_megatron_args(megatron_args()).distributed_optimizer is True
+    assert mla.spec_from_megatron_args(a).distributed_optimizer is False
+    assert mla.spec_from_megatron_args(megatron_args()).distributed_optimizer is True
     # Megatron-LM's default dropout is carried by B's config: accepted, with a warning
     assert "dropout" not in why
     assert any("--hidden-dropout 0.1" in n and "--attention-dropout 0.1" in n
@@ -420,10 +420,10 @@ def test_unswitchable_job_is_refused_before_its_first_step():
 def test_softmax_precision_follows_megatron_lm():
     # Megatron-LM computes the attention softmax in the params dtype unless told otherwise
     # (megatron-core's default is fp32): B must do the same or bf16 drifts after a switch
-    assert not mlm.spec_from_megatron_args(megatron_args()).attention_softmax_in_fp32
-    assert mlm.spec_from_megatron_args(
+    assert not mla.spec_from_megatron_args(megatron_args()).attention_softmax_in_fp32
+    assert mla.spec_from_megatron_args(
         megatron_args(attention_softmax_in_fp32=True)).attention_softmax_in_fp32
-    assert mlm.spec_from_megatron_args(
+    assert mla.spec_from_megatron_args(
         megatron_args(apply_query_key_layer_scaling=True)).attention_softmax_in_fp32
 
 
