@@ -154,7 +154,7 @@ def test_faults_inside_a_training_step_fire_once_in_the_step_after_their_iterati
     from dynatrain_megatron.transition.faults import STEP_PHASES
 
     assert set(STEP_PHASES) == {"forward", "backward", "pp_send", "grad_sync", "optimizer",
-                                "optimizer_update"}
+                                "optimizer_update", "log", "eval", "save"}
     for phase in STEP_PHASES:
         plan = FaultPlan.from_json(f'{{"fail_rank": 2, "fail_phase": "{phase}", '
                                    f'"iteration": 3}}')
