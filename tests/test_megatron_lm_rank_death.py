@@ -126,18 +126,25 @@ def test_a_death_seen_after_the_step_is_held_until_the_boundary(monkeypatch):
     monkeypatch.setattr(rank_death, "recover_at_boundary",
                         lambda args, it, failure, ctx: calls.append(("recover", it, failure))
                         or mlm.LoopObjects([], None, None, None, None, None, iteration=it))
+
+    import torch.distributed as dist
+
+    barriers = []
+    monkeypatch.setattr(dist, "barrier", lambda group=None: barriers.append(group))
     loop = seam.LoopSeam(SimpleNamespace(), None, training_module=module)
     assert all(vars(module)[n] is not f for n, f in own.items())  # wrapped for the loop
 
     def iteration(i):  # the calls of one iteration after train_step, as train() makes them
         flag = module.training_log({}, {}, 1e-3, i, 1.0, True, 0, None, None, None, None)
         module.evaluate_and_print_results(f"iteration {i}", None, None, [], i)
+        dist.barrier(group=i)  # the loop's timers after an evaluation
         flops = module.post_training_step_callbacks([], None, None, i, None, 123.0)
         return flag, flops, module.checkpoint_and_decide_exit([], None, None, i, 0.0, {}, None)
 
     assert iteration(3) == (False, 0, True) and loop.post_step.pending is None
     assert iteration(4) == (True, 123.0, False)  # as when idle: no exit decided on it
     assert calls[-1] == ("log", 4) and loop.post_step.pending == "dead peer"
+    assert barriers == [3]  # skipped on the broken world while the failure is held
     v = (4, 0.0, [], None, None, None, None, None, None, 1, None)
     assert loop.at_step_end(False, *v).iteration == 4
     assert calls[-1] == ("recover", 4, "dead peer") and loop.post_step.pending is None
@@ -146,6 +153,8 @@ def test_a_death_seen_after_the_step_is_held_until_the_boundary(monkeypatch):
         iteration(9)
     seam.finish([], None, None, None, None, None, None)
     assert vars(module) == own  # Megatron-LM's own functions again after train()
+    dist.barrier(group=10)
+    assert barriers == [3, 10]
 
 
 def test_only_a_dead_peer_with_a_rendezvous_directory_is_recovered(monkeypatch, caplog):

@@ -12,7 +12,8 @@ would fail on the broken world; a `--save` started there could not complete), an
 `LoopSeam.at_step_end` recovers at the boundary (`rank_death.recover_at_boundary`), as from
 a death seen by the boundary's poll: in memory, or from the last complete `--save`. Lost:
 that iteration's log line, its evaluation and its `--save` (the next ones run as
-scheduled), each named in a warning. A failure that is not a dead peer's is Megatron-LM's
+scheduled), each named in a warning. The loop's own barriers between those calls (its
+timers') are skipped too while a failure is held. A failure that is not a dead peer's is Megatron-LM's
 own error, raised as without dynatrain.
 
 The wrappers replace those names in `megatron.training.training` for the loop's life
@@ -61,9 +62,15 @@ class PostStepGuard:
         self.skipped: list[str] = []  # the calls skipped since
         self._module: Optional[ModuleType] = None
         self._originals: dict[str, Callable] = {}
+        self._barrier: Optional[Callable] = None  # torch's, while wrapped
 
     def install(self, module: ModuleType) -> None:
-        """Wrap the calls in `module` (Megatron-LM's `megatron.training.training`)."""
+        """Wrap the calls in `module` (Megatron-LM's `megatron.training.training`), and
+        `torch.distributed.barrier`: the loop's own timers synchronise between those calls
+        (`timers('interval-time').start(barrier=True)` after an evaluation), which on the
+        broken world, while a failure is held, is skipped."""
+        import torch.distributed as dist
+
         self._module = module
         for name in sorted(set(_IDLE) | set(_FAULTS)):
             inner = getattr(module, name, None)
@@ -71,12 +78,30 @@ class PostStepGuard:
                 continue
             self._originals[name] = inner
             setattr(module, name, self._wrap(name, inner))
+        barrier = dist.barrier
+        if not getattr(barrier, _WRAPPED, False):
+            self._barrier = barrier
+
+            @functools.wraps(barrier)
+            def held_barrier(*args: Any, **kwargs: Any) -> Any:
+                if self.pending is not None:
+                    self.skipped.append("barrier")
+                    return None
+                return barrier(*args, **kwargs)
+
+            setattr(held_barrier, _WRAPPED, True)
+            dist.barrier = held_barrier
 
     def remove(self) -> None:
-        """Put Megatron-LM's own functions back."""
+        """Put Megatron-LM's own functions and torch's barrier back."""
+        import torch.distributed as dist
+
         if self._module is not None:
             for name, inner in self._originals.items():
                 setattr(self._module, name, inner)
+        if self._barrier is not None:
+            dist.barrier = self._barrier
+            self._barrier = None
         self._originals.clear()
         self._module = None
 
