@@ -157,6 +157,37 @@ def test_a_death_seen_after_the_step_is_held_until_the_boundary(monkeypatch):
     assert barriers == [3, 10]
 
 
+def test_a_failed_step_leaves_timers_and_rerun_mode_as_at_the_boundary(monkeypatch):
+    # an evaluation stops the interval timer, starts its own and disables megatron-core's
+    # rerun state machine until it ends: after a failure inside it, the boundary's state
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+    from dynatrain_megatron.megatron_lm import step_guard
+
+    class Timer:
+        def __init__(self, started):
+            self._started = started
+
+        def start(self, barrier=False):
+            self._started = True
+
+        def reset(self):
+            self._started = False
+
+    timers = {"interval-time": Timer(True), "eval-time": Timer(False)}
+    monkeypatch.setattr(step_guard, "_timers", lambda: timers)
+    m = get_rerun_state_machine()
+    monkeypatch.setattr(m, "mode", RerunMode.VALIDATE_RESULTS)  # as Megatron-LM trains
+    boundary = (step_guard._rerun_snapshot(), step_guard._running_timers())
+    assert boundary[1] == {"interval-time"}
+    timers["interval-time"]._started, timers["eval-time"]._started = False, True
+    m.set_mode(RerunMode.DISABLED)
+    step_guard._rerun_restore(*boundary[0])
+    step_guard._reset_timers_except(boundary[1])
+    assert m.get_mode() == boundary[0][2] == RerunMode.VALIDATE_RESULTS
+    assert (timers["interval-time"]._started, timers["eval-time"]._started) == (True, False)
+
+
 def test_only_a_dead_peer_with_a_rendezvous_directory_is_recovered(monkeypatch, caplog):
     dead = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234. More\nlines")
     bug = ValueError("a bug of the model")
