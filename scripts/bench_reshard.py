@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -73,8 +75,31 @@ def run(sc: dict, repeat: int, emulate: bool = True) -> dict:
     best["network_no_checksum_seconds"] = e.network_seconds
     best["balance"] = e.network_ratio_to_lower_bound
     if emulate:  # the control plane emulated at this world, and the end-to-end budget
+        load0 = os.getloadavg()[0]
         end_to_end(spec, src, dst, best, rpn=int(sc.get("ranks_per_node", 8)), budget=budget)
+        best["emulation_load"] = [load0, os.getloadavg()[0]]
     return best
+
+
+def rebudget(rows: list[dict], scs: list[dict], reference: Optional[Path]) -> None:
+    """The budget of every row again, with this code's `bench.budget`, from the row's own
+    emulated counts and simulated transfer. The placement choice is the best cold planning
+    time of the row's run and `reference`'s (a previous reshard.json), kept apart as
+    `plan_seconds_runs`."""
+    from dynatrain_megatron.bench.budget import switch_budget
+
+    ref = ({r["file"]: r["plan_seconds"] for r in json.loads(reference.read_text())}
+           if reference is not None and reference.is_file() else {})
+    by_file = {s["file"]: s for s in scs}
+    for r in rows:
+        sc = by_file[r["file"]]
+        wf, wt = sc.get("world_from", sc.get("world")), sc.get("world_to", sc.get("world"))
+        runs = [r["plan_seconds"]] + ([ref[r["file"]]] if r["file"] in ref else [])
+        r["plan_seconds_runs"] = runs
+        best = dict(r, plan_seconds=min(runs))
+        r["budget"] = switch_budget(load_model(sc["model"]), Layout.parse(sc["from"], wf),
+                                    Layout.parse(sc["to"], wt), best, r.get("control_plane"),
+                                    r.get("simulated_transfer"))
 
 
 def _gb(b: float) -> str:
@@ -181,6 +206,13 @@ def main() -> None:
     ap.add_argument("--from-json", default=None, metavar="FILE",
                     help="re-render the table and plots from a previous run's reshard.json "
                          "(no planning; the heat map's scenario is planned again)")
+    ap.add_argument("--rebudget", default=None, metavar="FILE",
+                    help="with --from-json: the budget again with this code, and only "
+                         "docs/bench/scale.md written (the placement choice: the best of "
+                         "the run's and FILE's planning time)")
+    ap.add_argument("--timing", default=None, metavar="FILE",
+                    help="with --rebudget: a dedicated run's reshard.json (one scenario, "
+                         "emulated alone) whose emulation time and load the page reports")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -189,6 +221,21 @@ def main() -> None:
     scs = [load(f) for f in files]
     scs.sort(key=lambda s: (s["model"], s["file"]))
     rows = json.loads(Path(a.from_json).read_text()) if a.from_json else []
+    if a.rebudget:
+        if not a.from_json:
+            ap.error("--rebudget needs --from-json (a run with its control-plane counts)")
+        rebudget(rows, scs, Path(a.rebudget))
+        # the fabric's validation and sensitivity do not depend on the budget: the run's own
+        prev = Path(a.from_json).with_name("scale.json")
+        kept = json.loads(prev.read_text()) if prev.is_file() else {}
+        timing = None
+        if a.timing:
+            t = json.loads(Path(a.timing).read_text())[0]
+            timing = {"scenario": t["scenario"], "load": t["emulation_load"],
+                      "seconds": t["control_plane"]["emulation_seconds"]}
+        made = write_scale(rows, out, kept.get("validation"), kept.get("sensitivity"), timing)
+        print("wrote " + ", ".join(str(out / m) for m in made))
+        return
     for sc in ([] if a.from_json else scs):
         r = run(sc, a.repeat, not a.no_emulation)
         rows.append(r)

@@ -76,7 +76,10 @@ def main() -> int:
     print(f"Megatron-LM {release.name} from {src}: patched copy in {tree}")
     k, n = args.switch_after, args.iters
     a, b = layout_flags(2, 2), layout_flags(1, 2)
-    common = CPU_FLAGS + TINY_GPT + ["--train-iters", str(n)]
+    # the mock data's sample indices cached as a real corpus's are by default (Megatron-LM
+    # writes them beside the data): built once, loaded by every later build and job
+    common = CPU_FLAGS + TINY_GPT + ["--train-iters", str(n),
+                                     "--data-cache-path", str(work / "data-cache")]
     signal = work / "switch.json"
     for d in ("saved", "resumed"):
         shutil.rmtree(work / d, ignore_errors=True)

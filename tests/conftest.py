@@ -26,3 +26,12 @@ def _collections_left_as_found(request):
     if enabled and not gc.isenabled():
         gc.enable()
         pytest.fail(f"{request.node.nodeid} left automatic garbage collection disabled")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _megatron_lm_data_cache(tmp_path_factory):
+    """One index cache for the session's Megatron-LM jobs on mock data
+    (`megatron_lm_runs.with_data_cache`)."""
+    os.environ["DYNATRAIN_TEST_DATA_CACHE"] = str(tmp_path_factory.mktemp("megatron-data-cache"))
+    yield
+    os.environ.pop("DYNATRAIN_TEST_DATA_CACHE", None)

@@ -61,6 +61,18 @@ def job_env(tree: Path, *, patched: bool = True, extra: Optional[dict] = None,
                 PYTHONPATH=os.pathsep.join(path), **(extra or {}))
 
 
+def with_data_cache(flags: list[str]) -> list[str]:
+    """`flags` with Megatron-LM's `--data-cache-path` set to the session's cache
+    (`DYNATRAIN_TEST_DATA_CACHE`, conftest.py) for mock data that names none: rank 0 builds
+    a split's indices once and saves them, the other ranks (and later jobs of the same
+    sizes) load them, as a job on a real corpus does by default, instead of every rank
+    shuffling ~2M mock samples per split."""
+    cache = os.environ.get("DYNATRAIN_TEST_DATA_CACHE")
+    if not cache or "--mock-data" not in flags or "--data-cache-path" in flags:
+        return list(flags)
+    return [*flags, "--data-cache-path", cache]
+
+
 def torchrun_cmd(tree: Path, nproc: int, flags: list[str]) -> list[str]:
     """The command of `tree`'s pretrain_gpt.py on `nproc` ranks: the workers forked after
     one import of torch and Megatron-LM, in torchrun's environment
@@ -68,6 +80,7 @@ def torchrun_cmd(tree: Path, nproc: int, flags: list[str]) -> list[str]:
     cores); `DYNATRAIN_TEST_LAUNCHER=torchrun`: the plain torchrun command (the README's
     quickstart test always runs that)."""
     script = str(tree / "pretrain_gpt.py")
+    flags = with_data_cache(flags)
     if os.environ.get("DYNATRAIN_TEST_LAUNCHER") == "torchrun":
         return [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), script, *flags]
     return [sys.executable, "-m", "dynatrain_megatron.testing.forked_launch",
@@ -325,7 +338,7 @@ def run_launched(tree: Path, nproc: int, flags: list[str], log: Path, *, env: di
     worker that dies does not stop the others); returns (the launcher's status, the log)."""
     full = job_env(tree, extra=env)
     cmd = [sys.executable, "-m", "dynatrain_megatron.cli", "launch", "--nproc-per-node", str(nproc),
-           str(tree / "pretrain_gpt.py"), *flags]
+           str(tree / "pretrain_gpt.py"), *with_data_cache(flags)]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=tree, env=full, stdout=f, stderr=subprocess.STDOUT,
                               timeout=timeout)

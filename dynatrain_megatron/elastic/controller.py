@@ -38,6 +38,7 @@ class Decision:
     schedule_next: Optional[int] = None  # rank 0's first schedule entry not yet run
     at: Optional[int] = None  # a scheduled switch: the iteration after which it must land
     note: str = ""  # why this target, when the job chose it (the advisor's ranking)
+    schedule_lead: Optional[int] = None  # rank 0's lead (`schedule_lead`), for every rank
 
 
 class Controller:
@@ -64,6 +65,9 @@ class Controller:
         # after, so that B is prepared in the background meanwhile; entries are taken in
         # order, each once (the same on every rank: every rank reads the same schedule)
         self.schedule_lead = max(0, schedule_lead)
+        # rank 0: a fresh lead before each decision (loop/schedule_lead.py); it travels with
+        # the decision, so every rank gates its polls on the same value
+        self.lead_source: Optional[Callable[[], int]] = None
         self.extra_check = extra_check
         self.check_options = check_options
         # False where the training loop cannot put ranks on standby (Megatron-LM's own loop):
@@ -245,8 +249,11 @@ class Controller:
         world = world or dist.get_world_size()
         box = [None]
         if dist.get_rank() == 0:
+            if self.lead_source is not None:
+                self.schedule_lead = max(0, int(self.lead_source()))
             d = self._decide_on_rank0(iteration, world)
-            box = [replace(d, schedule_next=d.schedule_next or self._next_entry)]
+            box = [replace(d, schedule_next=d.schedule_next or self._next_entry,
+                           schedule_lead=self.schedule_lead)]
         if self.joins is not None:  # rides on the same broadcast: no extra collective
             box[0] = replace(box[0], joins=self.joins.review())
         if standby is None:
@@ -270,6 +277,8 @@ class Controller:
         self.join_verdicts.extend(d.joins)
         if d.schedule_next is not None:
             self._next_entry = d.schedule_next
+        if d.schedule_lead is not None:
+            self.schedule_lead = d.schedule_lead
         return d
 
     def stop(self, standby: Any = None) -> None:

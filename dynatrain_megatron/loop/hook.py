@@ -37,6 +37,7 @@ from .memory_check import (SwitchMemoryCheck, from_args as memory_check_from_arg
                            release_grad_buffers, restore_grad_buffers)
 from .auto_layout import LayoutAdvisor
 from .stall_tracker import StallTracker
+from .schedule_lead import ScheduleLead
 from .switch_log import SwitchRecord, landing_note, layout_scalars, summary
 from .switching import (is_dead_peer, prepared_switch_args, start_preparation, switch_trainer,
                         vote_groups)
@@ -63,9 +64,8 @@ class DynatrainHook:
         # how B's objects are made (a Megatron-LM job's builder uses its own config)
         self.builder = builder or MegatronBuilder(spec, train)
         self.controller = controller
-        self.ranks_per_node = ranks_per_node
-        self.memory_budget = memory_budget
-        self.placement = placement
+        self.ranks_per_node, self.memory_budget, self.placement = (ranks_per_node, memory_budget,
+                                                                   placement)
         self.log_dir = log_dir
         self.outputs = OutputDir(log_dir) if log_dir else None  # never raises
         self.background_groups = background_groups
@@ -73,17 +73,16 @@ class DynatrainHook:
         self.channel = StandbyChannel()  # where standby ranks wait (elastic/standby_channel.py)
         self.decision: Optional[Decision] = None
         self.layout: Optional[Layout] = None  # the current layout, known on every process
-        self.layout_placement: Optional[Placement] = None
+        self.layout_placement: Optional[Placement] = None  # and its devices
         self.stopped = False
         self.failed: list[str] = []  # reasons of switches that were rolled back
         self._sync_target: Optional[tuple[Layout, Placement]] = None
         self._waited_s = 0.0  # a scheduled switch: how long it waited for B at its iteration
         self.timeout = timeout
         self.history: list[SwitchRecord] = []
-        self.rejected: list[str] = []
+        self.rejected: list[str] = []  # reasons of refused requests
         # rank death (loop/death_recovery.py): where survivors meet, what they resume from
-        self.rendezvous_dir = rendezvous_dir
-        self.recovery_checkpoint = recovery_checkpoint
+        self.rendezvous_dir, self.recovery_checkpoint = rendezvous_dir, recovery_checkpoint
         self.max_recoveries = max_recoveries
         self.recoveries: list[dict] = []
         self.host = None  # a host training loop's recovery hooks (death_recovery.HostLoop)
@@ -93,12 +92,13 @@ class DynatrainHook:
         self.memory = memory  # A and B together on the devices (loop/memory_check.py)
         self._release_a_grads = False  # the memory plan's degraded mode for the next switch
         # the advisor answers requests without a layout; auto_layout: moves (loop/auto_layout.py)
-        self.advisor = advisor
-        self.auto_layout = auto_layout
+        self.advisor, self.auto_layout = advisor, auto_layout
         if advisor is not None:
             controller.advise = advisor.advise
             controller.auto_layout = auto_layout
         self.stall = StallTracker(self.outputs)  # loop/stall_tracker.py
+        self.lead = ScheduleLead()  # a scheduled switch is decided this far ahead
+        controller.lead_source = self.lead.lead
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, spec: ModelSpec, train: TrainConfig,
@@ -137,6 +137,7 @@ class DynatrainHook:
         (rebound) trainer, or None when this rank left the layout (scale-in): it is then on
         standby and calls `standby()`."""
         self.stall.next_step_boundary()  # may report the last switch's stall (collective)
+        self.lead.step_boundary()
         try:
             return self._after_step(trainer)
         finally:
@@ -354,6 +355,7 @@ class DynatrainHook:
             log.error("switch rolled back; training continues at %s", src)
             return trainer
         self.layout, self.layout_placement = dst, res.placement
+        self.lead.switched(None if "groups" in self.stall.laps else self.devices)
         self.stall.collect_pending = self.stall.collect_pending or (defer and trainer is not None)
         pause = time.perf_counter() - t0
         t1 = time.perf_counter()

@@ -32,6 +32,7 @@ import signal
 import sys
 import time
 import traceback
+import weakref
 from pathlib import Path
 from typing import Sequence
 
@@ -59,11 +60,51 @@ def preload(script: Path) -> None:
         from ..compat.megatron_lm import prepare_megatron_lm
 
         prepare_megatron_lm()
-    for name in script_imports(script):
+    for name in script_imports(script) + list(LATER_IMPORTS):
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the worker imports it again and says why
             pass
+    _share_argument_docstrings()
+
+
+# modules every worker imports later, inside functions: torch's dynamo (its optimizers'
+# first step), Megatron-LM's text tokenizers, and the plugin's seam into a patched tree
+LATER_IMPORTS = (
+    "torch._dynamo", "megatron.core.tokenizers.text",
+    "dynatrain_megatron.megatron_lm.adapter", "dynatrain_megatron.megatron_lm.seam",
+    "dynatrain_megatron.megatron_lm.rank_death", "dynatrain_megatron.megatron_lm.builder",
+    "dynatrain_megatron.megatron_lm.data_ahead", "dynatrain_megatron.loop.hook",
+)
+
+
+def _share_argument_docstrings() -> None:
+    """Megatron-LM's argument parser reads the help text of each config dataclass from its
+    module's source (`ArgumentGroupFactory._get_field_docstrings`: `inspect.getsource` and
+    `ast.parse` of the whole module, per class, per parse): seconds of CPU per worker.
+    Here it is computed once, by building the parser in this process, and kept per class,
+    so the forked workers read the same text from memory. The parser is unchanged."""
+    try:
+        from megatron.training import argument_utils, arguments
+    except Exception:  # noqa: BLE001 - not a Megatron-LM tree: nothing to share
+        return
+    factory = getattr(argument_utils, "ArgumentGroupFactory", None)
+    original = getattr(factory, "_get_field_docstrings", None)
+    if original is None or getattr(original, "_shared", False):
+        return
+    cache: dict[type, dict[str, str]] = {}
+
+    def field_docstrings(self, src_cfg_class: type) -> dict[str, str]:
+        if src_cfg_class not in cache:
+            cache[src_cfg_class] = original(self, src_cfg_class)
+        return dict(cache[src_cfg_class])
+
+    field_docstrings._shared = True  # type: ignore[attr-defined]
+    factory._get_field_docstrings = field_docstrings
+    try:
+        arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    except Exception:  # noqa: BLE001 - the workers build it themselves and say why
+        pass
 
 
 def _die_with_parent() -> None:
@@ -92,11 +133,21 @@ def _worker(rank: int, nproc: int, port: int, script: Path, args: Sequence[str])
         traceback.print_exc()
         code = 1
     try:
+        _skip_operator_library_teardown()
         atexit._run_exitfuncs()  # what a worker's own interpreter would run at its exit
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _skip_operator_library_teardown() -> None:
+    """At exit, each `torch.library.Library` deregisters its operators (a `weakref.finalize`
+    run by atexit): seconds of CPU per worker for a process about to end, with nothing
+    left to use them. Those finalizers are detached; every other exit function runs."""
+    for fin, info in list(getattr(weakref.finalize, "_registry", {}).items()):
+        if getattr(info.func, "__name__", "") == "_del_library":
+            fin.detach()
 
 
 def run(nproc: int, script: Path, args: Sequence[str], grace_s: float = 10.0) -> int:
