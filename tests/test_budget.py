@@ -126,7 +126,7 @@ def test_votes_are_gloo_rings_over_the_world(report):
     assert _term(b, "votes (ready, preparation, prepare, commit)")["seconds"] == \
         pytest.approx(4 * 2 * 3 * 1e-3)
     assert _term(b, "Megatron-LM's counters and the data iterators taken")["seconds"] == \
-        pytest.approx(2 * 2 * 3 * 1e-3)
+        pytest.approx(2 * 3 * 1e-3)  # one all-reduce agrees both
 
 
 def test_a_weights_only_switch_pays_no_training_loop_term(report):

@@ -321,11 +321,12 @@ def switch_budget(spec: ModelSpec, src: Layout, dst: Layout, report: dict[str, A
                   f"switch._release_transfer, and A's, elastic/groups.ParallelGroups.destroy "
                   f"from mcore/session.release) x {c.nccl_destroy_s * 1e3:g} ms; not in the "
                   f"CPU figure above (gloo)"))
-    t.append(Term("Megatron-LM's counters and the data iterators taken", 2 * c.gloo_vote_s(WB),
+    t.append(Term("Megatron-LM's counters and the data iterators taken", c.gloo_vote_s(WB),
                   "stall", "modelled",
-                  f"megatron_lm/adapter.rebind_loop: _agree_counters (a MAX all-reduce) and "
-                  f"DataAhead.take (one vote), gloo over B's {WB} ranks (B's CPU twin): 2 x 2 x "
-                  f"{WB - 1} hops x {c.gloo_hop_s * 1e6:.0f} us"))
+                  f"megatron_lm/adapter.rebind_loop: DataAhead.take agrees the counters and "
+                  f"whether the iterators built ahead fit in one MAX all-reduce, gloo over B's "
+                  f"{WB} ranks (B's CPU twin): 2 x {WB - 1} hops x "
+                  f"{c.gloo_hop_s * 1e6:.0f} us"))
     t.append(Term("data iterators advanced to the switch",
                   skip_steps * micro_b * c.skip_micro_batch_s, "stall", "modelled",
                   f"data_ahead.advance: {skip_steps} step(s) of A since the boundary before "

@@ -271,7 +271,7 @@ def write_scale(rows: list[dict], out: Path, val=None, sens=None,
         "world (tests/test_control_plane.py, 256 against 4096 ranks). One count still "
         "grows at job start: the job's CPU control group (elastic/communicators.py, a world "
         "gloo group) connects its full mesh eagerly. Not emulated: Megatron-LM's adapter "
-        "(`megatron_lm/adapter.rebind_loop`: two more gloo votes, budgeted) and B's data "
+        "(`megatron_lm/adapter.rebind_loop`: one more gloo vote, budgeted) and B's data "
         "iterators. 'emulation (s)': the wall time of the scenario's whole emulation "
         "(placement, every sampled rank; the first scenario also imports megatron-core) on "
         "this shared 2-core machine.",

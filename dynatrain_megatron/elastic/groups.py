@@ -70,6 +70,14 @@ class ParallelGroups:
     # others are left on standby: the default group Megatron-LM's code is given meanwhile
     # (compat/stand_in_world.py; None elsewhere and on processes outside the layout)
     stand_in_world: object = None
+    # the layout's devices in global-rank order, for the collectives of the thread that
+    # prepares this layout while another one trains (B's construction-time object gathers,
+    # the votes and the stand-in world of its data-iterator build): a group of its own,
+    # never one the training thread may use meanwhile (the control group, which its ready
+    # votes use and which is B's CPU twin where B spans the world under NCCL, or A's twin,
+    # which is B's where both are on the same devices). Under NCCL a gloo group made with
+    # B's groups, connected lazily, destroyed with them; under gloo one of B's own groups
+    background: object = None
 
     @property
     def virtual_rank(self) -> Optional[int]:
@@ -110,9 +118,9 @@ class ParallelGroups:
         `destroy`), so that holding this object no longer keeps them alive: whoever takes
         them decides where their destructors run."""
         handles = [self.pg_collection, self.transfer, self.layout_group, self.layout_group_cpu,
-                   self.stand_in_world]
+                   self.stand_in_world, self.background]
         self.pg_collection = self.transfer = self.layout_group = self.layout_group_cpu = None
-        self.stand_in_world = None
+        self.stand_in_world = self.background = None
         return handles
 
 
@@ -279,6 +287,13 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
     if dist.get_backend() != "gloo":
         with _lazy_gloo():
             everyone_cpu = cpu_group_for(dev)
+            # B's own: a twin is shared with the control group or with A (field doc). Lazy,
+            # it costs what making any group costs (a store barrier) plus, at use, the
+            # connections its collectives take (two per rank for a ring all-reduce)
+            background = new_group(sorted(dev), backend="gloo")
+        created.append(background)
+    else:
+        background = make(sorted(dev))  # B's groups serve nothing else before the switch
     transfer = new_group(range(dist.get_world_size()), device=device)
     created.append(transfer)
     log.debug("built %d groups for %s", len(created), layout)
@@ -286,7 +301,8 @@ def build_groups(layout: Layout, placement: Optional[Placement] = None) -> Paral
                           group_ranks=mine, created=created, transfer=transfer,
                           layout_group=everyone if rank in dev else None,
                           layout_group_cpu=everyone_cpu if rank in dev else None,
-                          stand_in_world=stand_in if rank in dev else None)
+                          stand_in_world=stand_in if rank in dev else None,
+                          background=background if rank in dev else None)
 
 
 def _install_gtp_globals(ps, p, r: dict) -> None:

@@ -256,7 +256,7 @@ def build_optimizer(model: list, spec: ModelSpec, train: TrainConfig, groups: Pa
         use_distributed_optimizer=spec.distributed_optimizer)
     # megatron refuses gloo twins with an explicit pg_collection; they only serve
     # checkpoint code paths, which find the gloo globals set by `install` on CPU
-    with default_group_as(groups.layout_group_cpu or groups.layout_group):
+    with default_group_as(groups.background):
         return get_megatron_optimizer(cfg, model, use_gloo_process_groups=False,
                                       pg_collection=groups.pg_collection)
 

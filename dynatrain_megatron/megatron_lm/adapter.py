@@ -83,6 +83,9 @@ from ..compat.megatron_lm import set_last_rank
 
 log = logging.getLogger("dynatrain")
 
+# Megatron-LM's sample counters only a layout's ranks advance: agreed by B's at the switch
+_AGREED_COUNTERS = ("consumed_valid_samples", "skipped_train_samples")
+
 # ---------------------------------------------------------------------------- live state
 @dataclass
 class LoopObjects:
@@ -433,10 +436,16 @@ class MegatronLMSession:
         self.set_args_for(o.layout)
         set_last_rank(o.groups.placement.devices[-1])  # the last stage prints the loss
         _prepare_config(self.args, o.model, o.optimizer, o.config, old_config)
-        self._agree_counters(o.groups)
         t1 = time.perf_counter()
-        ahead = self.data_ahead.take(o.groups, t.consumed_samples,
-                                     arg_value(self.args, "consumed_valid_samples", 0) or 0)
+        # Megatron-LM's sample counters that only the layout's ranks advance (validation,
+        # skipped train samples): a rank back from standby holds its last step's, so B's
+        # ranks take the job's (the largest); its validation loader then starts where the
+        # other stages' do. Agreed with the iterators built ahead, in one collective
+        counters = {n: int(arg_value(self.args, n, 0) or 0) for n in _AGREED_COUNTERS}
+        ahead, agreed = self.data_ahead.take(o.groups, t.consumed_samples, counters)
+        for n, v in agreed.items():
+            if hasattr(self.args, n):
+                setattr(self.args, n, v)
         if ahead is not None:  # built in the background for exactly this switch
             train_it, valid_it, test_it = ahead
             self._note_prepared("data_iterators", self.data_ahead.last_seconds)
@@ -452,20 +461,6 @@ class MegatronLMSession:
         if meter is not None:
             meter.add_all({"rebind": t1 - t0, "data_iterators": time.perf_counter() - t1})
         return self.latest
-
-    def _agree_counters(self, groups: Any) -> None:
-        """Megatron-LM's sample counters that only the layout's ranks advance (validation
-        samples, skipped train samples): a rank back from standby holds the values of its
-        last step, so B's ranks take the largest, the job's. Its validation loader then
-        starts where the other stages' do (collective over B's ranks)."""
-        from ..elastic.communicators import agreed_max
-
-        names = ("consumed_valid_samples", "skipped_train_samples")
-        group = groups.layout_group_cpu or groups.layout_group
-        values = agreed_max([int(arg_value(self.args, n, 0) or 0) for n in names], group)
-        for n, v in zip(names, values):
-            if hasattr(self.args, n):
-                setattr(self.args, n, v)
 
     def _note_prepared(self, what: str, seconds: Optional[float]) -> None:
         """Add to the last switch's record what else was prepared in the background."""

@@ -144,7 +144,7 @@ class MegatronLMBuilder(MegatronBuilder):
         with contextlib.ExitStack() as stack:
             stack.enter_context(psv.in_view(view))
             stack.enter_context(psv.thread_args(args))
-            stack.enter_context(default_group_as(groups.layout_group_cpu or groups.layout_group))
+            stack.enter_context(default_group_as(groups.background))
             if not init_weights:
                 stack.enter_context(private_rng())
             config = core_transformer_config_from_args(args)

@@ -22,9 +22,13 @@ So `DataAhead.build` runs in the preparation's background thread, right after B'
 are built (`builder.MegatronLMBuilder.build_detached`), inside:
 * a view of megatron-core's `parallel_state` set to B's groups and Megatron-LM's `args` set
   to B at that count (`compat.parallel_state_view`), which the data builders read;
-* a group of B's as the thread's default group (`compat.stand_in_world`, `_stand_in_of`):
-  the dataset builder's barrier and the loader's flag broadcast run over B's ranks on a
-  group nothing else uses then, not interleaved with A's collectives on the world.
+* B's preparation group (`elastic.groups.ParallelGroups.background`) as the thread's
+  default group (`compat.stand_in_world`, `_stand_in_of`): the dataset builder's barrier,
+  the loader's flag broadcast and the build's votes run over B's ranks on a group of
+  their own. Not B's CPU twin: under NCCL that is the control group where B spans the
+  world and A's twin where A is on the same devices, both used by the training thread's
+  votes meanwhile, and two threads' collectives on one gloo group can pair mismatched
+  operations across ranks.
 The iterators are handed to the loop at the switch (`take`) only if they were built for
 exactly what the switch needs (B's groups, the consumed train and validation samples);
 otherwise they are dropped (their workers end) and the loop builds them as before, inside
@@ -135,6 +139,14 @@ class DataAhead:
             return -1, "B is built in the pause"
         if note is None:
             return -1, "this rank has taken no step yet"
+        # what every switch needs, requested or scheduled: B's build group, and a stand-in
+        # world of B's ranks (without one the build's collectives would run on the world)
+        if arg_value(self.args, "phase_transition_iterations", None):
+            return -1, "--phase-transition-iterations"
+        if _group_of(groups) is None:
+            return -1, "this rank is not in B"
+        if _stand_in_of(groups, layout) is None:
+            return -1, "B's ranks are not the job's first ranks"
         if at is None and not _sequential(self.args):
             return -1, (f"a requested switch's iteration is not known in advance and "
                         f"--dataloader-type {arg_value(self.args, 'dataloader_type', None)} "
@@ -143,12 +155,6 @@ class DataAhead:
             return note.consumed_train, ""
         if at < note.iteration:
             return -1, f"the switch iteration {at} is behind the loop ({note.iteration})"
-        if arg_value(self.args, "phase_transition_iterations", None):
-            return -1, "--phase-transition-iterations"
-        if _group_of(groups) is None:
-            return -1, "this rank is not in B"
-        if _stand_in_of(groups, layout) is None:
-            return -1, "B's ranks are not the job's first ranks"
         gbs = int(arg_value(self.args, "global_batch_size"))
         return note.consumed_train + (at - note.iteration) * gbs, ""
 
@@ -198,43 +204,50 @@ class DataAhead:
         args.consumed_train_samples = consumed
         args.consumed_valid_samples = note.consumed_valid
         view = psv.ParallelStateView(lambda target: install(groups, target=target))
-        with psv.in_view(view), psv.thread_args(args), stand_in_world.stand_in(
-                _stand_in_of(groups, layout)):
+        world = _stand_in_of(groups, layout)
+        if world is None:  # `target` refuses it first, on every rank of B alike
+            raise ValueError("B's ranks are not the job's first ranks: no stand-in world")
+        with psv.in_view(view), psv.thread_args(args), stand_in_world.stand_in(world):
             iterators = tuple(self.rebuild(args, num_chunks))
         return iterators, {k: getattr(args, k) for k in _SET_BY_BUILD if hasattr(args, k)}
 
-    def take(self, groups: Any, consumed_train: int, consumed_valid: int) -> Optional[tuple]:
-        """At the switch (main thread, once the preparation has been collected): the
-        iterators built ahead when they are for exactly these groups and counts (and the
-        args values their build set are applied to the live args), else None (any built
-        ahead are dropped)."""
+    def take(self, groups: Any, consumed_train: int,
+             counters: dict[str, int]) -> tuple[Optional[tuple], dict[str, int]]:
+        """At the switch (main thread, once the preparation has been collected; collective
+        over B's ranks, one all-reduce): `counters`, Megatron-LM's sample counters that only
+        a layout's ranks advance (`consumed_valid_samples` among them), as the largest any
+        rank of B holds (a rank back from standby holds its last step's); and the iterators
+        built ahead where every rank of B built them for these groups, `consumed_train` and
+        the agreed validation count (the args values their build set are then applied to
+        the live args), else None (any built ahead are dropped)."""
+        from ..elastic.communicators import agreed_max
+
         with self._lock:
             built, self._built = self._built, None
         attempted, self._for = self._for is groups, None
-        if not attempted:  # on no rank of B (the build's own vote): nothing to agree on
-            return None
-        skip = built.micro_batches_to(consumed_train) if built is not None else None
-        fits = (built is not None and built.groups is groups and skip is not None
-                and built.consumed_valid == consumed_valid)
-        from ..elastic.communicators import everyone_ok
-
+        skip = (built.micro_batches_to(consumed_train)
+                if attempted and built is not None and built.groups is groups else None)
+        valid = built.consumed_valid if skip is not None else -1
+        names = list(counters)
+        # MAX of [counters, v, -v]: v's largest and smallest, equal where every rank built
+        *values, top, neg_bottom = agreed_max([int(counters[n]) for n in names] +
+                                              [valid, -valid], _switch_group(groups))
+        agreed = dict(zip(names, values))
         # every rank of B takes its own or none does (else one would build alone)
-        if not everyone_ok(fits, _group_of(groups)):
-            if built is None:
-                return None
-            log.info("B's data iterators built ahead are for %d/%d consumed samples, the "
-                     "switch is at %d/%d (train/valid) here or on another rank: built again "
-                     "at the switch",
-                     built.consumed_train, built.consumed_valid, consumed_train,
-                     consumed_valid)
-            return None
+        if not top == -neg_bottom == agreed["consumed_valid_samples"]:
+            if built is not None:
+                log.info("B's data iterators built ahead are for %d/%d consumed samples, the "
+                         "switch is at %d/%d (train/valid) here or on another rank: built "
+                         "again at the switch", built.consumed_train, built.consumed_valid,
+                         consumed_train, agreed["consumed_valid_samples"])
+            return None, agreed
         for k, v in built.set_by_build.items():
             setattr(self.args, k, v)
         if skip:
             advance(built.iterators[0], skip)
             log.info("B's data iterators built ahead at %d consumed samples, advanced by %d "
                      "micro-batches to %d", built.consumed_train, skip, consumed_train)
-        return built.iterators
+        return built.iterators, agreed
 
     def drop(self) -> None:
         """Forget iterators built ahead (their DataLoader workers end with them)."""
@@ -313,28 +326,28 @@ def retire_in_background(*iterators: Any) -> Optional[threading.Thread]:
 
 
 def _stand_in_of(groups: Any, layout: Layout) -> Any:
-    """The group of B's that stands in for the world during the build: its ranks must be
-    the job's first ranks in global order (`compat.stand_in_world`). B's own group (its CPU
-    twin first) where it is in that order; else, where B spans the whole world, B's transfer
-    group (every rank in order, used by nothing until the switch's transfer) if it is a
-    gloo group (an NCCL communicator is never made or used beside A's training); else None."""
+    """The group that stands in for the world during the build: B's preparation group
+    (`ParallelGroups.background`, B's ranks in global-rank order) where those are the
+    job's first ranks, as a stand-in world must be (`compat.stand_in_world`); else None."""
     import torch.distributed as dist
 
-    want = list(range(layout.world_size))
-    candidates = [getattr(groups, "layout_group_cpu", None), getattr(groups, "layout_group", None)]
-    transfer = getattr(groups, "transfer", None)
-    if (layout.world_size == dist.get_world_size() and transfer is not None
-            and dist.get_backend(transfer) == "gloo"):
-        candidates.append(transfer)
-    for g in candidates:
-        if g is not None and dist.get_process_group_ranks(g) == want:
-            return g
-    return None
+    g = _group_of(groups)
+    if g is None or dist.get_process_group_ranks(g) != list(range(layout.world_size)):
+        return None
+    return g
 
 
 def _group_of(groups: Any) -> Any:
-    """B's group over its ranks that the build runs on: its CPU twin under NCCL (the
-    flag broadcast and barriers stay off the device's streams), else B's own."""
+    """The group of B's ranks the build and its votes run on: B's preparation group, which
+    nothing on the training thread uses meanwhile (`ParallelGroups.background`; B's CPU
+    twin is the control group where B spans the world under NCCL, and A's twin where A is
+    on the same devices). None on a rank outside B."""
+    return getattr(groups, "background", None)
+
+
+def _switch_group(groups: Any) -> Any:
+    """B's group over its ranks for the agreement at the switch (the main thread, nothing
+    else running): its CPU twin under NCCL, else its own."""
     return getattr(groups, "layout_group_cpu", None) or getattr(groups, "layout_group", None)
 
 
