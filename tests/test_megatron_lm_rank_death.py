@@ -1,10 +1,12 @@
 """A rank killed inside real Megatron-LM's own train() (the snapshot, patched), launched with
 `dynatrain launch` so that the survivors live on: one job on 4 gloo ranks, tp2pp2 with
-`--save-interval 2`, rank 3 killed after iteration 3 (`DYNATRAIN_FAULTS`).
+`--save-interval 2` and `--eval-interval 3`, rank 3 killed as the evaluation after iteration
+3 starts (`DYNATRAIN_FAULTS` phase "eval"), after that step completed on every rank.
 
-The survivors notice in different places (ranks 0 and 1 in the step-boundary poll, rank 2
-blocked in the pipeline's receive from rank 0, which it learns of only when rank 0 lets go
-of every copy of its sockets), all three meet in the rendezvous directory, and since the
+The survivors notice inside that evaluation (its pipeline's receives and tensor-parallel
+reductions; a survivor blocked on another survivor learns of it only when that one lets go
+of every copy of its sockets), hold the failure until the step boundary
+(`megatron_lm/post_step.py`), all three meet in the rendezvous directory, and since the
 distributed optimizer kept rank 3's optimizer shards nowhere else, the two that tp2pp1dp1
 needs load Megatron-LM's checkpoint of iteration 2 at that layout in the same processes and
 train on to 6; the third ends with status 0. Iteration 3 runs twice: at tp2pp2 before the
@@ -81,6 +83,111 @@ def test_the_seam_hands_failures_of_train_step_to_rank_death(monkeypatch):
         loop.guard(buggy)(iteration=6)
 
 
+def test_a_death_seen_after_the_step_is_held_until_the_boundary(monkeypatch):
+    # a dead peer first seen in the rest of an iteration (its log line's reductions, an
+    # evaluation, a --save): the call returns as when idle, the iteration's other calls are
+    # skipped, the boundary recovers from the completed step (megatron_lm/post_step.py)
+    from dynatrain_megatron.megatron_lm import seam
+
+    dead, bug, calls, faults = RuntimeError("Connection closed by peer"), ValueError("bug"), [], []
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                     report_memory_flag, *rest, **kw):
+        calls.append(("log", iteration))
+        if iteration == 4:
+            raise dead
+        if iteration == 9:
+            raise bug
+        return False
+
+    def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration,
+                                   *rest, **kw):
+        calls.append(("eval", iteration))
+
+    def save_checkpoint_and_time(iteration, model, optimizer, *rest, **kw):
+        calls.append(("save", iteration))
+
+    def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, *rest):
+        calls.append(("exit?", iteration))
+        module.save_checkpoint_and_time(iteration, model, optimizer)
+        return True
+
+    def post_training_step_callbacks(model, optimizer, opt_param_scheduler, iteration, prof,
+                                     num_floating_point_operations_since_last_log_event, *r):
+        return 0
+
+    module = SimpleNamespace(**{f.__name__: f for f in (
+        training_log, evaluate_and_print_results, save_checkpoint_and_time,
+        checkpoint_and_decide_exit, post_training_step_callbacks)})
+    own = dict(vars(module))
+    monkeypatch.setattr(seam, "_fault_after_step", lambda phase, it: faults.append((phase, it)))
+    monkeypatch.setattr(rank_death, "failure_of", lambda e: (_ for _ in ()).throw(e)
+                        if e is bug else "dead peer")
+    monkeypatch.setattr(rank_death, "recover_at_boundary",
+                        lambda args, it, failure, ctx: calls.append(("recover", it, failure))
+                        or mlm.LoopObjects([], None, None, None, None, None, iteration=it))
+
+    import torch.distributed as dist
+
+    barriers = []
+    monkeypatch.setattr(dist, "barrier", lambda group=None: barriers.append(group))
+    loop = seam.LoopSeam(SimpleNamespace(), None, training_module=module)
+    assert all(vars(module)[n] is not f for n, f in own.items())  # wrapped for the loop
+
+    def iteration(i):  # the calls of one iteration after train_step, as train() makes them
+        flag = module.training_log({}, {}, 1e-3, i, 1.0, True, 0, None, None, None, None)
+        module.evaluate_and_print_results(f"iteration {i}", None, None, [], i)
+        dist.barrier(group=i)  # the loop's timers after an evaluation
+        flops = module.post_training_step_callbacks([], None, None, i, None, 123.0)
+        return flag, flops, module.checkpoint_and_decide_exit([], None, None, i, 0.0, {}, None)
+
+    assert iteration(3) == (False, 0, True) and loop.post_step.pending is None
+    assert iteration(4) == (True, 123.0, False)  # as when idle: no exit decided on it
+    assert calls[-1] == ("log", 4) and loop.post_step.pending == "dead peer"
+    assert barriers == [3]  # skipped on the broken world while the failure is held
+    v = (4, 0.0, [], None, None, None, None, None, None, 1, None)
+    assert loop.at_step_end(False, *v).iteration == 4
+    assert calls[-1] == ("recover", 4, "dead peer") and loop.post_step.pending is None
+    assert faults == [("log", 3), ("eval", 3), ("save", 3), ("log", 4)]
+    with pytest.raises(ValueError, match="bug"):  # anything else: Megatron-LM's own error
+        iteration(9)
+    seam.finish([], None, None, None, None, None, None)
+    assert vars(module) == own  # Megatron-LM's own functions again after train()
+    dist.barrier(group=10)
+    assert barriers == [3, 10]
+
+
+def test_a_failed_step_leaves_timers_and_rerun_mode_as_at_the_boundary(monkeypatch):
+    # an evaluation stops the interval timer, starts its own and disables megatron-core's
+    # rerun state machine until it ends: after a failure inside it, the boundary's state
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+    from dynatrain_megatron.megatron_lm import step_guard
+
+    class Timer:
+        def __init__(self, started):
+            self._started = started
+
+        def start(self, barrier=False):
+            self._started = True
+
+        def reset(self):
+            self._started = False
+
+    timers = {"interval-time": Timer(True), "eval-time": Timer(False)}
+    monkeypatch.setattr(step_guard, "_timers", lambda: timers)
+    m = get_rerun_state_machine()
+    monkeypatch.setattr(m, "mode", RerunMode.VALIDATE_RESULTS)  # as Megatron-LM trains
+    boundary = (step_guard._rerun_snapshot(), step_guard._running_timers())
+    assert boundary[1] == {"interval-time"}
+    timers["interval-time"]._started, timers["eval-time"]._started = False, True
+    m.set_mode(RerunMode.DISABLED)
+    step_guard._rerun_restore(*boundary[0])
+    step_guard._reset_timers_except(boundary[1])
+    assert m.get_mode() == boundary[0][2] == RerunMode.VALIDATE_RESULTS
+    assert (timers["interval-time"]._started, timers["eval-time"]._started) == (True, False)
+
+
 def test_only_a_dead_peer_with_a_rendezvous_directory_is_recovered(monkeypatch, caplog):
     dead = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234. More\nlines")
     bug = ValueError("a bug of the model")
@@ -114,11 +221,12 @@ def run(tmp_path_factory):
     w = tmp_path_factory.mktemp("megatron-lm-death")
     w.chmod(0o700)
     tree = copy_tree(w / "patched", patched=True)
-    faults = ('{"fail_rank": 3, "fail_phase": "step", "iteration": 3, "kill": true, '
+    faults = ('{"fail_rank": 3, "fail_phase": "eval", "iteration": 3, "kill": true, '
               '"exit_code": 1}')
     status, text = run_launched(
         tree, 4, CPU_FLAGS + TINY_GPT + layout_flags(2, 2) + [
             "--train-iters", str(N), "--save", str(w / "ckpt"), "--save-interval", "2",
+            "--eval-interval", "3",
             "--distributed-timeout-minutes", "3",
             "--dynatrain", "--dynatrain-rendezvous-dir", str(w / "rdv")],
         w / "job.log", env={"DYNATRAIN_FAULTS": faults})
@@ -138,6 +246,10 @@ def test_survivors_recover_inside_megatron_lm(run):
                          r"ranks, (\d) kept", text)
     assert rosters == [("[0, 1, 2]", "2")] * 3
     assert text.count("this survivor is not needed by the new layout: the process ends") == 1
+    # first seen inside the evaluation, held until the boundary (no Megatron-LM error)
+    assert "fault injection: rank 3 dies in phase eval" in text
+    assert re.search(r"a peer died during Megatron-LM's evaluate_and_print_results", text)
+    assert "Traceback" not in text
     loaded = re.findall(r"loaded Megatron-LM's checkpoint of iteration (\d+) \((\d+) samples "
                         r"consumed\) from \S+ at (\S+) on (\d) ranks", text)
     assert loaded == [("2", "16", "tp2pp1dp1", "2")] * 2

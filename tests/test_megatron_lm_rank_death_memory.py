@@ -3,10 +3,12 @@ instances: every optimizer shard of the dead rank has a replica on the survivor,
 survivor recovers in memory at the current iteration, in the same process, and trains on.
 The reference is Megatron-LM's own restart, as in test_megatron_lm_train.py:
 
-* switched (the death is the switch): patched, under `dynatrain launch` on 2 gloo ranks, tp1pp1doi2dp2; rank 1 is killed
-  after iteration K (`DYNATRAIN_FAULTS`); rank 0 re-forms the world alone, switches from its
-  own tensors (rank 1's pieces taken from their replicas) to tp1pp1dp1 and trains to N, then
-  `--save`s;
+* switched (the death is the switch): patched, under `dynatrain launch` on 2 gloo ranks,
+  tp1pp1doi2dp2, `--save-interval K`; rank 1 is killed as the `--save` of iteration K starts
+  (`DYNATRAIN_FAULTS` phase "save"), after that step completed on both ranks; rank 0 sees it
+  inside the save, holds the failure until the step boundary (`megatron_lm/post_step.py`),
+  re-forms the world alone, switches from its own tensors of iteration K (rank 1's pieces
+  taken from their replicas) to tp1pp1dp1 and trains to N, then `--save`s;
 * saved: the UNPATCHED tree trains tp1pp1doi2dp2 to K on 2 ranks and saves;
 * resumed: patched, without `--dynatrain`, loads that on 1 rank at tp1pp1dp1 and trains to N.
 
@@ -38,11 +40,11 @@ def runs(tmp_path_factory):
     patched = copy_tree(w / "patched", patched=True)
     unpatched = copy_tree(w / "unpatched", patched=False)
     common = CPU_FLAGS + TINY_GPT + layout_flags(1, 1) + ["--train-iters", str(N)]
-    kill = json.dumps({"fail_rank": 1, "fail_phase": "step", "iteration": K, "kill": True,
+    kill = json.dumps({"fail_rank": 1, "fail_phase": "save", "iteration": K, "kill": True,
                        "exit_code": 1})
     status, switched = run_launched(
         patched, 2, common + DOI2 + [
-            "--save", str(w / "switched"), "--save-interval", "1000",
+            "--save", str(w / "switched"), "--save-interval", str(K),
             "--distributed-timeout-minutes", "3",
             "--dynatrain", "--dynatrain-rendezvous-dir", str(w / "rdv")],
         w / "switched.log", env={"DYNATRAIN_FAULTS": kill})
@@ -64,6 +66,11 @@ def test_the_survivor_recovers_in_memory_at_the_current_iteration(runs):
     assert exits == {"1": "1", "0": "0"}
     assert "recovered in memory: tp1pp1doi2dp2 -> tp1pp1dp1 on 1 ranks" in text
     assert "loaded Megatron-LM's checkpoint" not in text  # nothing read from disk
+    # first seen inside the --save of K, held until the boundary after K
+    assert "fault injection: rank 1 dies in phase save" in text
+    assert "a peer died during Megatron-LM's checkpoint_and_decide_exit" in text
+    assert f"training goes on at tp1pp1dp1 on 1 ranks after iteration {K}" in text
+    assert "Traceback" not in text
 
 
 def test_final_checkpoint_equals_megatron_lm_restart(runs):

@@ -120,8 +120,10 @@ def test_faults_env_valid(monkeypatch):
 @pytest.mark.parametrize("text,match", [
     ("[]", "an empty list"),
     ('[{"fail_rank": 1, "fail_phase": "forward"}, 3]', r"DYNATRAIN_FAULTS\[1\] must be a JSON object"),
-    ('[{"fail_rank": 1, "fail_phase": "forward"}, {"fail_rank": 0, "fail_phase": "backward"}]',
-     r"more than one plan for generation\(s\) \[0\]"),
+    ('[{"fail_rank": 1, "fail_phase": "forward"}, {"fail_rank": 1, "fail_phase": "backward"}]',
+     r"more than one plan for generation 0 .*\(1, 'forward'\), \(1, 'backward'\)"),
+    ('[{"fail_rank": 1, "fail_phase": "forward"}, {"fail_rank": 0, "fail_phase": "step"}]',
+     r"more than one plan for generation 0 \(several only as deaths inside a step"),
     ('[{"fail_rank": 1, "fail_phase": "forward", "generation": -1}]', "must be >= 0"),
     ('[{"fail_rank": 1, "fail_phase": "forward", "generation": "1"}]', "generation must be int"),
 ])
@@ -152,7 +154,7 @@ def test_faults_inside_a_training_step_fire_once_in_the_step_after_their_iterati
     from dynatrain_megatron.transition.faults import STEP_PHASES
 
     assert set(STEP_PHASES) == {"forward", "backward", "pp_send", "grad_sync", "optimizer",
-                                "optimizer_update"}
+                                "optimizer_update", "log", "eval", "save"}
     for phase in STEP_PHASES:
         plan = FaultPlan.from_json(f'{{"fail_rank": 2, "fail_phase": "{phase}", '
                                    f'"iteration": 3}}')
@@ -185,3 +187,15 @@ def test_a_scheduled_switch_is_decided_its_lead_early_and_lands_after_its_iterat
     d = ctl.poll(2, 4)
     assert (d.target, d.at, d.schedule_next) == ("tp2pp2dp1", 3, 1)
     assert ctl.poll(3, 4).target is None  # taken once
+
+
+def test_faults_env_several_step_deaths_in_one_generation(monkeypatch):
+    from dynatrain_megatron.transition.faults import plans_for
+
+    monkeypatch.setenv("DYNATRAIN_FAULTS", '[{"fail_rank": 0, "fail_phase": "forward", '
+                                           '"iteration": 2}, {"fail_rank": 3, "fail_phase": '
+                                           '"backward", "iteration": 2}, {"fail_rank": 1, '
+                                           '"fail_phase": "backward", "generation": 1}]')
+    plans = FaultPlan.plans_from_env()
+    assert plans_for(plans, 0) == plans[:2] and plans_for(plans, 1) == plans[2:]
+    assert plans_for(plans, 2) == ()

@@ -45,10 +45,14 @@ last boundary's state: `step_guard.py` resets what the failed step left in Megat
 globals (its rerun state machine, its timers), and, where a survivor may have begun the
 optimizer update, makes the recovery resume from the last `--save` rather than from memory.
 
-Not covered: a death that surfaces elsewhere in the loop (evaluation, a checkpoint save, the
-log line's timer collectives) ends the survivors there with Megatron-LM's own error, like
-without dynatrain; the recovered job's last `--save` must have been written completely
-(Megatron-LM's tracker file is written last).
+A death first seen after the step, in the rest of the iteration (its log line's reductions,
+an evaluation, a `--save`), is held until the step boundary and recovered there from that
+step's state (`post_step.py`, `recover_at_boundary`).
+
+Not covered: a death before the first step boundary (no session yet) or after `train()`
+(the final save, validation and test) ends the survivors with Megatron-LM's own error, like
+without dynatrain; a recovery from the last `--save` loads Megatron-LM's latest complete
+checkpoint (its tracker file is written last).
 """
 from __future__ import annotations
 
@@ -140,6 +144,22 @@ def recover(args: Any, iteration: int, failure: str,
     s.guard.at_boundary(trainer.iteration, trainer.objs)
     s.enter_layout_world()
     return loop
+
+
+def recover_at_boundary(args: Any, iteration: int, failure: str,
+                        checkpointing_context: Optional[dict] = None) -> LoopObjects:
+    """`recover` after a failure first seen past `train_step` in iteration `iteration`
+    (`post_step.py`): that step completed on every survivor, so the recovery starts from
+    its state, at the boundary after `iteration` (its consumed samples counted)."""
+    s = current_session()
+    if s is None or s.trainer is None:
+        raise DynatrainError(f"a peer died after the step of iteration {iteration}, before "
+                             f"dynatrain's session began: {failure}")
+    s.trainer.iteration = iteration
+    s.trainer.consumed_samples = arg_value(args, "consumed_train_samples",
+                                           s.trainer.consumed_samples)
+    s.guard.step_completed()
+    return recover(args, iteration, failure, checkpointing_context)
 
 
 def _follow_world(args: Any) -> None:
@@ -248,4 +268,4 @@ def _resume_from_save(s: MegatronLMSession, dst: Layout, box: dict):
     return Trainer(s.spec, s.train, o, iteration, consumed)
 
 
-__all__ = ("failure_of", "recover")
+__all__ = ("failure_of", "recover", "recover_at_boundary")

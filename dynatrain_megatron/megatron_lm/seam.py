@@ -11,7 +11,9 @@ port:
 * `train()`, before its loop: `LoopSeam(args, checkpointing_context, ...)`; around its
   `train_step` call: `seam.guard(train_step)`, which hands a dead peer's failure to
   `rank_death` (anything else is re-raised) and recovers outside the exception handler;
-  then, when `seam.recovered`, `seam.after_recovery(*LOOP_VALUES)` and `continue`;
+  then, when `seam.recovered`, `seam.after_recovery(*LOOP_VALUES)` and `continue`; a death
+  first seen in the rest of the iteration (its log line, evaluation, `--save`) is held by
+  `post_step.py` (wrappers of those calls, no patch line) and recovered at the boundary;
   at the step boundary (after `checkpoint_and_decide_exit`): `seam.at_step_end(should_exit,
   *LOOP_VALUES)`, and `break` when `seam.stop`. Both return `LOOP_VALUES` rebound to the
   layout the job now runs at (the same objects when nothing changed).
@@ -27,6 +29,8 @@ port:
 from __future__ import annotations
 
 import logging
+import sys
+from types import ModuleType
 from typing import Any, Callable, NamedTuple, Optional
 
 from ..vps.errors import DynatrainError
@@ -71,16 +75,30 @@ class LoopSeam:
     """The patched `train()`'s one object (module doc)."""
 
     def __init__(self, args: Any, checkpointing_context: Optional[dict], *,
-                 pg_collection: Any = None, p2p_communicator: Any = None) -> None:
+                 pg_collection: Any = None, p2p_communicator: Any = None,
+                 training_module: Optional[ModuleType] = None) -> None:
+        """`training_module`: the module whose `train()` runs this loop (default
+        Megatron-LM's `megatron.training.training`, when imported: it is the caller)."""
         if pg_collection is not None or p2p_communicator is not None:
             raise DynatrainError("--dynatrain: pretrain() was given its own process-group "
                                  "collection or P2P communicator; a switch rebuilds the "
                                  "layout's groups and would leave those behind")
+        from . import rank_death
+        from .post_step import PostStepGuard
+
         self.args = args
         self.checkpointing_context = checkpointing_context
         self.stop = False  # leave the loop (on standby when the job ended)
         self.recovered: Optional[LoopObjects] = None
         self._results = 0  # how many values train_step returns (seen on its first success)
+        # a death first seen in the rest of an iteration, held until its boundary
+        global _POST_STEP
+        if _POST_STEP is not None:
+            _POST_STEP.remove()
+        _POST_STEP = self.post_step = PostStepGuard(_fault_after_step, rank_death.failure_of)
+        module = training_module or sys.modules.get("megatron.training.training")
+        if module is not None:
+            self.post_step.install(module)
 
     # ------------------------------------------------------------------ train_step
     def guard(self, train_step: Callable) -> Callable:
@@ -124,7 +142,11 @@ class LoopSeam:
         from . import rank_death
 
         v = LoopValues(*values)
-        failure = None
+        failure = self.post_step.take()
+        if failure is not None:  # seen after train_step: its step completed everywhere
+            dt = rank_death.recover_at_boundary(self.args, v.iteration, failure,
+                                                self.checkpointing_context)
+            return self._rebind(dt, v)
         try:
             dt = adapter.dynatrain_step(self.args, v.iteration, v.model, v.optimizer,
                                         v.opt_param_scheduler, v.train_data_iterator,
@@ -176,10 +198,24 @@ def _train_step_results(train_step: Callable) -> int:
     return sizes.pop()
 
 
+_POST_STEP = None  # the last loop's PostStepGuard (its wrappers live while the loop runs)
+
+
+def _fault_after_step(phase: str, iteration: int) -> None:
+    s = adapter.current_session()
+    if s is not None:
+        s.guard.fault_after_step(phase, iteration)
+
+
 def finish(model: list, optimizer: Any, opt_param_scheduler: Any, train_data_iterator: Any,
            valid_data_iterator: Any, test_data_iterator: Any, config: Any) -> tuple:
     """`pretrain()`, right after `train()`: the objects the loop ended with (`pretrain()`'s
-    own point at a layout a switch released) and the switch summary."""
+    own point at a layout a switch released) and the switch summary. Megatron-LM's calls
+    after the step are its own again (`post_step.py`)."""
+    global _POST_STEP
+    if _POST_STEP is not None:
+        _POST_STEP.remove()
+        _POST_STEP = None
     return adapter.finish_training(model, optimizer, opt_param_scheduler, train_data_iterator,
                                    valid_data_iterator, test_data_iterator, config)
 

@@ -26,9 +26,11 @@ model, optimizer and data iterators, but three things outlive them:
   report it (`mid_update`) and the recovery resumes from the last checkpoint instead,
   never from state that is partly one iteration and partly the next. A second such vote
   ends the optimizer step: a rank whose update needs no collective with the dead one
-  (the other instance's) would otherwise leave `train_step` and fail in the loop's next
-  collective outside it (its log line's reductions over the model-parallel group), where
-  nothing recovers; it fails in that vote instead, inside the step, like every survivor.
+  (the other instance's) would otherwise leave `train_step` with iteration K+1's state while
+  others fail inside it with a part-updated one; it fails in that vote instead, inside the
+  step, like every survivor. Conversely, a rank past that vote knows that every rank
+  finished its update: a death first seen after `train_step` returned (`post_step.py`)
+  recovers from the new iteration's state (`step_completed`).
 
 Everything else the failed step held (gradient buffers, DDP's pending buckets, the
 pipeline's pending sends and receives) belongs to the layout's objects, which the recovery
@@ -40,9 +42,12 @@ iteration k (the survivors go on from k): "forward" before its first micro-batch
 forward, "backward" in its first backward, "pp_send" when it issues its first pipeline
 send (megatron-core's batched p2p), "grad_sync" as the data-parallel gradient reduction
 starts (`finalize_model_grads`), "optimizer" as the optimizer step starts (before the
-vote), "optimizer_update" after the vote, as the update starts. A plan injects one failure in the world
+vote), "optimizer_update" after the vote, as the update starts; and after the step of
+iteration k, "log", "eval", "save" as its log line, evaluation or `--save` starts
+(`post_step.py`, `fault_after_step`). A plan injects one failure in the world
 of its generation (`FaultPlan.generation`: how many recoveries came before it); a job's
-plans for later generations name ranks in the survivors' new numbering.
+plans for later generations name ranks in the survivors' new numbering. Several plans of
+one generation kill several ranks in the same step, each at its own point (one recovery).
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ import functools
 import logging
 from typing import Any, Callable, Optional, Sequence
 
-from ..transition.faults import STEP_PHASES, FaultPlan, plan_for
+from ..transition.faults import STEP_PHASES, FaultPlan, plans_for
 
 log = logging.getLogger("dynatrain")
 
@@ -70,9 +75,9 @@ class StepGuard:
         self.iteration = 0  # the last step boundary
         self.mid_update = False  # the vote passed since the last boundary
         self._group: Any = None  # the layout's CPU group for the vote
-        self._rerun: Optional[tuple[Any, int]] = None  # (state, current_iteration)
+        self._rerun: Optional[tuple[Any, int, Any]] = None  # (state, iteration, mode)
         self._running_timers: frozenset[str] = frozenset()
-        self._fired: set[int] = set()  # the generations whose plan fired
+        self._fired: set[int] = set()  # the plans (by id) that fired on this process
 
     # ------------------------------------------------------------------ at a step boundary
     def at_boundary(self, iteration: int, objs: Any) -> None:
@@ -100,6 +105,16 @@ class StepGuard:
         if self._rerun is not None:
             _rerun_restore(*self._rerun)
         _reset_timers_except(self._running_timers)
+
+    def step_completed(self) -> None:
+        """A failure first seen after `train_step` returned (`post_step.py`): the step's
+        optimizer update finished on every rank (the closing vote), so the survivors'
+        memory holds one iteration again."""
+        self.mid_update = False
+
+    def fault_after_step(self, phase: str, iteration: int) -> None:
+        """The fault points after the step of `iteration` ("log", "eval", "save")."""
+        self._fault(phase, iteration)
 
     def resume_at(self, iteration: int) -> None:
         """After a recovery, before the loop's next step: the loop goes on after
@@ -141,10 +156,11 @@ class StepGuard:
         layout's objects: a later generation's plan fires on those of a later world)."""
         return any(p.fail_phase in STEP_PHASES for p in self.plans)
 
-    def _fault(self, phase: str) -> None:
-        generation = self._generation()
-        plan = plan_for(self.plans, generation)
-        if plan is None or generation in self._fired:
+    def _fault(self, phase: str, iteration: Optional[int] = None) -> None:
+        at = self.iteration if iteration is None else iteration
+        plans = [p for p in plans_for(self.plans, self._generation())
+                 if p.fail_phase == phase and p.iteration == at and id(p) not in self._fired]
+        if not plans:
             return
         import torch.distributed as dist
 
@@ -152,10 +168,10 @@ class StepGuard:
 
         with stand_in_world.real_world():
             rank = dist.get_rank()
-        if plan.fail_rank == rank and plan.fail_phase == phase \
-                and self.iteration == plan.iteration:
-            self._fired.add(generation)
-            plan.fail(rank, phase, self.iteration)
+        for plan in plans:
+            if plan.fail_rank == rank:
+                self._fired.add(id(plan))  # a survivor renumbered to its rank: not again
+                plan.fail(rank, phase, at)
 
     def _wrap_chunk(self, chunk: Any) -> None:
         if getattr(chunk, _WRAPPED, False):
@@ -206,19 +222,22 @@ class StepGuard:
 
 
 # ---------------------------------------------------------------------- Megatron's globals
-def _rerun_snapshot() -> Optional[tuple[Any, int]]:
+def _rerun_snapshot() -> Optional[tuple[Any, int, Any]]:
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     m = get_rerun_state_machine()
-    return m.state, m.current_iteration
+    return m.state, m.current_iteration, m.get_mode()
 
 
-def _rerun_restore(state: Any, current_iteration: int) -> None:
+def _rerun_restore(state: Any, current_iteration: int, mode: Any) -> None:
     """megatron-core's rerun state machine as it was at the step boundary: its initial run
-    of the failed step is forgotten, as are the requests that run made."""
+    of the failed step is forgotten, as are the requests that run made, and its mode is
+    the boundary's (Megatron-LM's evaluation disables it until the evaluation ends)."""
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     m = get_rerun_state_machine()
+    if m.get_mode() != mode:
+        m.set_mode(mode)
     if (m.state, m.current_iteration) != (state, current_iteration):
         log.info("dynatrain: megatron-core's rerun state machine reset from %s (iteration "
                  "%d) to %s (iteration %d) after the failed step", m.state.name,
@@ -242,14 +261,20 @@ def _running_timers() -> frozenset[str]:
 
 
 def _reset_timers_except(keep: frozenset[str]) -> None:
-    stopped = []
+    """Timers as at the boundary: those the failure left running reset, those it left
+    stopped (an evaluation stops the interval timer) started again."""
+    stopped, started = [], []
     for name, timer in _timers().items():
-        if name not in keep and getattr(timer, "_started", False):
+        running = getattr(timer, "_started", False)
+        if name not in keep and running:
             timer.reset()
             stopped.append(name)
-    if stopped:
-        log.info("dynatrain: reset the timers the failed step left running: %s",
-                 ", ".join(sorted(stopped)))
+        elif name in keep and not running:
+            timer.start()
+            started.append(name)
+    if stopped or started:
+        log.info("dynatrain: timers as at the step boundary: reset %s, started %s",
+                 ", ".join(sorted(stopped)) or "none", ", ".join(sorted(started)) or "none")
 
 
 __all__ = ("StepGuard",)

@@ -8,7 +8,9 @@ exchange), "commit" (after the transfer, before the commit vote), and "step" (in
 after optimizer step `iteration`, outside any switch), and the points inside the training
 step after iteration `iteration` of a Megatron-LM job (`STEP_PHASES`: its forward, backward,
 first pipeline send, data-parallel gradient reduction, optimizer step before and after the
-survivors' vote; placed by `megatron_lm/step_guard.py`). With `kill`, the failing rank's
+survivors' vote; placed by `megatron_lm/step_guard.py`), and after it, in iteration
+`iteration`'s log line, evaluation and `--save` ("log", "eval", "save";
+`megatron_lm/post_step.py`). With `kill`, the failing rank's
 process exits on the spot instead of raising, as a crash would (its sockets close). With
 `dst_layout`, "prepare" and "commit" failures hit only a switch to that layout (say, a B
 that cannot be built on one rank), so a later switch of the same job goes through.
@@ -18,8 +20,11 @@ to `dst_layout` when that is set): a B that is not ready when the job ends.
 
 `generation` numbers the world a plan's ranks refer to: 0 the launch world, g the world
 re-formed by the g-th recovery after a rank death (the survivors renumbered). A job may
-carry several plans (`DYNATRAIN_FAULTS` as a JSON list, `plans_from_env`), one per
-generation: a second death after the first recovery, at another point, in the new numbering.
+carry several plans (`DYNATRAIN_FAULTS` as a JSON list, `plans_from_env`): one per
+generation (a second death after the first recovery, at another point, in the new
+numbering), or, for deaths inside a Megatron-LM step (`STEP_PHASES`), several in one
+generation naming different ranks: ranks that die in the same step, each at its own point,
+and are recovered from together.
 """
 from __future__ import annotations
 
@@ -36,7 +41,8 @@ from ..vps.errors import DynatrainError
 
 log = logging.getLogger("dynatrain")
 
-STEP_PHASES = ("forward", "backward", "pp_send", "grad_sync", "optimizer", "optimizer_update")
+STEP_PHASES = ("forward", "backward", "pp_send", "grad_sync", "optimizer", "optimizer_update",
+               "log", "eval", "save")
 PHASES = ("prepare", "round", "commit", "step") + STEP_PHASES
 
 
@@ -91,10 +97,11 @@ class FaultPlan:
     @classmethod
     def plans_from_env(cls) -> tuple["FaultPlan", ...]:
         """Every plan in `DYNATRAIN_FAULTS` (empty when unset): a JSON object, or a list of
-        them with one generation each. FaultSpecError naming every defect otherwise
-        (unknown keys, a value of the wrong type: `"kill": "false"` is not a bool, two
-        plans for one generation), so a mistyped plan fails at start-up instead of never
-        firing."""
+        them, one per generation or several step deaths of different ranks in one
+        (module doc). FaultSpecError naming every defect otherwise (unknown keys, a value
+        of the wrong type: `"kill": "false"` is not a bool, two plans for one generation
+        that are not step deaths of different ranks), so a mistyped plan fails at start-up
+        instead of never firing."""
         text = os.environ.get("DYNATRAIN_FAULTS")
         return cls.plans_from_json(text) if text else ()
 
@@ -115,10 +122,7 @@ class FaultPlan:
                 plans.append(cls._from_data(item, f"DYNATRAIN_FAULTS[{i}]"))
             except FaultSpecError as e:
                 errs.append(str(e))
-        gens = [p.generation for p in plans]
-        dup = sorted({g for g in gens if gens.count(g) > 1})
-        if dup:
-            errs.append(f"DYNATRAIN_FAULTS: more than one plan for generation(s) {dup}")
+        errs += _generation_errors(plans)
         if errs:
             raise FaultSpecError("; ".join(errs))
         return tuple(plans)
@@ -185,6 +189,27 @@ class FaultPlan:
             log.warning("fault injection: rank %d corrupted a received piece", rank)
 
 
+def _generation_errors(plans: Sequence[FaultPlan]) -> list[str]:
+    """Generations with more than one plan, unless those are all deaths inside a step
+    (`STEP_PHASES`) of different ranks."""
+    errs = []
+    for g in sorted({p.generation for p in plans}):
+        same = [p for p in plans if p.generation == g]
+        if len(same) < 2:
+            continue
+        ranks = [p.fail_rank for p in same]
+        if any(p.fail_phase not in STEP_PHASES for p in same) or len(set(ranks)) < len(ranks):
+            errs.append(f"DYNATRAIN_FAULTS: more than one plan for generation {g} (several "
+                        f"only as deaths inside a step of different ranks; got "
+                        f"{[(p.fail_rank, p.fail_phase) for p in same]})")
+    return errs
+
+
 def plan_for(plans: Sequence[FaultPlan], generation: int) -> Optional[FaultPlan]:
-    """The plan of world `generation` among `plans` (None if there is none)."""
+    """The (first) plan of world `generation` among `plans` (None if there is none)."""
     return next((p for p in plans if p.generation == generation), None)
+
+
+def plans_for(plans: Sequence[FaultPlan], generation: int) -> tuple[FaultPlan, ...]:
+    """Every plan of world `generation` among `plans` (several step deaths, module doc)."""
+    return tuple(p for p in plans if p.generation == generation)

@@ -1,0 +1,145 @@
+"""A peer's death first seen after `train_step` returned, in the rest of one of Megatron-LM's
+iterations: its log line (`training_log`: the model-parallel reductions, the timers' barrier
+and gathers, report_memory), an evaluation (`evaluate_and_print_results`), the post-step
+callbacks, or `checkpoint_and_decide_exit` (a `--save`, the exit checks' reductions).
+
+Those calls come after the step completed on every survivor: no rank leaves the optimizer
+step before every rank finished its update (the step guard's closing vote,
+`step_guard.py`). The training state in memory is then the new iteration's on every
+survivor, as at a step boundary. So the failure is held, not raised: the failed call returns
+what it returns when it has nothing to do, the iteration's remaining calls are skipped (they
+would fail on the broken world; a `--save` started there could not complete), and
+`LoopSeam.at_step_end` recovers at the boundary (`rank_death.recover_at_boundary`), as from
+a death seen by the boundary's poll: in memory, or from the last complete `--save`. Lost:
+that iteration's log line, its evaluation and its `--save` (the next ones run as
+scheduled), each named in a warning. The loop's own barriers between those calls (its
+timers') are skipped too while a failure is held. A failure that is not a dead peer's is Megatron-LM's
+own error, raised as without dynatrain.
+
+The wrappers replace those names in `megatron.training.training` for the loop's life
+(`train()` looks them up at each call; the same names in every supported release) and are
+removed when it ends (`seam.finish`): a death in the final validation or save after
+`train()` still ends the job with Megatron-LM's error. They also hold the fault points of
+this part of an iteration (`DYNATRAIN_FAULTS` phases "log", "eval", "save": the rank dies as
+that call starts, in the iteration the plan names).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+log = logging.getLogger("dynatrain")
+
+_WRAPPED = "_dynatrain_post_step"
+
+# Megatron-LM's call -> what it returns when it has nothing to do (from its bound arguments)
+_IDLE: dict[str, Callable[[dict], Any]] = {
+    "training_log": lambda a: a.get("report_memory_flag"),
+    "evaluate_and_print_results": lambda a: None,
+    "post_training_step_callbacks":
+        lambda a: a.get("num_floating_point_operations_since_last_log_event"),
+    "checkpoint_and_decide_exit": lambda a: False,
+}
+# the fault point at the start of each call (`save_checkpoint_and_time`: only a fault point;
+# its failures reach `checkpoint_and_decide_exit`'s wrapper, which calls it)
+_FAULTS = {"training_log": "log", "evaluate_and_print_results": "eval",
+           "save_checkpoint_and_time": "save"}
+
+
+class PostStepGuard:
+    """The wrappers of one `train()` loop (module doc). `fault(phase, iteration)`: the step
+    guard's fault points; `failure_of(error)`: a dead peer's failure as text (anything else
+    re-raised, `rank_death.failure_of`)."""
+
+    def __init__(self, fault: Callable[[str, int], None],
+                 failure_of: Callable[[BaseException], str]) -> None:
+        self._fault = fault
+        self._failure_of = failure_of
+        self.pending: Optional[str] = None  # the held failure
+        self.skipped: list[str] = []  # the calls skipped since
+        self._module: Optional[ModuleType] = None
+        self._originals: dict[str, Callable] = {}
+        self._barrier: Optional[Callable] = None  # torch's, while wrapped
+
+    def install(self, module: ModuleType) -> None:
+        """Wrap the calls in `module` (Megatron-LM's `megatron.training.training`), and
+        `torch.distributed.barrier`: the loop's own timers synchronise between those calls
+        (`timers('interval-time').start(barrier=True)` after an evaluation), which on the
+        broken world, while a failure is held, is skipped."""
+        import torch.distributed as dist
+
+        self._module = module
+        for name in sorted(set(_IDLE) | set(_FAULTS)):
+            inner = getattr(module, name, None)
+            if inner is None or getattr(inner, _WRAPPED, False):
+                continue
+            self._originals[name] = inner
+            setattr(module, name, self._wrap(name, inner))
+        barrier = dist.barrier
+        if not getattr(barrier, _WRAPPED, False):
+            self._barrier = barrier
+
+            @functools.wraps(barrier)
+            def held_barrier(*args: Any, **kwargs: Any) -> Any:
+                if self.pending is not None:
+                    self.skipped.append("barrier")
+                    return None
+                return barrier(*args, **kwargs)
+
+            setattr(held_barrier, _WRAPPED, True)
+            dist.barrier = held_barrier
+
+    def remove(self) -> None:
+        """Put Megatron-LM's own functions and torch's barrier back."""
+        import torch.distributed as dist
+
+        if self._module is not None:
+            for name, inner in self._originals.items():
+                setattr(self._module, name, inner)
+        if self._barrier is not None:
+            dist.barrier = self._barrier
+            self._barrier = None
+        self._originals.clear()
+        self._module = None
+
+    def take(self) -> Optional[str]:
+        """The held failure (None if none), cleared; the skipped calls are logged."""
+        failure, self.pending = self.pending, None
+        if failure is not None and self.skipped:
+            log.warning("dynatrain: skipped after the failure, on the broken world: %s",
+                        ", ".join(self.skipped))
+        self.skipped = []
+        return failure
+
+    def _wrap(self, name: str, inner: Callable) -> Callable:
+        signature = inspect.signature(inner)
+        idle, phase = _IDLE.get(name), _FAULTS.get(name)
+
+        @functools.wraps(inner)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            if self.pending is not None and idle is not None:
+                self.skipped.append(name)
+                return idle(bound)
+            if phase is not None and isinstance(bound.get("iteration"), int):
+                self._fault(phase, bound["iteration"])
+            if idle is None:
+                return inner(*args, **kwargs)
+            try:
+                return inner(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - held or re-raised
+                failure = self._failure_of(error)
+            self.pending = failure
+            log.warning("dynatrain: a peer died during Megatron-LM's %s (%s): the step "
+                        "completed on every survivor; recovering at the step boundary",
+                        name, failure[:200])
+            return idle(bound)
+
+        setattr(call, _WRAPPED, True)
+        return call
+
+
+__all__ = ("PostStepGuard",)
