@@ -2,10 +2,10 @@
 checks every call (tests/test_api.py asserts on what it returns)."""
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from rank_cases import gather_layout_state, spec_variant, switch_train_config
+from rank_checks import all_ranks, rng_states, same_rng
 
 A, G, G2, B, C = "tp2pp2dp1", "tp4pp1dp1", "tp2pp1dp2", "tp1pp4dp1", "tp2pp1dp2"
 F = "tp1pp1dp4"  # a switch to F fails on rank 1 before its commit (FAULTS)
@@ -19,22 +19,10 @@ def _scalars(objs) -> tuple:
     return read_optimizer_step(objs.optimizer), objs.scheduler.state_dict()
 
 
-def _rng() -> tuple:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    return (torch.get_rng_state(),
-            {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()})
 
 
-def _same_rng(a: tuple, b: tuple) -> bool:
-    return torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys() and all(
-        torch.equal(a[1][k], b[1][k]) for k in a[1])
 
 
-def _all(flag: bool) -> bool:
-    t = torch.tensor([0 if flag else 1])
-    dist.all_reduce(t)
-    return int(t.item()) == 0
 
 
 def _at_weights(s, gen, full_before) -> dict:
@@ -52,7 +40,7 @@ def _at_weights(s, gen, full_before) -> dict:
     bad = G_.mismatches_against(live, params, ("param",))
     # bare model chunks: no DDP wrapper, no gradient buffer, no optimizer
     wrapped = any(hasattr(m, "ddp_config") or hasattr(m, "buffers_") for m in gen.model)
-    return dict(layout=str(layout), mismatches=_all(not bad), wrapped=wrapped,
+    return dict(layout=str(layout), mismatches=all_ranks(not bad), wrapped=wrapped,
                 bytes_moved=gen.bytes_moved, parked=gen.parked_bytes)
 
 
@@ -104,13 +92,13 @@ def api_cases(root: str) -> dict:
     # -- weights only, optimizer kept on the devices; the weights saved for the reference
     dist_ckpt.save(tr.objs, tr.iteration, tr.consumed_samples, ckpt)
     before = gather_layout_state(s, tr)
-    scalars, rng = _scalars(tr.objs), _rng()
+    scalars, rng = _scalars(tr.objs), rng_states()
     plan_w = job.plan(G, weights_only=True)
     gen = job.weights_to(G, optimizer="keep")
-    rng_at_g = _rng()
+    rng_at_g = rng_states()
     out["gen_keep"] = generate_greedy(gen.model, gen.pg_collection, byte_tokenizer(), PROMPTS,
                                       NUM_TOKENS).tokens
-    out["gen_rng_kept"] = _same_rng(rng_at_g, _rng())
+    out["gen_rng_kept"] = same_rng(rng_at_g, rng_states())
     out["plan_w"] = (plan_w.kinds, plan_w.bytes_moved, plan_w.lower_bound_bytes,
                      plan_w.estimated_seconds > 0)
     out["keep"] = _at_weights(s, gen, before)
@@ -126,7 +114,7 @@ def api_cases(root: str) -> dict:
     after = gather_layout_state(s, tr)
     out["keep"]["state_diff"] = None if before is None else G_.states_equal(before, after)
     out["keep"]["scalars"] = _scalars(tr.objs) == scalars
-    out["keep"]["rng"] = _same_rng(rng, _rng())
+    out["keep"]["rng"] = same_rng(rng, rng_states())
 
     # -- weights only, optimizer parked in host memory: the example's loop, one round
     storages = optimizer_storages(tr.objs.optimizer, tr.objs.model)
@@ -136,8 +124,8 @@ def api_cases(root: str) -> dict:
 
     def at_generation(gen):
         r = _at_weights(s, gen, before)
-        r["emptied"] = _all(all(st.nbytes() == 0 for st in storages) and held > 0)
-        r["parked_all"] = _all(gen.parked_bytes == held)
+        r["emptied"] = all_ranks(all(st.nbytes() == 0 for st in storages) and held > 0)
+        r["parked_all"] = all_ranks(gen.parked_bytes == held)
         r["chunk"] = id(gen.model[0])
         r["build_s"] = dict(gen.phases).get("build")
         rounds.append(r)
@@ -155,7 +143,7 @@ def api_cases(root: str) -> dict:
     after = gather_layout_state(s, tr)
     out["host"]["state_diff"] = None if before is None else G_.states_equal(before, after)
     out["host"]["scalars"] = _scalars(tr.objs) == scalars
-    out["host"]["rng"] = _same_rng(rng, _rng())
+    out["host"]["rng"] = same_rng(rng, rng_states())
 
     # -- a switch that fails on one rank (FAULTS): every rank rolls back, state untouched
     aborted = {}
@@ -169,7 +157,7 @@ def api_cases(root: str) -> dict:
     state = gather_layout_state(s, tr)
     out["aborted"] = dict(reasons=aborted, at=(job.current().layout, job.current().weights_at),
                           diff=None if before is None else G_.states_equal(before, state),
-                          scalars=_scalars(tr.objs) == scalars, rng=_same_rng(rng, _rng()))
+                          scalars=_scalars(tr.objs) == scalars, rng=same_rng(rng, rng_states()))
 
     # training goes on as if the job had never left A
     losses += [tr.step().loss for _ in range(2)]

@@ -21,29 +21,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-def _all(flag: bool) -> bool:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([0 if flag else 1])
-    dist.all_reduce(t)
-    return int(t.item()) == 0
+from rank_checks import all_ranks, rng_states, same_rng  # noqa: E402 (tests/, this script's)
 
 
-def _rng() -> tuple:
-    import torch
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    return (torch.get_rng_state(),
-            {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()})
 
 
-def _same_rng(a: tuple, b: tuple) -> bool:
-    import torch
 
-    return torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys() and all(
-        torch.equal(a[1][k], b[1][k]) for k in a[1])
 
 
 def _unwrap(chunk):
@@ -110,7 +93,7 @@ def main() -> int:
     # the job that never leaves A
     start = RngSnapshot.take()
     ref_losses = [ref.step().loss for _ in range(rounds * steps + 2)]
-    ref_state, ref_rng = state(ref), _rng()
+    ref_state, ref_rng = state(ref), rng_states()
     ref_scalars = (read_optimizer_step(ref.optimizer), ref.scheduler.state_dict())
     start.restore()
 
@@ -127,7 +110,7 @@ def main() -> int:
             dist.barrier()
             dist_checkpointing.save(_unwrap(tr.model[0]).sharded_state_dict(),
                                     str(work / "weights"))
-        before[r] = (state(tr), _rng(), read_optimizer_step(tr.optimizer),
+        before[r] = (state(tr), rng_states(), read_optimizer_step(tr.optimizer),
                      tr.scheduler.state_dict())
 
     def at_generation(gen) -> None:
@@ -136,16 +119,16 @@ def main() -> int:
         bad = G_.mismatches_against(live, {k: v for k, v in full.items() if k[0] == "param"},
                                     ("param",))
         at_g.append(dict(
-            layout=gen.layout, weights_equal=_all(not bad),
-            bare=_all(not any(hasattr(m, "ddp_config") for m in gen.model)),
-            emptied=_all(held > 0 and all(s.nbytes() == 0 for s in storages)),
-            parked_all=_all(gen.parked_bytes == held), bytes_moved=gen.bytes_moved,
+            layout=gen.layout, weights_equal=all_ranks(not bad),
+            bare=all_ranks(not any(hasattr(m, "ddp_config") for m in gen.model)),
+            emptied=all_ranks(held > 0 and all(s.nbytes() == 0 for s in storages)),
+            parked_all=all_ranks(gen.parked_bytes == held), bytes_moved=gen.bytes_moved,
             pause_s=gen.pause_seconds, chunk=id(gen.model[0])))
 
     def after_round(r: int) -> dict:
         st, rng, step, sched = before[r]
-        return dict(state=diff(st, state(tr)), rng=_all(_same_rng(rng, _rng())),
-                    scalars=_all(read_optimizer_step(tr.optimizer) == step
+        return dict(state=diff(st, state(tr)), rng=all_ranks(same_rng(rng, rng_states())),
+                    scalars=all_ranks(read_optimizer_step(tr.optimizer) == step
                                  and tr.scheduler.state_dict() == sched))
 
     rec = _Recording(tr)
@@ -159,8 +142,9 @@ def main() -> int:
     rec.step()
     out.update(
         at_g=at_g, after_last_round=after, losses=rec.losses, ref_losses=ref_losses,
-        vs_never_left=diff(ref_state, state(tr)), rng_vs_never_left=_all(_same_rng(ref_rng, _rng())),
-        scalars_vs_never_left=_all((read_optimizer_step(tr.optimizer),
+        vs_never_left=diff(ref_state, state(tr)),
+        rng_vs_never_left=all_ranks(same_rng(ref_rng, rng_states())),
+        scalars_vs_never_left=all_ranks((read_optimizer_step(tr.optimizer),
                                     tr.scheduler.state_dict()) == ref_scalars),
         tokens=[list(map(list, g.tokens)) for g in gens], loop_s=loop_s)
 
