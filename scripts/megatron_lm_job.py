@@ -59,6 +59,9 @@ def main() -> int:
     p.add_argument("--switch-after", type=int, default=3)
     p.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     args = p.parse_args()
+    # the user's own launcher on both sides (the tests' forked launcher would make the
+    # restart's start-up, which every rank pays in a fresh interpreter, look cheaper)
+    os.environ.setdefault("DYNATRAIN_TEST_LAUNCHER", "torchrun")
     if args.nproc != 4:
         raise SystemExit("--nproc: the operator's requests are written for 4 ranks")
     from dynatrain_megatron.megatron_lm.checkout import working_copy
