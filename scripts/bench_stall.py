@@ -65,6 +65,8 @@ def main() -> int:
     p.add_argument("--switch-after", type=int, default=4)
     p.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     args = p.parse_args()
+    # the user's own launcher on both sides, as in scripts/megatron_lm_job.py
+    os.environ.setdefault("DYNATRAIN_TEST_LAUNCHER", "torchrun")
     k, n = args.switch_after, args.iters
     if not 2 <= k <= n - 4:
         raise SystemExit("--switch-after K needs 2 <= K <= iters - 4 (steady steps at B)")
