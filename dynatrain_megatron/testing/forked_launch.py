@@ -32,7 +32,6 @@ import signal
 import sys
 import time
 import traceback
-import weakref
 from pathlib import Path
 from typing import Sequence
 
@@ -133,21 +132,11 @@ def _worker(rank: int, nproc: int, port: int, script: Path, args: Sequence[str])
         traceback.print_exc()
         code = 1
     try:
-        _skip_operator_library_teardown()
         atexit._run_exitfuncs()  # what a worker's own interpreter would run at its exit
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def _skip_operator_library_teardown() -> None:
-    """At exit, each `torch.library.Library` deregisters its operators (a `weakref.finalize`
-    run by atexit): seconds of CPU per worker for a process about to end, with nothing
-    left to use them. Those finalizers are detached; every other exit function runs."""
-    for fin, info in list(getattr(weakref.finalize, "_registry", {}).items()):
-        if getattr(info.func, "__name__", "") == "_del_library":
-            fin.detach()
 
 
 def run(nproc: int, script: Path, args: Sequence[str], grace_s: float = 10.0) -> int:
