@@ -192,3 +192,79 @@ def test_automatic_collections_wait_for_the_switch_and_a_job_that_disabled_them_
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_weights_travel_with_the_transfer_only_where_b_would_gather_them_after():
+    from dataclasses import replace
+
+    from dynatrain_megatron.configs import load_model as model_spec
+    from dynatrain_megatron.loop.switching import moves_weights
+    from dynatrain_megatron.vps.layout import Layout
+
+    dense, moe = model_spec("tiny-gpt"), model_spec("tiny-moe")
+    assert dense.distributed_optimizer
+    # B's masters sharded over 2 ranks: the rebuild would all-gather B's weights
+    assert moves_weights(dense, Layout.parse("tp1pp2dp2"))
+    assert moves_weights(dense, Layout.parse("tp1pp2dp2", 4))
+    # one rank per shard (DP 1, or one optimizer instance per DP rank): nothing to gather
+    assert not moves_weights(dense, Layout.parse("tp2pp2dp1"))
+    assert not moves_weights(dense, Layout.parse("tp1pp1doi2dp2"))
+    # a plain optimizer holds whole fp32 copies: the rebuild is a local copy
+    assert not moves_weights(replace(dense, distributed_optimizer=False),
+                             Layout.parse("tp1pp2dp2"))
+    # the experts' masters sharded over their own data-parallel ranks (TP 2, expert TP 1:
+    # expert DP 2), the dense ones not (DP 1)
+    assert moves_weights(moe, Layout.parse("tp2pp1ep1etp1dp1"))
+    assert not moves_weights(dense, Layout.parse("tp2pp1ep1etp1dp1"))
+
+
+def test_retired_data_workers_take_the_lowest_priority_and_a_gone_one_is_skipped():
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from dynatrain_megatron.megatron_lm.data_ahead import lower_priority
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        lower_priority([gone, SimpleNamespace(pid=None), proc])  # never raises
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == 19
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_released_layouts_groups_wait_for_the_deferred_collection():
+    from types import SimpleNamespace
+
+    from dynatrain_megatron.mcore import session
+
+    class Groups:
+        def __init__(self):
+            self.destroyed, self.handles = [], [object()]
+
+        def destroy(self, broken=False):
+            self.destroyed.append(broken)
+
+        def take_handles(self):
+            out, self.handles = self.handles, []
+            return out
+
+    def layout():
+        return SimpleNamespace(config=SimpleNamespace(), groups=Groups(), model=[object()],
+                               optimizer=object(), scheduler=object())
+
+    a, b, c = layout(), layout(), layout()
+    session.release(a, collect_later=True, groups_later=True)
+    session.release(b, collect_later=True)  # the groups go now, the memory later
+    assert a.groups.destroyed == [] and a.groups.handles and a.model == []
+    assert b.groups.destroyed == [False] and not b.groups.handles
+    session.collect_released()
+    assert a.groups.destroyed == [False] and not a.groups.handles
+    session.release(c, collect_later=True, groups_later=True)
+    session.collect_released(broken=True)  # a rank died meanwhile: aborted, not shut down
+    assert c.groups.destroyed == [True]
+    session.collect_released()
+    assert c.groups.destroyed == [True]  # once

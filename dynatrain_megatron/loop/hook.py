@@ -39,8 +39,8 @@ from .auto_layout import LayoutAdvisor
 from .stall_tracker import StallTracker
 from .schedule_lead import ScheduleLead
 from .switch_log import SwitchRecord, landing_note, layout_scalars, summary
-from .switching import (is_dead_peer, prepared_switch_args, start_preparation, switch_trainer,
-                        vote_groups)
+from .switching import (is_dead_peer, moves_weights, prepared_switch_args, start_preparation,
+                        switch_trainer, vote_groups)
 from ..mcore.train_config import TrainConfig
 from ..mcore.training import Trainer
 
@@ -279,13 +279,14 @@ class DynatrainHook:
         start_preparation(self.devices, self.builder, src, self.layout_placement, dst,
                           dst_placement=placement, choose_placement=self._choose_placement,
                           ranks_per_node=self.ranks_per_node,
+                          move_weights=moves_weights(self.spec, dst),
                           memory_budget=self.memory_budget, faults=self.faults, src_objs=objs)
 
     def _choose_placement(self, dst: Layout) -> Placement:
         """B's placement from the current layout (pure: every rank alone gets the same)."""
         return choose_dst_placement(self.spec, self.builder, self.layout, self.layout_placement,
                                     dst, tuple(range(dst.world_size)), self.placement,
-                                    self.ranks_per_node)
+                                    self.ranks_per_node, moves_weights(self.spec, dst))
 
     def _record_outcome(self, outcome: str, d: Decision, it: Optional[int], reason: str) -> None:
         self.stall.report.outcome(outcome, d, it, self.layout, self.controller.last_request,
@@ -335,6 +336,7 @@ class DynatrainHook:
                                           dst, dst_devices=dst_placement.devices,
                                           ranks_per_node=self.ranks_per_node,
                                           memory_budget=self.memory_budget,
+                                          move_weights=moves_weights(self.spec, dst),
                                           timeout=self.timeout, timings=timings,
                                           release_a_later=defer, **kw)
         except Exception:
@@ -510,7 +512,7 @@ class DynatrainHook:
         from .death_recovery import recover_after_death
 
         log.error("communication failed (%s): a rank is gone; recovering", error[:200])
-        self.stall.drop()  # the last switch's ranks cannot share its stall any more
+        self.stall.drop(broken=True)  # the last switch's ranks cannot share its stall now
         self._drop_preparation(broken=True)  # built for the old world: cannot finish
         self.channel.forget()  # the broken world's: its sockets must close
         self._sync_target = None

@@ -131,9 +131,14 @@ class StallTracker:
         self._meter.resume()
         self._measured = (rec, extra)
 
-    def drop(self) -> None:
-        """Forget the switch being measured (its ranks cannot share it any more)."""
+    def drop(self, broken: bool = False) -> None:
+        """Forget the switch being measured (its ranks cannot share it any more).
+        `broken`: a rank died; what A's release left to the deferred collection (its
+        groups among it) is freed now, its communicators aborted."""
         self._meter = self._measured = None
+        if broken and self.collect_pending:
+            self.collect_pending = False
+            collect_released(broken=True)
         self._resume_gc()
 
     def finish(self) -> float:

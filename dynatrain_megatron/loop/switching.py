@@ -14,6 +14,7 @@ from ..transition.switch import choose_dst_placement, prepare_switch, read_scala
 from ..transition.switch_types import Prepared, SwitchOptions, SwitchResult
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
+from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from ..mcore.builders import MegatronBuilder, TrainingObjects
 from ..mcore.session import freeze_long_lived_objects, release
@@ -37,8 +38,9 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
 
     `timings`, when given, gets the seconds of what this adds around the switch itself:
     "scalars" (reading them), "release_a" (A's objects and groups freed), "rebind".
-    `release_a_later`: A's objects and groups are released, but the collection that frees
-    their memory is left to the caller (`mcore.session.collect_released`).
+    `release_a_later`: A's objects are released, but the collection that frees their
+    memory is left to the caller (`mcore.session.collect_released`), and so is the destroy
+    of A's groups where B keeps every rank of A.
 
     Returns the trainer rebound to layout B (None on a rank that is not part of B) and the
     switch result; A's objects and process groups are released. If the switch aborted
@@ -63,7 +65,11 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
         return trainer, res
     t0 = time.perf_counter()
     if old is not None:
-        release(old, collect_later=release_a_later)
+        # A's groups go with that collection where every rank of A is in B (module doc
+        # of mcore.session.release: a destroy may be collective)
+        release(old, collect_later=release_a_later,
+                groups_later=release_a_later and set(src_placement.devices) <= set(
+                    res.placement.devices))
     timings["release_a"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if res.objs is None:
@@ -227,6 +233,22 @@ def start_preparation(manager: DeviceManager, builder: MegatronBuilder, src: Lay
     manager.prepare(dst, dst_placement if dst_placement is not None else choose, background=True,
                     then=prepare)
     return manager
+
+
+def moves_weights(spec: ModelSpec, dst: Layout) -> bool:
+    """Whether a switch to `dst` moves the model weights with the optimizer state, rather
+    than rebuilding them from the fp32 masters after the transfer.
+
+    Where B's distributed optimizer shards its masters over more than one rank, the
+    rebuild is an all-gather of the whole weight buffer over those ranks, after the
+    transfer and in the pause: the same weights moved a second time, by a collective of
+    its own. Moved with the transfer instead, they travel in its batched rounds, and the
+    parts that already sit on their destination rank are copied locally. Elsewhere (a
+    plain optimizer, or one rank per shard) the rebuild is a local copy or nothing, and
+    the weights stay out of the transfer (they are replicated over DP: more bytes)."""
+    if not spec.distributed_optimizer:
+        return False
+    return dst.dp * dst.cp > dst.doi or (bool(spec.num_moe_experts) and dst.edp > dst.doi)
 
 
 def prepared_switch_args(manager: DeviceManager) -> dict:

@@ -100,29 +100,35 @@ def freeze_long_lived_objects() -> None:
     _FROZEN["done"] = True
 
 
-def release(objs: TrainingObjects, broken: bool = False, collect_later: bool = False) -> None:
+def release(objs: TrainingObjects, broken: bool = False, collect_later: bool = False,
+            groups_later: bool = False) -> None:
     """Drop a layout's objects, free their memory now, and destroy their process groups
     (`broken`: a rank died and the groups may be unusable; see ParallelGroups.destroy).
     `collect_later`: the caller runs the collection that frees the memory itself, later
     (`collect_released`): a full collection holds the interpreter lock for its whole
     length, so a thread would not take it out of the training thread's way; after a
     switch it can wait until B's first steps are measured (the devices held both layouts
-    during the switch anyway).
+    during the switch anyway). `groups_later`: the groups are destroyed by that
+    collection too (each destroy shuts its communicator down, tens of milliseconds per
+    layout on gloo); only where every rank of the layout runs that collection at the same
+    step boundary, as a communicator's destroy may be collective (NCCL).
 
     megatron's objects reference each other in cycles (the TransformerConfig holds bound
     methods of the DDP wrappers, which hold the config), so dropping references is not
     enough: without a collection the old layout's weights, grads and optimizer state stay
     allocated until Python's GC happens to run, and repeated switches pile them up.
     """
-    import gc
-
     cfg = objs.config
     for name in ("finalize_model_grads_func", "no_sync_func", "param_sync_func", "grad_sync_func"):
         if hasattr(cfg, name):
             setattr(cfg, name, None)
     overlapped = bool(getattr(cfg, "tp_comm_overlap", False))
-    objs.groups.destroy(broken)
-    handles = objs.groups.take_handles()
+    later = groups_later and collect_later and not broken
+    if later:
+        _GROUPS_LATER.append(objs.groups)
+    else:
+        objs.groups.destroy(broken)
+        handles = objs.groups.take_handles()
     objs.model.clear()
     objs.optimizer = None
     objs.scheduler = None
@@ -131,17 +137,33 @@ def release(objs: TrainingObjects, broken: bool = False, collect_later: bool = F
         free_te_user_buffers()
     if not collect_later or broken:
         collect_released()
+    if later:
+        return
     if broken:
         handles.clear()  # after a death: the sockets close now, on this thread
     else:
         drop_in_background(handles)
 
 
-def collect_released() -> None:
-    """Free what a released layout held: its reference cycles, and what the allocator
-    kept of their memory (process_env.release_free_memory)."""
+# released layouts' groups whose destroy waits for `collect_released` (`release`)
+_GROUPS_LATER: list = []
+
+
+def collect_released(broken: bool = False) -> None:
+    """Free what a released layout held: its process groups left to this point
+    (`release(groups_later=True)`; `broken`: a rank died since, see
+    ParallelGroups.destroy), its reference cycles, and what the allocator kept of their
+    memory (process_env.release_free_memory)."""
     import gc
 
+    while _GROUPS_LATER:
+        groups = _GROUPS_LATER.pop(0)
+        groups.destroy(broken)
+        handles = groups.take_handles()
+        if broken:
+            handles.clear()
+        else:
+            drop_in_background(handles)
     gc.collect()
     process_env.release_free_memory()
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -310,6 +311,8 @@ def retire_in_background(*iterators: Any) -> Optional[threading.Thread]:
         _worker_iterators(it, found)
     if not found:
         return None
+    for it in found:  # their exit (the workers' own) yields to the training processes
+        lower_priority(getattr(it, "_workers", ()))
 
     def stop(its: list) -> None:
         for it in its:
@@ -323,6 +326,20 @@ def retire_in_background(*iterators: Any) -> Optional[threading.Thread]:
                          daemon=True)
     t.start()
     return t
+
+
+def lower_priority(processes: Any) -> None:
+    """Give `processes` (a DataLoader's worker processes, retired) the lowest CPU priority
+    (nice 19): their shutdown, each worker interpreter's exit, then takes only the CPU time
+    the training processes leave. Where the system refuses, they keep theirs."""
+    for w in processes:
+        pid = getattr(w, "pid", None)
+        if pid is None:
+            continue
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, 19)
+        except (OSError, AttributeError) as e:  # gone already, or no setpriority here
+            log.debug("lowering the priority of data-loader worker %s: %s", pid, e)
 
 
 def _stand_in_of(groups: Any, layout: Layout) -> Any:
