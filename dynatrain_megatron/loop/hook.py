@@ -64,8 +64,8 @@ class DynatrainHook:
         # how B's objects are made (a Megatron-LM job's builder uses its own config)
         self.builder = builder or MegatronBuilder(spec, train)
         self.controller = controller
-        self.ranks_per_node, self.memory_budget, self.placement = (ranks_per_node, memory_budget,
-                                                                   placement)
+        self.ranks_per_node, self.memory_budget = ranks_per_node, memory_budget
+        self.placement = placement
         self.log_dir = log_dir
         self.outputs = OutputDir(log_dir) if log_dir else None  # never raises
         self.background_groups = background_groups
@@ -332,13 +332,11 @@ class DynatrainHook:
         # A's memory is collected after B's first steps unless the memory plan needs it now
         defer = released is None and "groups" not in self.stall.laps and trainer is not None
         try:
-            trainer, res = switch_trainer(trainer, self.builder, src, src_placement,
-                                          dst, dst_devices=dst_placement.devices,
-                                          ranks_per_node=self.ranks_per_node,
-                                          memory_budget=self.memory_budget,
-                                          move_weights=moves_weights(self.spec, dst),
-                                          timeout=self.timeout, timings=timings,
-                                          release_a_later=defer, **kw)
+            trainer, res = switch_trainer(
+                trainer, self.builder, src, src_placement, dst,
+                dst_devices=dst_placement.devices, ranks_per_node=self.ranks_per_node,
+                memory_budget=self.memory_budget, move_weights=moves_weights(self.spec, dst),
+                timeout=self.timeout, timings=timings, release_a_later=defer, **kw)
         except Exception:
             if released is not None:
                 restore_grad_buffers(released)
