@@ -65,8 +65,8 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
         return trainer, res
     t0 = time.perf_counter()
     if old is not None:
-        # A's groups go with that collection where every rank of A is in B (module doc
-        # of mcore.session.release: a destroy may be collective)
+        # A's groups go with that collection where every rank of A is in B (a destroy may
+        # be collective: mcore.session.release)
         release(old, collect_later=release_a_later,
                 groups_later=release_a_later and set(src_placement.devices) <= set(
                     res.placement.devices))
