@@ -8,7 +8,11 @@ One group of two jobs on 4 gloo ranks per recipe, each checking several things:
 
 * llama: Llama-3.1-shaped: `--rotary-base 500000 --use-rope-scaling`, GQA, SwiGLU, RMSNorm,
   untied embeddings, no biases, bf16; the optimizer side `--lr-decay-style WSD` (decay
-  within the run) and `--lr-warmup-init`; a TP *and* PP change, tp2pp1dp2 -> tp1pp2dp2.
+  within the run) and `--lr-warmup-init`; a TP *and* PP change, tp2pp1dp2 -> tp1pp2ppf1dp2:
+  three layers with `--account-for-embedding-in-pipeline-split` (at pp2 the first stage
+  holds one layer and the embedding), built from a user's `--spec` module, the distributed
+  optimizer's buffers in `--ddp-num-buckets 2` padded buckets
+  (`--ddp-pad-buckets-for-high-nccl-busbw`): planned from the live metadata.
 * deepseek: DeepSeek-shaped attention: `--multi-latent-attention` with low-rank query and
   key-value projections (`--q-lora-rank 32 --kv-lora-rank 16`, split head sizes) and their
   norms (`--qk-layernorm`); aux-loss-free MoE (sigmoid scores, `--moe-router-enable-expert-bias`:
@@ -21,12 +25,13 @@ One group of two jobs on 4 gloo ranks per recipe, each checking several things:
   the fp32 main params and Adam moments of its shard): each of B's four replicas gets all
   of it.
 * qwen_moe: Qwen3-MoE-shaped: `--qk-layernorm`, top-2 routing with the aux loss, a shared
-  expert, `--moe-layer-freq [0,1,1,1]` (a dense first layer), `--rotary-base 1000000`,
+  expert, `--moe-layer-freq [0,1,1]` (a dense first layer), `--rotary-base 1000000`,
   GQA, bf16, `--moe-grouped-gemm` (megatron-core 0.16's GroupedMLP: all local experts of a
   layer in two weights; on the CPU its kernel is `compat.cpu.gmm`, in both jobs); a PP, EP
-  and DP change, tp1pp2ep2dp2 -> tp1pp1ep4dp4. At A the two pipeline
-  stages have different layer patterns (stage 0: dense + MoE, stage 1: MoE + MoE), which a
-  B built with A's pipeline rank would get wrong.
+  and DP change, tp1pp2ep2dp2 -> tp1pp1ep4dp4. Three layers with
+  `--account-for-loss-in-pipeline-split`: at A the two pipeline stages have different layer
+  counts and patterns (stage 0: dense + MoE, stage 1: MoE and the loss; the Layout's ppl1),
+  which a B built with A's pipeline rank would get wrong.
 
 Each: the switch lands after iteration K on every rank; the final checkpoints (model, fp32
 main params, both Adam moments, scheduler, optimizer step) are bit-identical to the
@@ -50,10 +55,22 @@ LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--use-
          "--disable-bias-linear", "--bf16", "--ffn-hidden-size", "128",
          # WSD: warm-up 1, stable, then the last 2 iterations decay (after the switch)
          "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "linear",
-         "--lr-wsd-decay-iters", "2", "--lr-warmup-init", "1e-5"]
+         "--lr-wsd-decay-iters", "2", "--lr-warmup-init", "1e-5",
+         # a user's layer-spec module (planned from the live metadata: the analytic layout
+         # cannot know what a user's module builds)
+         "--spec", "tests.megatron_lm_user_spec", "llama_layer",
+         # three layers, the embedding counted as a layer of the first stage: at pp2 stage 0
+         # holds 1 layer, stage 1 holds 2 (the Layout's ppf1)
+         "--num-layers", "3", "--account-for-embedding-in-pipeline-split",
+         # the distributed optimizer's buffers cut into 2 buckets each, padded for NCCL's bus
+         # bandwidth: its shards are read from its own bookkeeping
+         "--ddp-num-buckets", "2", "--ddp-pad-buckets-for-high-nccl-busbw"]
 QWEN_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
             "--moe-aux-loss-coeff", "1e-2", "--moe-shared-expert-intermediate-size", "32",
-            "--moe-layer-freq", "[0,1,1,1]", "--moe-token-dispatcher-type", "alltoall",
+            "--moe-layer-freq", "[0,1,1]", "--moe-token-dispatcher-type", "alltoall",
+            # three layers, the loss counted as a layer of the last stage: at pp2 stage 0
+            # holds 2 (dense + MoE), stage 1 one MoE layer (the Layout's ppl1)
+            "--num-layers", "3", "--account-for-loss-in-pipeline-split",
             "--moe-grouped-gemm",
             "--qk-layernorm", "--position-embedding-type", "rope", "--rotary-base", "1000000",
             "--group-query-attention", "--num-query-groups", "2", "--swiglu",
@@ -74,10 +91,10 @@ DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank",
 # recipes run as plain DDP: without the common --use-distributed-optimizer
 PLAIN_DDP = {"deepseek"}
 RECIPES = {  # name: (recipe flags, flags at A, flags at B, A, B)
-    "llama": (LLAMA, layout_flags(2, 1), layout_flags(1, 2), "tp2pp1dp2", "tp1pp2dp2"),
+    "llama": (LLAMA, layout_flags(2, 1), layout_flags(1, 2), "tp2pp1dp2", "tp1pp2ppf1dp2"),
     "qwen_moe": (QWEN_MOE, layout_flags(1, 2, expert_model_parallel_size=2),
                  layout_flags(1, 1, expert_model_parallel_size=4),
-                 "tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4"),
+                 "tp1pp2ep2etp1ppl1dp2", "tp1pp1ep4etp1dp4"),
     "deepseek": (DEEPSEEK, layout_flags(2, 2), layout_flags(1, 1), "tp2pp2dp1", "tp1pp1dp4"),
 }
 
@@ -114,6 +131,10 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert (args["rotary_base"], args["use_rope_scaling"]) == ("500000", "True")
         assert (args["lr_decay_style"], args["lr_warmup_init"]) == ("WSD", "1e-05")
         assert args["num_query_groups"] == "2" and args["untie_embeddings_and_output_weights"] == "True"
+        assert args["spec"] == "['tests.megatron_lm_user_spec', 'llama_layer']"
+        assert (args["num_layers"], args["account_for_embedding_in_pipeline_split"]) == ("3", "True")
+        assert (args["ddp_num_buckets"], args["ddp_pad_buckets_for_high_nccl_busbw"]) == ("2", "True")
+        assert "planned from the live metadata" in runs["switched"]
     elif runs["recipe"] == "deepseek":
         assert args["multi_latent_attention"] == "True"
         assert args["use_distributed_optimizer"] == "False"
@@ -125,7 +146,10 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert "planned from the live metadata" in runs["switched"]
     else:
         assert args["rotary_base"] == "1000000" and args["qk_layernorm"] == "True"
-        assert args["moe_layer_freq"] == "[0, 1, 1, 1]"
+        assert args["moe_layer_freq"] == "[0, 1, 1]"
+        assert (args["num_layers"], args["account_for_loss_in_pipeline_split"]) == ("3", "True")
+        # the analytic layout describes the split (ppl1): the switch is planned from it
+        assert "planned from the live metadata" not in runs["switched"]
         assert args["moe_shared_expert_intermediate_size"] == "32"
         assert args["moe_grouped_gemm"] == "True"
         # megatron-core 0.16 builds GroupedMLP (its deprecation warning), in both jobs;
