@@ -12,7 +12,8 @@ One group of two jobs on 4 gloo ranks per recipe, each checking several things:
   three layers with `--account-for-embedding-in-pipeline-split` (at pp2 the first stage
   holds one layer and the embedding), built from a user's `--spec` module, the distributed
   optimizer's buffers in `--ddp-num-buckets 2` padded buckets
-  (`--ddp-pad-buckets-for-high-nccl-busbw`): planned from the live metadata.
+  (`--ddp-pad-buckets-for-high-nccl-busbw`, `--overlap-grad-reduce`): planned from the live
+  metadata.
 * deepseek: DeepSeek-shaped attention: `--multi-latent-attention` with low-rank query and
   key-value projections (`--q-lora-rank 32 --kv-lora-rank 16`, split head sizes) and their
   norms (`--qk-layernorm`); aux-loss-free MoE (sigmoid scores, `--moe-router-enable-expert-bias`:
@@ -62,9 +63,12 @@ LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--use-
          # three layers, the embedding counted as a layer of the first stage: at pp2 stage 0
          # holds 1 layer, stage 1 holds 2 (the Layout's ppf1)
          "--num-layers", "3", "--account-for-embedding-in-pipeline-split",
-         # the distributed optimizer's buffers cut into 2 buckets each, padded for NCCL's bus
-         # bandwidth: its shards are read from its own bookkeeping
-         "--ddp-num-buckets", "2", "--ddp-pad-buckets-for-high-nccl-busbw"]
+         # the distributed optimizer's buffers padded for NCCL's bus bandwidth (to 2**16) and,
+         # with --overlap-grad-reduce, cut into 2 buckets on the first stage (core_v0.16.1:
+         # bucket size = parameters // 2; core_v0.19.0 hands num_buckets to Megatron-FSDP
+         # only): its shards are read from its own bookkeeping
+         "--ddp-num-buckets", "2", "--ddp-pad-buckets-for-high-nccl-busbw",
+         "--overlap-grad-reduce"]
 QWEN_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
             "--moe-aux-loss-coeff", "1e-2", "--moe-shared-expert-intermediate-size", "32",
             "--moe-layer-freq", "[0,1,1]", "--moe-token-dispatcher-type", "alltoall",
@@ -133,7 +137,12 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert args["num_query_groups"] == "2" and args["untie_embeddings_and_output_weights"] == "True"
         assert args["spec"] == "['tests.megatron_lm_user_spec', 'llama_layer']"
         assert (args["num_layers"], args["account_for_embedding_in_pipeline_split"]) == ("3", "True")
-        assert (args["ddp_num_buckets"], args["ddp_pad_buckets_for_high_nccl_busbw"]) == ("2", "True")
+        assert (args["ddp_num_buckets"], args["ddp_pad_buckets_for_high_nccl_busbw"],
+                args["overlap_grad_reduce"]) == ("2", "True", "True")
+        # the buffers' buckets are padded to 2**16 elements, in both jobs
+        for run in ("switched", "resumed"):
+            sizes = re.findall(r"Params for bucket \d+ \(\d+ elements, (\d+) padded size", runs[run])
+            assert sizes and all(int(n) % 2**16 == 0 for n in sizes), (run, sizes)
         assert "planned from the live metadata" in runs["switched"]
     elif runs["recipe"] == "deepseek":
         assert args["multi_latent_attention"] == "True"
