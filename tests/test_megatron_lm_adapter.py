@@ -211,10 +211,10 @@ def test_supported_job_has_no_objection():
 
 def test_megatron_lm_defaults_are_refused_with_reasons():
     a = megatron_args(hidden_dropout=0.1, attention_dropout=0.1, use_distributed_optimizer=False,
-                      rampup_batch_size=["16", "16", "1000"], cuda_graph_impl="local",
+                      decrease_batch_size_if_needed=True, cuda_graph_impl="local",
                       optimizer="sgd")
     why = "\n".join(mlm.unsupported_args(a))
-    for s in ("--rampup-batch-size", "--cuda-graph-impl local", "--optimizer sgd"):
+    for s in ("--decrease-batch-size-if-needed", "--cuda-graph-impl local", "--optimizer sgd"):
         assert s in why
     # plain DDP switches: its replicated optimizer state is in the planning layout
     assert "distributed-optimizer" not in why

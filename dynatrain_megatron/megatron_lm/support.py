@@ -171,9 +171,10 @@ REFUSALS: tuple[Refusal, ...] = (
             "account-for flags shorten the first (last) virtual chunk, which ppf/ppl do not "
             "describe (without them they are the Layout's ppf/ppl)",
             _pipeline_split),
-    Refusal("--rampup-batch-size, --decrease-batch-size-if-needed", "not_yet",
-            "the batch-size ramp's position is not carried by a switch",
-            _flags("rampup_batch_size", "decrease_batch_size_if_needed")),
+    Refusal("--decrease-batch-size-if-needed", "not_yet",
+            "B's micro-batch calculator is made with the batch-size ramp at its position "
+            "(--rampup-batch-size switches) but without this rounding, which no switch has "
+            "been checked with", _flags("decrease_batch_size_if_needed")),
     Refusal("--fp8-format, --fp4-format, --cuda-graph-impl, --use-sharp", "hardware",
             "needs Hopper/Blackwell kernels, CUDA graphs or a SHARP fabric: B would be built by "
             "Megatron-LM, but TE's FP8 scaling state (_extra_state, a sharded object that "
