@@ -32,7 +32,12 @@ One group of two jobs on 4 gloo ranks per recipe, each checking several things:
   and DP change, tp1pp2ep2dp2 -> tp1pp1ep4dp4. Three layers with
   `--account-for-loss-in-pipeline-split`: at A the two pipeline stages have different layer
   counts and patterns (stage 0: dense + MoE, stage 1: MoE and the loss; the Layout's ppl1),
-  which a B built with A's pipeline rank would get wrong.
+  which a B built with A's pipeline rank would get wrong. Trained by samples
+  (`--train-samples 40`, micro-batches of 1) with `--rampup-batch-size 4 4 16` to a global
+  batch of 8: core_v0.16.1 ramps (iterations 1-4 at 4, 5-7 at 8; the switch after 3 lands
+  inside the ramp, B's DP 4 takes one micro-batch where A's DP 2 took two), and every
+  iteration's global batch is the restart's; core_v0.19.0's Megatron-LM ignores the flag
+  (5 iterations at 8).
 
 Each: the switch lands after iteration K on every rank; the final checkpoints (model, fp32
 main params, both Adam moments, scheduler, optimizer step) are bit-identical to the
@@ -79,7 +84,16 @@ QWEN_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-si
             "--qk-layernorm", "--position-embedding-type", "rope", "--rotary-base", "1000000",
             "--group-query-attention", "--num-query-groups", "2", "--swiglu",
             "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
-            "--disable-bias-linear", "--bf16", "--ffn-hidden-size", "96"]
+            "--disable-bias-linear", "--bf16", "--ffn-hidden-size", "96",
+            # trained by samples with a batch-size ramp, micro-batches of 1 (so that every
+            # batch of the ramp splits over B's DP 4): core_v0.16.1 ramps 4 -> 8 over the
+            # first 16 samples (iterations 1-4 at 4, 5-7 at 8), core_v0.19.0 ignores the
+            # flag (5 iterations at 8); the switch after 3 lands inside the ramp
+            "--micro-batch-size", "1", "--lr-warmup-iters", "0", "--lr-warmup-samples", "4",
+            "--train-samples", "40", "--rampup-batch-size", "4", "4", "16"]
+# qwen_moe's iterations by release: core_v0.16.1's ramp (4 at 4 samples, 3 at 8) or 40 / 8
+RAMPED = {"core_v0.16.1": {i: 4 if i <= 4 else 8 for i in range(1, 8)}}
+BY_SAMPLES = {"qwen_moe"}
 DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16",
             "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
             "--qk-layernorm", "--position-embedding-type", "rope", "--swiglu",
@@ -111,8 +125,11 @@ RECIPES = {  # name: (recipe flags, flags at A, flags at B, A, B)
 def runs(request, tmp_path_factory):
     require_snapshot()
     recipe, a, b, lay_a, lay_b = RECIPES[request.param]
-    common = (CPU_FLAGS + TINY_MODEL + MOCK_DATA + recipe
-              + ["--eval-interval", "1000", "--train-iters", str(N)])
+    batches = ({} if request.param not in BY_SAMPLES else
+               RAMPED.get(release_name(), {i: 8 for i in range(1, 6)}))
+    n = len(batches) or N
+    common = (CPU_FLAGS + TINY_MODEL + MOCK_DATA + recipe + ["--eval-interval", "1000"]
+              + ([] if batches else ["--train-iters", str(N)]))
     if request.param in PLAIN_DDP:
         common = [f for f in common if f != "--use-distributed-optimizer"]
     # B takes the placement the planner chooses: Megatron-LM's loss line must still print
@@ -120,7 +137,7 @@ def runs(request, tmp_path_factory):
     # the restart resumes the switched run's own --save at K (A's state): two jobs, not three
     out = switch_and_restart(tmp_path_factory.mktemp(f"recipe-{request.param}"), common, a, b,
                              lay_b, K, own_save=True)
-    return dict(out, A=lay_a, B=lay_b, recipe=request.param)
+    return dict(out, A=lay_a, B=lay_b, recipe=request.param, N=n, batches=batches)
 
 
 def _printed_args(text: str) -> dict[str, str]:
@@ -161,6 +178,14 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert "planned from the live metadata" not in runs["switched"]
         assert args["moe_shared_expert_intermediate_size"] == "32"
         assert args["moe_grouped_gemm"] == "True"
+        assert (args["train_samples"], args["rampup_batch_size"]) == ("40", "[4, 4, 16]")
+        # every iteration's global batch as Megatron-LM printed it: the ramp (core_v0.16.1)
+        # continues at B from its position, as after the restart's load
+        batch = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \|.*?global batch size:\s+(\d+) \|")
+        ours = {int(i): int(b) for i, b in batch.findall(runs["switched"])}
+        theirs = {int(i): int(b) for i, b in batch.findall(runs["resumed"])}
+        assert ours == runs["batches"], ours
+        assert theirs == {i: b for i, b in ours.items() if i > K}, theirs
         # megatron-core 0.16 builds GroupedMLP (its deprecation warning), in both jobs;
         # 0.19's local spec builds one module per expert whatever the flag
         legacy = release_name() == "core_v0.16.1"
@@ -173,7 +198,7 @@ def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
 
 
 def test_final_checkpoints_are_bit_identical(runs):
-    ours = assert_final_checkpoints_identical(runs, N)
+    ours = assert_final_checkpoints_identical(runs, runs["N"])
     if runs["recipe"] == "qwen_moe":  # the dense layer and the experts both came across
         assert any("experts" in k for k in ours) and any("shared_experts" in k for k in ours)
         # layers keyed one by one (they differ): layer 0 is dense, 1..3 have experts
@@ -203,7 +228,7 @@ def test_final_checkpoints_are_bit_identical(runs):
 
 
 def test_losses_match_megatron_lm_restart(runs):
-    assert_losses_as_restart(runs, K, N)
+    assert_losses_as_restart(runs, K, runs["N"])
 
 
 def test_a_refused_option_ends_the_job_when_its_command_line_is_parsed(tmp_path):

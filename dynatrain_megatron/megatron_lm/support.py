@@ -210,7 +210,8 @@ SUPPORTED: tuple[tuple[str, str], ...] = (
      "tests/test_megatron_lm_recipes.py::llama"),
     ("MoE: top-k routing with the aux loss, shared experts, --moe-layer-freq dense/MoE "
      "patterns, --qk-layernorm, --moe-grouped-gemm (local layers), EP and expert-TP changes; "
-     "--account-for-loss-in-pipeline-split (the Layout's ppl)",
+     "--account-for-loss-in-pipeline-split (the Layout's ppl); --train-samples with "
+     "--rampup-batch-size, switched inside the ramp (core_v0.16.1)",
      "tests/test_megatron_lm_recipes.py::qwen_moe"),
     ("DeepSeek recipe: multi-latent attention (--multi-latent-attention, --q-lora-rank, "
      "--kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim, --qk-layernorm), "
