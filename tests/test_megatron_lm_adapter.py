@@ -615,8 +615,10 @@ def test_what_the_analytic_layout_cannot_place_is_planned_from_the_live_metadata
     dict(use_precision_aware_optimizer=True), dict(optimizer_cpu_offload=True),
     dict(num_experts=8, moe_grouped_gemm=True, transformer_impl="transformer_engine"),
     dict(multi_latent_attention=True, transformer_impl="transformer_engine"),
+    # Megatron-LM's FSDP: NCCL stream options / cuda:<device> buffers (both releases)
+    dict(use_torch_fsdp2=True), dict(use_megatron_fsdp=True),
 ])
-def test_transformer_engine_only_options_are_refused_as_hardware(over):
+def test_cuda_only_options_are_refused_as_hardware(over):
     from dynatrain_megatron.megatron_lm.support import REFUSALS
 
     hits = [r for r in REFUSALS if r.test(megatron_args(**over))]

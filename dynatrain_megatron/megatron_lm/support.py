@@ -128,17 +128,20 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("--use-legacy-models", "restart",
             "the legacy models have no sharded metadata: dist_checkpointing cannot reshard "
             "them", _flags("use_legacy_models")),
-    Refusal("--optimizer sgd / muon / other than adam", "restart",
+    Refusal("--optimizer sgd / muon / other than adam, --use-layer-wise-distributed-optimizer",
+            "restart",
             "Megatron-LM's own --load at another layout fails for SGD (no optimizer state is "
             "created before the load, core_v0.16.1); the Muon "
-            "optimizers are layer-wise, with state the switch does not read", _optimizer),
-    Refusal("--use-torch-fsdp2, --use-megatron-fsdp, --use-custom-fsdp, "
-            "--use-layer-wise-distributed-optimizer", "not_yet",
-            "the optimizer state lives in FSDP's (or the layer-wise optimizer's) own shards, "
-            "which the switch does not read; whether Megatron-LM's own restart reshards them "
-            "on the CPU is not checked either",
-            _flags("use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp",
-                   "use_layer_wise_distributed_optimizer")),
+            "optimizers are layer-wise, with state the switch does not read",
+            lambda a: _optimizer(a) + _flags("use_layer_wise_distributed_optimizer")(a)),
+    Refusal("--use-torch-fsdp2, --use-megatron-fsdp, --use-custom-fsdp", "hardware",
+            "Megatron-LM's FSDP needs CUDA and NCCL: with --use-torch-fsdp2 its argument "
+            "validation puts the data-parallel group on a high-priority NCCL stream, which "
+            "fails without NCCL (torch.distributed.ProcessGroupNCCL, both releases); "
+            "Megatron-FSDP places its buffers on cuda:<device>. Their optimizer state lives in "
+            "FSDP's own shards (fsdp_dtensor checkpoints), which the switch does not read "
+            "(unverified)",
+            _flags("use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp")),
     Refusal("--mtp-num-layers with tied embeddings", "restart",
             "Megatron-LM's own --save cannot write multi-token prediction with tied "
             "embeddings at PP > 1 (it asserts, core_v0.16.1), so no restart to such a layout "
