@@ -601,6 +601,7 @@ def test_account_for_flags_with_virtual_stages_stay_refused():
 
 @pytest.mark.parametrize("over,flags", [
     (dict(spec=["my_specs", "layer"]), ["--spec"]),
+    (dict(add_qkv_bias=True, add_bias_linear=False), ["--add-qkv-bias"]),
     (dict(ddp_num_buckets=2), ["--ddp-num-buckets"]),
     (dict(ddp_num_buckets=2, ddp_pad_buckets_for_high_nccl_busbw=True),
      ["--ddp-num-buckets", "--ddp-pad-buckets-for-high-nccl-busbw"]),

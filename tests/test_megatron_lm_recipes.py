@@ -7,7 +7,8 @@ in the background while A trains.
 One group of two jobs on 4 gloo ranks per recipe, each checking several things:
 
 * llama: Llama-3.1-shaped: `--rotary-base 500000 --use-rope-scaling`, GQA, SwiGLU, RMSNorm,
-  untied embeddings, no biases, bf16; the optimizer side `--lr-decay-style WSD` (decay
+  untied embeddings, bf16, biases on the query/key/value projection only (`--add-qkv-bias`,
+  Qwen2's); the optimizer side `--lr-decay-style WSD` (decay
   within the run) and `--lr-warmup-init`; a TP *and* PP change, tp2pp1dp2 -> tp1pp2ppf1dp2:
   three layers with `--account-for-embedding-in-pipeline-split` (at pp2 the first stage
   holds one layer and the embedding), built from a user's `--spec` module, the distributed
@@ -65,6 +66,9 @@ LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--use-
          # a user's layer-spec module (planned from the live metadata: the analytic layout
          # cannot know what a user's module builds)
          "--spec", "tests.megatron_lm_user_spec", "llama_layer",
+         # Qwen2's attention: biases on the query/key/value projection only (planned from
+         # the live metadata: the analytic layout's biases are all or none)
+         "--add-qkv-bias",
          # three layers, the embedding counted as a layer of the first stage: at pp2 stage 0
          # holds 1 layer, stage 1 holds 2 (the Layout's ppf1)
          "--num-layers", "3", "--account-for-embedding-in-pipeline-split",
@@ -160,6 +164,7 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         for run in ("switched", "resumed"):
             sizes = re.findall(r"Params for bucket \d+ \(\d+ elements, (\d+) padded size", runs[run])
             assert sizes and all(int(n) % 2**16 == 0 for n in sizes), (run, sizes)
+        assert args["add_qkv_bias"] == "True" and args["add_bias_linear"] == "False"
         assert "planned from the live metadata" in runs["switched"]
     elif runs["recipe"] == "deepseek":
         assert args["multi_latent_attention"] == "True"
@@ -199,6 +204,10 @@ def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
 
 def test_final_checkpoints_are_bit_identical(runs):
     ours = assert_final_checkpoints_identical(runs, runs["N"])
+    if runs["recipe"] == "llama":  # the query/key/value biases, and no other bias
+        biases = {k for k in ours if k.endswith(".bias") and not k.startswith("optimizer.")}
+        assert biases == {"decoder.layers.self_attention.linear_qkv.bias"}, biases
+        assert ours["decoder.layers.self_attention.linear_qkv.bias"].shape[0] == 3  # layers
     if runs["recipe"] == "qwen_moe":  # the dense layer and the experts both came across
         assert any("experts" in k for k in ours) and any("shared_experts" in k for k in ours)
         # layers keyed one by one (they differ): layer 0 is dense, 1..3 have experts

@@ -74,8 +74,6 @@ def _layer_pattern(a: Any) -> list[str]:
     for n in ("heterogeneous_layers_config_path", "experimental_attention_variant"):
         if _v(a, n) is not None:
             out.append("--" + n.replace("_", "-"))
-    if _v(a, "add_qkv_bias", False) and not _v(a, "add_bias_linear", True):
-        out.append("--add-qkv-bias without --add-bias-linear")
     if (_v(a, "position_embedding_type", "learned_absolute") == "learned_absolute"
             and _v(a, "max_position_embeddings") not in (None, _v(a, "seq_length"))):
         out.append("--max-position-embeddings other than --seq-length (learned positions)")
@@ -97,6 +95,8 @@ def plans_from_metadata(args: Any) -> list[str]:
                            # a user's layer-spec module builds what the analytic layout
                            # cannot know
                            ("--spec", "spec"),
+                           # Qwen2's attention biases without the other linear biases
+                           ("--add-qkv-bias", "add_qkv_bias"),
                            # the distributed optimizer's shards follow megatron-core's bucket
                            # cuts and padding: read from its own bookkeeping (`gbuf_ranges`)
                            ("--ddp-num-buckets", "ddp_num_buckets"),
@@ -158,8 +158,7 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda a: _te_layers(a) + _flags("use_precision_aware_optimizer",
                                              "optimizer_cpu_offload")(a)),
     Refusal("--heterogeneous-layers-config-path, --experimental-attention-variant, "
-            "--add-qkv-bias without --add-bias-linear, learned positions longer than "
-            "--seq-length", "not_yet",
+            "learned positions longer than --seq-length", "not_yet",
             "the analytic layout (vps/naming.py) does not describe their parameters, and no "
             "switch planned from the live metadata has been checked with them yet",
             _layer_pattern),
@@ -208,6 +207,7 @@ SUPPORTED: tuple[tuple[str, str], ...] = (
     ("Llama-3.1 recipe: --rotary-base 500000 --use-rope-scaling, GQA, SwiGLU, RMSNorm, "
      "untied, no biases, bf16; --lr-decay-style WSD, --lr-warmup-init. A user's --spec "
      "module; --account-for-embedding-in-pipeline-split (the Layout's ppf); "
+     "--add-qkv-bias (Qwen2's attention biases without the others); "
      "--ddp-num-buckets with --ddp-pad-buckets-for-high-nccl-busbw (the distributed "
      "optimizer's shards read from its own bookkeeping). Planned from the live metadata",
      "tests/test_megatron_lm_recipes.py::llama"),
