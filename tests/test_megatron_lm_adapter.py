@@ -243,8 +243,6 @@ def test_options_carried_by_megatron_lm_building_b_are_accepted():
 
 
 @pytest.mark.parametrize("over,needle", [
-    (dict(position_embedding_type="learned_absolute", max_position_embeddings=64),
-     "--max-position-embeddings"),
     (dict(num_experts=8, moe_grouped_gemm=True, transformer_impl="transformer_engine"),
      "--moe-grouped-gemm with --transformer-impl transformer_engine"),
     (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
@@ -602,6 +600,8 @@ def test_account_for_flags_with_virtual_stages_stay_refused():
 @pytest.mark.parametrize("over,flags", [
     (dict(spec=["my_specs", "layer"]), ["--spec"]),
     (dict(add_qkv_bias=True, add_bias_linear=False), ["--add-qkv-bias"]),
+    # Megatron-LM sets add_qkv_bias with --add-bias-linear: biases everywhere, described
+    (dict(add_qkv_bias=True, add_bias_linear=True), []),
     (dict(ddp_num_buckets=2), ["--ddp-num-buckets"]),
     (dict(ddp_num_buckets=2, ddp_pad_buckets_for_high_nccl_busbw=True),
      ["--ddp-num-buckets", "--ddp-pad-buckets-for-high-nccl-busbw"]),
@@ -624,3 +624,18 @@ def test_cuda_only_options_are_refused_as_hardware(over):
 
     hits = [r for r in REFUSALS if r.test(megatron_args(**over))]
     assert [r.cls for r in hits] == ["hardware"] and "needs CUDA" in hits[0].why, hits
+
+
+def test_a_learned_position_table_longer_than_the_sequence_is_described():
+    from dynatrain_megatron.vps.analytic import analytic_layout
+
+    a = megatron_args(position_embedding_type="learned_absolute", max_position_embeddings=64)
+    assert mlm.unsupported_args(a) == [] and plans_from_metadata(a) == []
+    spec = mla.spec_from_megatron_args(a)
+    assert spec.max_position_embeddings == 64
+    assert mla.spec_from_megatron_args(megatron_args(
+        position_embedding_type="learned_absolute")).max_position_embeddings is None
+    al = analytic_layout(spec, Layout.parse("tp2pp2dp1", 4), None)
+    rows = {f.box.shape for f in al.fragments(0, ("param",))
+            if f.key == "embedding.position_embeddings.weight"}
+    assert rows == {(64, 64)}, rows

@@ -14,6 +14,7 @@ The reference is Megatron-LM's own restart, as in test_megatron_lm_train.py:
 
 The model's layers come from a user's `--spec` module (megatron-core's local layer): the
 recovery, a switch with rank 1 unavailable, is planned from the survivor's live metadata.
+Its learned position table has 64 rows for a sequence of 32 (`--max-position-embeddings`).
 The final checkpoints must be equal bit for bit as logical tensors, and the losses after K
 the restart's (its 2nd print after `--load` is Megatron-LM's two-iteration mean).
 """
@@ -44,7 +45,9 @@ def runs(tmp_path_factory):
     # a user's --spec module (the same layers): the recovery is planned from the live
     # metadata of the survivor alone
     common = CPU_FLAGS + TINY_GPT + layout_flags(1, 1) + [
-        "--train-iters", str(N), "--spec", "tests.megatron_lm_user_spec", "gpt_layer"]
+        "--train-iters", str(N), "--spec", "tests.megatron_lm_user_spec", "gpt_layer",
+        # a learned position table longer than the sequence (64 rows, sequence of 32)
+        "--max-position-embeddings", "64"]
     kill = json.dumps({"fail_rank": 1, "fail_phase": "save", "iteration": K, "kill": True,
                        "exit_code": 1})
     status, switched = run_launched(

@@ -124,6 +124,15 @@ def _position_embedding(args: Any) -> str:
     return kind if kind in ("learned_absolute", "none") else "rope"
 
 
+def _position_rows(args: Any) -> Optional[int]:
+    """Rows of the learned position table where they are not the sequence length (None:
+    they are, or there is no table)."""
+    rows = arg_value(args, "max_position_embeddings")
+    if _position_embedding(args) != "learned_absolute" or rows in (None, args.seq_length):
+        return None
+    return int(rows)
+
+
 def params_dtype_of(args: Any) -> str:
     if arg_value(args, "bf16", False):
         return "bf16"
@@ -162,6 +171,7 @@ def spec_from_megatron_args(args: Any, vocab_size: Optional[int] = None,
         # gated linear units double fc1 (SwiGLU, quick-GeGLU)
         swiglu=bool(arg_value(args, "swiglu", False) or arg_value(args, "quick_geglu", False)),
         position_embedding_type=_position_embedding(args),
+        max_position_embeddings=_position_rows(args),
         untie_embeddings_and_output_weights=bool(
             arg_value(args, "untie_embeddings_and_output_weights", False)),
         normalization=arg_value(args, "normalization", "LayerNorm"),

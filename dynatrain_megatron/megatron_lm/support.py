@@ -74,9 +74,6 @@ def _layer_pattern(a: Any) -> list[str]:
     for n in ("heterogeneous_layers_config_path", "experimental_attention_variant"):
         if _v(a, n) is not None:
             out.append("--" + n.replace("_", "-"))
-    if (_v(a, "position_embedding_type", "learned_absolute") == "learned_absolute"
-            and _v(a, "max_position_embeddings") not in (None, _v(a, "seq_length"))):
-        out.append("--max-position-embeddings other than --seq-length (learned positions)")
     return out
 
 
@@ -90,19 +87,23 @@ def plans_from_metadata(args: Any) -> list[str]:
     """The options of `args` whose state the analytic layout (`vps/`) does not describe:
     a job with any is planned from every rank's live metadata of A and B
     (`transition.metadata_exchange`) instead of the analytic layout."""
-    return [f for f, n in (("--mtp-num-layers", "mtp_num_layers"),
+    out = [f for f, n in (("--mtp-num-layers", "mtp_num_layers"),
                            ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias"),
                            # a user's layer-spec module builds what the analytic layout
                            # cannot know
                            ("--spec", "spec"),
-                           # Qwen2's attention biases without the other linear biases
-                           ("--add-qkv-bias", "add_qkv_bias"),
                            # the distributed optimizer's shards follow megatron-core's bucket
                            # cuts and padding: read from its own bookkeeping (`gbuf_ranges`)
                            ("--ddp-num-buckets", "ddp_num_buckets"),
                            ("--ddp-pad-buckets-for-high-nccl-busbw",
                             "ddp_pad_buckets_for_high_nccl_busbw"))
             if _set(_v(args, n))]
+    # Qwen2's attention biases without the other linear biases (Megatron-LM sets
+    # add_qkv_bias with --add-bias-linear too: biases everywhere, which the analytic
+    # layout describes)
+    if _v(args, "add_qkv_bias", False) and not _v(args, "add_bias_linear", True):
+        out.append("--add-qkv-bias")
+    return out
 
 
 def _pipeline_split(a: Any) -> list[str]:
@@ -157,8 +158,8 @@ REFUSALS: tuple[Refusal, ...] = (
             "switch does not read their reduced-precision moments or host copies",
             lambda a: _te_layers(a) + _flags("use_precision_aware_optimizer",
                                              "optimizer_cpu_offload")(a)),
-    Refusal("--heterogeneous-layers-config-path, --experimental-attention-variant, "
-            "learned positions longer than --seq-length", "not_yet",
+    Refusal("--heterogeneous-layers-config-path, --experimental-attention-variant",
+            "not_yet",
             "the analytic layout (vps/naming.py) does not describe their parameters, and no "
             "switch planned from the live metadata has been checked with them yet",
             _layer_pattern),
