@@ -1290,7 +1290,7 @@ _LAYOUT_ARGS = {"tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "decoder_last_pipeline_num_layers", "padded_vocab_size", "sequence_parallel",
                 "overlap_p2p_comm", "tp_comm_overlap", "use_cpu_initialization",
                 "data_parallel_random_init", "init_model_with_meta_device",
-                "enable_gloo_process_groups"}
+                "enable_gloo_process_groups", "align_param_gather"}
 
 
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
@@ -1299,8 +1299,10 @@ def test_b_ddp_config_comes_from_the_jobs_args_field_for_field(monkeypatch, back
     of the job's args set to B (megatron_lm/builder.py). That copy equals the job's args in
     every attribute but B's layout and weight-making ones; in particular every argument a
     DDP config is made from (each config field's namesake and the renamed flags) is the
-    job's, but the optimizer-instance count, which is B's. (That get_model turns these args
-    into the config is Megatron-LM's code, run by the Megatron-LM tests.)"""
+    job's, but the optimizer-instance count, which is B's, and the aligned parameter
+    gather, which Megatron-LM's validation turns off without VPP. (That Megatron-LM's own
+    functions turn these args into the configs Megatron-LM makes at B is
+    test_megatron_lm_config.py's `test_b_ddp_and_optimizer_configs_are_megatron_lm_own_at_b`.)"""
     import dataclasses
     import types
 
@@ -1328,15 +1330,41 @@ def test_b_ddp_config_comes_from_the_jobs_args_field_for_field(monkeypatch, back
     b_args = builder.args_for(b, types.SimpleNamespace(rank=5), init_weights=False)
     assert vars(args) == job  # the job's own args are untouched
     for n in ddp_args:
-        if n != "num_distributed_optimizer_instances":
+        if n not in ("num_distributed_optimizer_instances", "align_param_gather"):
             assert getattr(b_args, n) is getattr(args, n), n
     assert b_args.num_distributed_optimizer_instances == b.doi
+    assert b_args.align_param_gather is False  # B has no VPP
     differ = {k for k in set(vars(args)) | set(vars(b_args))
               if getattr(args, k, None) != getattr(b_args, k, None)}
     assert differ <= _LAYOUT_ARGS, differ - _LAYOUT_ARGS
     assert b_args.tensor_model_parallel_size == 1 and b_args.data_parallel_size == 4
     # B's groups have no gloo twins under NCCL (megatron's legacy checkpoint formats only)
     assert b_args.enable_gloo_process_groups is (backend == "gloo")
+
+
+def test_aligned_param_gather_follows_vpp_as_megatron_lm_validation_does():
+    """`align_param_gather` (a DDP config field, and what `train()` reads to set the
+    param-sync callback) is off without VPP after Megatron-LM's validation: a job without
+    VPP switching to VPP gets it back (unless `--no-align-param-gather` was given, which
+    only a VPP job's args show), and a VPP job switching away turns it off."""
+    import types
+
+    from dynatrain_megatron.megatron_lm.transformer_config import JobIntents, settings_at
+
+    def job(vpp, align):
+        return types.SimpleNamespace(tensor_model_parallel_size=1, overlap_p2p_comm=vpp > 1,
+                                     virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                     align_param_gather=align)
+
+    vpp, plain = Layout.parse("tp1pp2vpp2dp2", 4), Layout.parse("tp1pp4", 4)
+    no_vpp_job = job(1, False)  # validated: off without VPP whatever was asked
+    assert settings_at(no_vpp_job, vpp, JobIntents.from_args(no_vpp_job))["align_param_gather"]
+    for align in (True, False):
+        a = job(2, align)
+        assert settings_at(a, vpp, JobIntents.from_args(a))["align_param_gather"] is align
+        assert settings_at(a, plain, JobIntents.from_args(a))["align_param_gather"] is False
+    older = types.SimpleNamespace(tensor_model_parallel_size=1)  # a release without the flag
+    assert "align_param_gather" not in settings_at(older, vpp, JobIntents.from_args(older))
 
 
 def test_options_we_cannot_honour_are_refused_at_start():
