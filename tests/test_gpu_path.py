@@ -1135,6 +1135,59 @@ def test_votes_run_on_the_cpu_group_with_a_deadline(monkeypatch):
     assert S.vote_deadline(None) == S.VOTE_TIMEOUT_S and S.vote_deadline(1000.0) == 4000.0
 
 
+def test_broken_layout_aborts_its_nccl_communicators_together_then_destroys(monkeypatch):
+    """`destroy(broken=True)` after a peer died: every NCCL communicator of the layout is
+    aborted inside one NCCL group call (one abort each, however often a group is listed),
+    gloo groups and groups this rank is not in are not aborted, and only then is each
+    group destroyed, in creation order; a destroy that fails is not fatal."""
+    import types
+
+    from dynatrain_megatron.compat import torch_features as tf
+    from dynatrain_megatron.elastic import groups as G
+    from dynatrain_megatron.transition import transport as T
+
+    calls = []
+
+    class Backend:
+        def _group_start(self):
+            calls.append("group start")
+
+        def _group_end(self):
+            calls.append("group end")
+
+    class Group:
+        def __init__(self, name, nccl=True):
+            self.name, self.nccl = name, nccl
+
+        def _get_backend(self, device):
+            return Backend()
+
+        def abort(self):
+            calls.append(f"abort {self.name}")
+
+    tp, dp, twin, transfer = Group("tp"), Group("dp"), Group("twin", nccl=False), Group("xfer")
+    non_member = G.dist.GroupMember.NON_GROUP_MEMBER
+    monkeypatch.setattr(T, "is_nccl", lambda g=None: g.nccl)
+    monkeypatch.setattr(tf, "process_group_abort", lambda: True)
+
+    def destroy(g=None):
+        calls.append(f"destroy {g.name}")
+        if g is dp:
+            raise RuntimeError("communicator already gone")
+
+    monkeypatch.setattr(G.dist, "destroy_process_group", destroy)
+    layout = types.SimpleNamespace(created=[tp, non_member, dp, twin, tp, transfer])
+    G.ParallelGroups.destroy(layout, broken=True)
+    assert calls == ["group start", "abort tp", "abort dp", "abort xfer", "group end",
+                     "destroy tp", "destroy dp", "destroy twin", "destroy tp", "destroy xfer"]
+    assert layout.created == []
+    # a torch whose backend has no group call: aborted one after another all the same
+    calls.clear()
+    monkeypatch.setattr(Backend, "_group_start", None)
+    assert T.abort_groups([tp, twin, dp]) == 2 and calls == ["abort tp", "abort dp"]
+    assert T.abort_groups([twin, non_member, None]) == 0
+
+
 def test_nccl_error_handling_is_set_before_megatron_lm_makes_its_groups(monkeypatch):
     """Plain torchrun + the patched pretrain_gpt.py: our argument provider (run by
     Megatron-LM's parse_args, before torch.distributed exists) sets it; a user's value
