@@ -58,7 +58,8 @@ CHECKS: tuple[Check, ...] = (
     Check("c_background_comms", "(c) communicators created in the background while the "
           "main thread runs collectives, under a hang watchdog", 45),
     Check("d_abort_destroy", "(d) abort and destroy of an idle and of a busy communicator, "
-          "then a new one and the default group work", 45),
+          "two aborted together in one NCCL group call, then a new one and the default group "
+          "work", 45),
     Check("e_executor_geometry", "(e) the executor at real geometry: one rank's pieces of the "
           "llama3-70b tp8->tp4 plan through a loopback transport, against the cost model's "
           "local-copy and checksum constants; (f) that pause broken down", 110),
@@ -373,7 +374,8 @@ def w_d_abort_destroy() -> dict:
 
     from dynatrain_megatron.compat.torch_features import new_group
     from dynatrain_megatron.elastic.communicators import group_device
-    from dynatrain_megatron.transition.transport import Pending, abort_group, warm_up
+    from dynatrain_megatron.transition.transport import (Pending, abort_group, abort_groups,
+                                                         warm_up)
 
     world = dist.get_world_size()
     out: dict = {}
@@ -406,9 +408,26 @@ def w_d_abort_destroy() -> dict:
     x = torch.ones(1, device="cuda")
     dist.all_reduce(x)
     out.update(new_group_ok=float(y) == world, default_group_ok=float(x) == world)
+    # a broken layout's communicators: aborted together in one NCCL group call, then
+    # destroyed (ParallelGroups.destroy(broken=True)); a group made after still works
+    try:
+        pair = [new_group(range(world), device=group_device()) for _ in range(2)]
+        for g in pair:
+            warm_up(g)
+        t1 = time.perf_counter()
+        out["grouped_aborted"] = abort_groups(pair)
+        out["grouped_abort_s"] = time.perf_counter() - t1
+        for g in pair:
+            dist.destroy_process_group(g)
+        z = torch.ones(1, device="cuda")
+        dist.all_reduce(z, group=new_group(range(world), device=group_device()))
+        out["after_grouped_abort_ok"] = float(z) == world
+    except Exception as e:  # noqa: BLE001 - reported; the figures above stand
+        out["grouped_abort_error"] = f"{type(e).__name__}: {e}"
     out["ok"] = bool(out["idle_aborted"] and out["busy_timed_out"] and out["raised_after_s"] < 3
                      and out["busy_destroyed"] is True and out["new_group_ok"]
-                     and out["default_group_ok"])
+                     and out["default_group_ok"] and out.get("grouped_aborted") == 2
+                     and out.get("after_grouped_abort_ok"))
     return out
 
 
