@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -57,7 +58,8 @@ CHECKS: tuple[Check, ...] = (
     Check("c_background_comms", "(c) communicators created in the background while the "
           "main thread runs collectives, under a hang watchdog", 45),
     Check("d_abort_destroy", "(d) abort and destroy of an idle and of a busy communicator, "
-          "then a new one and the default group work", 45),
+          "two aborted together in one NCCL group call, then a new one and the default group "
+          "work", 45),
     Check("e_executor_geometry", "(e) the executor at real geometry: one rank's pieces of the "
           "llama3-70b tp8->tp4 plan through a loopback transport, against the cost model's "
           "local-copy and checksum constants; (f) that pause broken down", 110),
@@ -94,29 +96,53 @@ def tree_configs_writable_by_others(root: Path = ROOT) -> tuple[list[str], list[
     return fixed, left
 
 
+def wheel_modules(whl: Path) -> set[str]:
+    """The importable names a wheel installs, from its contents (a distribution's name
+    need not be its module's: PyYAML installs yaml). megatron-core's `megatron` is a
+    namespace Megatron-LM's tree shares, so its name is `megatron.core`."""
+    with zipfile.ZipFile(whl) as z:
+        tops = {n.split("/")[0] if "/" in n else n.split(".")[0] for n in z.namelist()}
+    tops = {t for t in tops if t and not t.endswith((".dist-info", ".data"))
+            and t != "__pycache__"}
+    return {"megatron.core" if t == "megatron" else t for t in tops}
+
+
+def _private_dir(path: Path) -> Path:
+    """`path` as a folder only this user can write (made if missing): the unzipped wheels
+    are imported from it, so a folder someone else made or can change is refused."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise SystemExit(f"gpu_check: wheel cache {path} is not a folder of this user's "
+                         f"that only it can write; remove it or pass another")
+    return path
+
+
 def bootstrap(wheels: Path = WHEELS, cache: Optional[Path] = None) -> list[str]:
-    """Put this tree and, for each wheel whose top-level module is missing, the unzipped
-    wheel on `sys.path`. Returns the folders added (also for the workers' PYTHONPATH)."""
+    """Put this tree and, for each wheel whose modules are all missing here, the unzipped
+    wheel on `sys.path` (the machine's own packages are never shadowed). Returns the
+    folders added (also for the workers' PYTHONPATH)."""
     import importlib.util
 
     tree_configs_writable_by_others()
     added = [str(ROOT)]
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    cache = cache or Path(tempfile.gettempdir()) / "dynatrain_gpu_wheels"
+    cache = cache or Path(tempfile.gettempdir()) / f"dynatrain_gpu_wheels-{os.getuid()}"
+    here = f"cp{sys.version_info[0]}{sys.version_info[1]}"
     for whl in sorted(wheels.glob("*.whl")) if wheels.is_dir() else []:
-        top = {"megatron_core": "megatron.core"}.get(whl.name.split("-")[0], whl.name.split("-")[0])
-        try:
-            present = importlib.util.find_spec(top) is not None
-        except ModuleNotFoundError:
-            present = False
+        tag = whl.name.split("-")[2]
+        if not (tag.startswith("py3") or tag == here or "abi3" in whl.name):
+            continue  # built for another Python
+        present = False
+        for top in wheel_modules(whl):
+            try:
+                present = present or importlib.util.find_spec(top) is not None
+            except ModuleNotFoundError:
+                pass
         if present:
             continue
-        tag = whl.name.split("-")[2]
-        here = f"cp{sys.version_info[0]}{sys.version_info[1]}"
-        if not (tag.startswith("py3") or tag == here or "abi3" in whl.name):
-            continue
-        dest = cache / whl.stem
+        dest = _private_dir(cache) / whl.stem
         if not (dest / ".done").exists():
             with zipfile.ZipFile(whl) as z:
                 z.extractall(dest)
@@ -348,7 +374,8 @@ def w_d_abort_destroy() -> dict:
 
     from dynatrain_megatron.compat.torch_features import new_group
     from dynatrain_megatron.elastic.communicators import group_device
-    from dynatrain_megatron.transition.transport import Pending, abort_group, warm_up
+    from dynatrain_megatron.transition.transport import (Pending, abort_group, abort_groups,
+                                                         warm_up)
 
     world = dist.get_world_size()
     out: dict = {}
@@ -381,9 +408,26 @@ def w_d_abort_destroy() -> dict:
     x = torch.ones(1, device="cuda")
     dist.all_reduce(x)
     out.update(new_group_ok=float(y) == world, default_group_ok=float(x) == world)
+    # a broken layout's communicators: aborted together in one NCCL group call, then
+    # destroyed (ParallelGroups.destroy(broken=True)); a group made after still works
+    try:
+        pair = [new_group(range(world), device=group_device()) for _ in range(2)]
+        for g in pair:
+            warm_up(g)
+        t1 = time.perf_counter()
+        out["grouped_aborted"] = abort_groups(pair)
+        out["grouped_abort_s"] = time.perf_counter() - t1
+        for g in pair:
+            dist.destroy_process_group(g)
+        z = torch.ones(1, device="cuda")
+        dist.all_reduce(z, group=new_group(range(world), device=group_device()))
+        out["after_grouped_abort_ok"] = float(z) == world
+    except Exception as e:  # noqa: BLE001 - reported; the figures above stand
+        out["grouped_abort_error"] = f"{type(e).__name__}: {e}"
     out["ok"] = bool(out["idle_aborted"] and out["busy_timed_out"] and out["raised_after_s"] < 3
                      and out["busy_destroyed"] is True and out["new_group_ok"]
-                     and out["default_group_ok"])
+                     and out["default_group_ok"] and out.get("grouped_aborted") == 2
+                     and out.get("after_grouped_abort_ok"))
     return out
 
 

@@ -56,12 +56,51 @@ def main() -> None:
             megatron_args(b_flags, spec.padded_vocab_size(layout.tp)))
         diff = [f.name for f in dataclasses.fields(ours) if f.name not in INIT_FIELDS
                 and not same(getattr(ours, f.name), getattr(theirs, f.name))]
+        ddp, optimizer = ddp_and_optimizer_differences(a, spec, layout, b_flags)
         out.append({"layout": b_text, "diff": diff, "sequence_parallel": ours.sequence_parallel,
+                    "ddp_diff": ddp, "optimizer_diff": optimizer,
                     "overlap_p2p_comm": ours.overlap_p2p_comm,
                     "recompute": ours.recompute_granularity,
                     "perform_initialization": ours.perform_initialization})
     print("RESULT " + json.dumps(out))
     print("SAMPLER " + json.dumps(sampler_advanced_as_built_later()))
+
+
+def fields_differing(x, y) -> list:
+    return [f.name for f in dataclasses.fields(x) if not same(getattr(x, f.name),
+                                                              getattr(y, f.name))]
+
+
+def ddp_and_optimizer_differences(a, spec, layout: Layout, b_flags: list[str]):
+    """B's DDP and optimizer configs as Megatron-LM's own functions make them from the args
+    our builder gives B (`MegatronLMBuilder.args_for`, on NCCL), against those made from
+    Megatron-LM's args at B: the differing fields (None: this release has no such function;
+    core_v0.16.1 builds its DDP config inside get_model)."""
+    import types
+
+    import torch
+    from megatron.training import training as lm_training
+
+    from dynatrain_megatron.mcore.train_config import TrainConfig
+    from dynatrain_megatron.megatron_lm.builder import MegatronLMBuilder
+
+    builder = MegatronLMBuilder(spec, TrainConfig(), args=a, intents=JobIntents.from_args(a),
+                                model_provider=lambda *x: None)
+    backend = torch.distributed.get_backend
+    torch.distributed.get_backend = lambda group=None: "nccl"
+    try:
+        ours = builder.args_for(layout, types.SimpleNamespace(rank=0), init_weights=False)
+    finally:
+        torch.distributed.get_backend = backend
+    theirs = megatron_args(b_flags, spec.padded_vocab_size(layout.tp))
+    ddp = getattr(lm_training, "get_megatron_ddp_config", None)
+    ddp_diff = None if ddp is None else fields_differing(ddp(ours), ddp(theirs))
+    made = [lm_training.get_megatron_optimizer_config(x) for x in (ours, theirs)]
+    made = [m if isinstance(m, tuple) else (m, None) for m in made]
+    opt_diff = fields_differing(made[0][0], made[1][0])
+    if made[0][1] != made[1][1]:  # per-parameter overrides
+        opt_diff.append("config_overrides")
+    return ddp_diff, opt_diff
 
 
 def sampler_advanced_as_built_later() -> list:

@@ -443,6 +443,57 @@ def test_gpu_check_makes_its_copied_configs_readable(tmp_path):
     assert mod.tree_configs_writable_by_others(tmp_path) == ([], [])
 
 
+def test_gpu_check_takes_from_its_wheels_only_what_the_machine_lacks(tmp_path, monkeypatch):
+    """What travels in gpu_wheels/ (make gpu-wheels): a wheel whose modules (read from
+    its contents, not its name) are missing is unzipped once into the cache and
+    importable; one whose module the machine has (yaml from PyYAML, megatron.core here)
+    is left out, so the machine's own is used; one for another Python is skipped; a
+    cache folder others can write is refused."""
+    import importlib
+    import os
+    import sys
+    import zipfile
+
+    mod = _gpu_check_module()
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(mod, "tree_configs_writable_by_others", lambda root=None: ([], []))
+    wheels, cache = tmp_path / "wheels", tmp_path / "cache"
+    wheels.mkdir()
+    for name, tags, files in (
+            ("Dyn_Gpu_Fake", "py3-none-any", ("dyn_gpu_fake/__init__.py", "dyn_gpu_one.py")),
+            ("PyYAML", "py3-none-any", ("yaml/__init__.py", "_yaml/__init__.py")),
+            ("megatron_core", "py3-none-any", ("megatron/core/__init__.py",)),
+            ("dyn_gpu_other", "cp39-cp39-linux_x86_64", ("dyn_gpu_other/__init__.py",))):
+        with zipfile.ZipFile(wheels / f"{name}-9.9-{tags}.whl", "w") as z:
+            for f in files:
+                z.writestr(f, "FROM_WHEEL = True\n")
+            z.writestr(f"{name}-9.9.dist-info/METADATA", "")
+    assert mod.wheel_modules(wheels / "PyYAML-9.9-py3-none-any.whl") == {"yaml", "_yaml"}
+    assert mod.wheel_modules(wheels / "megatron_core-9.9-py3-none-any.whl") == {"megatron.core"}
+    added = mod.bootstrap(wheels, cache)
+    assert added == [str(mod.ROOT), str(cache / "Dyn_Gpu_Fake-9.9-py3-none-any")]
+    try:
+        assert importlib.import_module("dyn_gpu_fake").FROM_WHEEL
+        assert importlib.import_module("dyn_gpu_one").FROM_WHEEL
+    finally:
+        sys.modules.pop("dyn_gpu_fake", None)
+        sys.modules.pop("dyn_gpu_one", None)
+    assert not hasattr(importlib.import_module("yaml"), "FROM_WHEEL")
+    assert not (cache / "dyn_gpu_other-9.9-cp39-cp39-linux_x86_64").exists()
+    assert mod.bootstrap(wheels, cache) == [str(mod.ROOT)]  # on sys.path already
+    marker = cache / "Dyn_Gpu_Fake-9.9-py3-none-any/dyn_gpu_one.py"
+    marker.write_text("UNZIPPED_ONCE = True\n")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != added[1]])
+    assert mod.bootstrap(wheels, cache) == added and "ONCE" in marker.read_text()
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != added[1]])
+    os.chmod(cache, 0o777)
+    with pytest.raises(SystemExit, match="only it can write"):
+        mod.bootstrap(wheels, cache)
+    # make gpu-wheels fetches megatron-core's wheel for the lent machine's Python
+    make = (mod.ROOT / "Makefile").read_text()
+    assert "--python-version 3.12" in make and "megatron-core==0.16.1" in make
+
+
 def _gpu_check_workers_on_cpu(names: list) -> dict:
     """gpu_check's workers on the CPU runtime (one gloo rank), with small models where the
     GPU run uses large ones and the device-memory readings faked: what they call in the
@@ -662,6 +713,110 @@ def test_padding_bytes_per_device_do_not_grow_with_the_world(a, b):
             assert at == n.hi, (n, covered)
 
 
+def _padding_exchange_case(a: str, b: str, sizes: tuple) -> dict:
+    """For each job size n in `sizes`: a job at `a` and one at `b` side by side on the
+    world's first n ranks (the others standby; tiny-gpt: 1000 rows, 1024 with padding).
+    A's padding rows (weights and optimizer state) are set to a function of their global
+    flat index, then `carry_vocab_padding` moves them into B's on a transport that counts
+    what this rank really sends and receives."""
+    import torch.distributed as dist
+
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
+    from dynatrain_megatron.mcore.session import release, start_job
+    from dynatrain_megatron.transition.transport import TorchP2PTransport
+    from dynatrain_megatron.transition.vocab_padding import (_flat_lo, carry_vocab_padding,
+                                                             padding_plan)
+    from dynatrain_megatron.vps.fragment import KINDS
+    from dynatrain_megatron.vps.placement import Placement
+    from rank_cases import switch_train_config
+
+    me = dist.get_rank()
+    train = switch_train_config({"micro_batch_size": 1})
+    builder = MegatronBuilder(TINY_GPT, train)
+
+    def live(tr):
+        return None if tr is None else LiveState(tr.objs.model, tr.objs.optimizer,
+                                                 tr.objs.groups.virtual_rank, TINY_GPT.vocab_size)
+
+    def value(g: torch.Tensor, kind: str) -> torch.Tensor:  # exact in fp32
+        # fp32 weights: the optimizer's main params are views of the weights themselves
+        plane = {"param": 0, "main_param": 0, "exp_avg": 1, "exp_avg_sq": 2}[kind]
+        return (g % 4096 + 1 + 10000 * plane).float()
+
+    def one(n: int) -> dict:
+        la, lb, placement = Layout.parse(a, n), Layout.parse(b, n), Placement.default(n)
+        ja, jb = start_job(TINY_GPT, la, train, placement), start_job(TINY_GPT, lb, train,
+                                                                      placement)
+        old, new = live(ja), live(jb)
+        for f in old.padding_fragments(KINDS) if old else ():
+            v = old.view(f.kind, f.chunk, f.local_name, f.local_box)
+            lo = _flat_lo(old, f)
+            v.copy_(value(torch.arange(lo, lo + v.numel()), f.kind).view(v.shape))
+        for f in new.padding_fragments(KINDS) if new else ():  # garbage: all must be written
+            new.view(f.kind, f.chunk, f.local_name, f.local_box).fill_(-7)
+        plan = padding_plan(
+            (analytic_layout(TINY_GPT, la, builder.bucket_size(la)), placement),
+            (analytic_layout(TINY_GPT, lb, builder.bucket_size(lb)), placement), KINDS)
+        count = dict(sent=0, received=0, peers=set(), exchanges=0)
+
+        class Counting(TorchP2PTransport):
+            def start(self, sends, recvs, tag=0):
+                count["exchanges"] += 1
+                for key, box in (("sent", sends), ("received", recvs)):
+                    for peer, ts in box.items():
+                        assert peer != me  # local copies never reach the transport
+                        count["peers"].add(peer)
+                        count[key] += sum(t.numel() * t.element_size() for t in ts)
+                return super().start(sends, recvs, tag)
+
+        written, errors = carry_vocab_padding(plan, me, old, new, Counting(), timeout=60)
+        cols, rows_a = TINY_GPT.hidden_size, TINY_GPT.padded_vocab_size(la.tp)
+        wrong = 0
+        for f in new.padding_fragments(KINDS) if new else ():
+            v = new.view(f.kind, f.chunk, f.local_name, f.local_box).reshape(-1)
+            g = torch.arange(_flat_lo(new, f), _flat_lo(new, f) + v.numel())
+            want = torch.where(g < rows_a * cols, value(g, f.kind), torch.zeros(()))
+            wrong += int((v.float() != want).sum())
+        for tr in (jb, ja):
+            if tr is not None:
+                release(tr.objs)
+        dist.barrier()
+        sent, received = plan.elements_per_device().get(me, (0, 0))
+        return dict(sent=count["sent"], received=count["received"], peers=len(count["peers"]),
+                    exchanges=count["exchanges"], plan_sent=sent * 4, plan_received=received * 4,
+                    written=written, errors=errors, wrong=wrong, member=old is not None,
+                    world_gather_bytes=sum((h.hi - h.lo) * 4 for h in plan.held))
+
+    return {n: one(n) for n in sizes}
+
+
+@pytest.mark.multirank
+def test_padding_exchange_bytes_per_rank_counted_in_4_and_8_rank_jobs():
+    """Issue 27, 1, on real ranks: the same switch (tp2 -> tp1, DP grows with the job) in
+    a 4-rank job (4 more ranks standby) and an 8-rank job. What each rank sends and
+    receives on the transport is what the plan says, B's padding rows are A's (zero beyond
+    them), and the most any rank moves does not grow from 4 to 8 ranks, while what the
+    world-wide gather it replaced gave every rank did."""
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    res = run_on_ranks(_padding_exchange_case, 8, "tp2", "tp1", (4, 8), timeout=600)
+    got = {n: [r[n] for r in res] for n in (4, 8)}
+    for n, rs in got.items():
+        assert [r["member"] for r in rs] == [True] * n + [False] * (8 - n)
+        for r in rs:
+            assert not r["errors"] and r["wrong"] == 0, (n, r)
+            assert r["written"] > 0 or not r["member"], (n, r)
+            assert (r["sent"], r["received"]) == (r["plan_sent"], r["plan_received"]), (n, r)
+            assert r["exchanges"] == (1 if r["sent"] or r["received"] else 0), (n, r)
+            assert r["peers"] <= 2, (n, r)
+    most = {n: max(max(r["sent"], r["received"]) for r in rs) for n, rs in got.items()}
+    assert 0 < most[8] <= most[4], most
+    assert got[4][0]["world_gather_bytes"] < got[8][0]["world_gather_bytes"]
+    print(f"padding bytes, most per rank: 4 ranks {most[4]}, 8 ranks {most[8]}; "
+          f"what a world gather gave every rank: {got[4][0]['world_gather_bytes']}, "
+          f"{got[8][0]['world_gather_bytes']}")
+
+
 def test_padding_plan_skips_dead_holders_and_pads_nothing_without_padding():
     plan = _pad_plan("tiny-gpt", "tp2", "tp2", 8, unavailable=(0, 2))
     assert plan.pieces and not {p.src for p in plan.pieces} & {0, 2}
@@ -729,6 +884,40 @@ def test_memory_check_is_on_with_a_device_and_measures_it():
     assert 2 < comms <= len(GROUP_AXES) + 2
     assert MC.new_communicators(Layout.parse("tp1", 1)) == 1  # one rank: its own group only
     assert reserve == GiB + 2 * GiB + comms * MC.DEFAULT_NCCL_COMM_BYTES
+
+
+def test_memory_check_on_a_gpu_reads_the_device_and_resets_its_peaks(monkeypatch):
+    """No flag given, a CUDA device present: the job's check reads `mem_get_info` and the
+    allocator's stats of the rank's device, and every step boundary (and a switch) resets
+    the allocator's peaks, so a window never holds more than the last step."""
+    import types
+
+    from dynatrain_megatron.loop import memory_check as MC
+
+    GiB = 1 << 30
+    calls = []
+    stats = {"allocated_bytes.all.current": 20 * GiB, "reserved_bytes.all.current": 24 * GiB,
+             "allocated_bytes.all.peak": 31 * GiB, "reserved_bytes.all.peak": 33 * GiB}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda d=None: calls.append(("info", d)) or (50 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda d=None: dict(stats))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda d=None: calls.append(("reset", d)))
+    args = types.SimpleNamespace(dynatrain_device_memory=None, dynatrain_activation_reserve=0,
+                                 dynatrain_memory_reserve=0)
+    check = MC.from_args(args)
+    assert check is not None and isinstance(check.source, MC.CudaMemory)
+    assert check.source.device == 3
+    total, pool, _ = check.inputs(Layout.parse("tp2", 2))
+    assert total == 80 * GiB and pool == 13 * GiB  # peak reserved - allocated
+    assert ("info", 3) in calls and ("reset", 3) not in calls
+    check.step_boundary()
+    assert calls[-1] == ("reset", 3)
+    stats.update({"allocated_bytes.all.peak": 20 * GiB, "reserved_bytes.all.peak": 24 * GiB})
+    check.forget_peaks()  # after a switch: the window starts from what is live now
+    assert calls[-1] == ("reset", 3) and check.inputs(Layout.parse("tp2", 2))[1] == 4 * GiB
 
 
 def test_memory_peaks_are_per_step_and_forgotten_after_a_switch():
@@ -946,6 +1135,59 @@ def test_votes_run_on_the_cpu_group_with_a_deadline(monkeypatch):
     assert S.vote_deadline(None) == S.VOTE_TIMEOUT_S and S.vote_deadline(1000.0) == 4000.0
 
 
+def test_broken_layout_aborts_its_nccl_communicators_together_then_destroys(monkeypatch):
+    """`destroy(broken=True)` after a peer died: every NCCL communicator of the layout is
+    aborted inside one NCCL group call (one abort each, however often a group is listed),
+    gloo groups and groups this rank is not in are not aborted, and only then is each
+    group destroyed, in creation order; a destroy that fails is not fatal."""
+    import types
+
+    from dynatrain_megatron.compat import torch_features as tf
+    from dynatrain_megatron.elastic import groups as G
+    from dynatrain_megatron.transition import transport as T
+
+    calls = []
+
+    class Backend:
+        def _group_start(self):
+            calls.append("group start")
+
+        def _group_end(self):
+            calls.append("group end")
+
+    class Group:
+        def __init__(self, name, nccl=True):
+            self.name, self.nccl = name, nccl
+
+        def _get_backend(self, device):
+            return Backend()
+
+        def abort(self):
+            calls.append(f"abort {self.name}")
+
+    tp, dp, twin, transfer = Group("tp"), Group("dp"), Group("twin", nccl=False), Group("xfer")
+    non_member = G.dist.GroupMember.NON_GROUP_MEMBER
+    monkeypatch.setattr(T, "is_nccl", lambda g=None: g.nccl)
+    monkeypatch.setattr(tf, "process_group_abort", lambda: True)
+
+    def destroy(g=None):
+        calls.append(f"destroy {g.name}")
+        if g is dp:
+            raise RuntimeError("communicator already gone")
+
+    monkeypatch.setattr(G.dist, "destroy_process_group", destroy)
+    layout = types.SimpleNamespace(created=[tp, non_member, dp, twin, tp, transfer])
+    G.ParallelGroups.destroy(layout, broken=True)
+    assert calls == ["group start", "abort tp", "abort dp", "abort xfer", "group end",
+                     "destroy tp", "destroy dp", "destroy twin", "destroy tp", "destroy xfer"]
+    assert layout.created == []
+    # a torch whose backend has no group call: aborted one after another all the same
+    calls.clear()
+    monkeypatch.setattr(Backend, "_group_start", None)
+    assert T.abort_groups([tp, twin, dp]) == 2 and calls == ["abort tp", "abort dp"]
+    assert T.abort_groups([twin, non_member, None]) == 0
+
+
 def test_nccl_error_handling_is_set_before_megatron_lm_makes_its_groups(monkeypatch):
     """Plain torchrun + the patched pretrain_gpt.py: our argument provider (run by
     Megatron-LM's parse_args, before torch.distributed exists) sets it; a user's value
@@ -1098,10 +1340,11 @@ _LAYOUT_ARGS = {"tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "context_parallel_size", "expert_model_parallel_size",
                 "expert_tensor_parallel_size", "data_parallel_size", "world_size", "rank",
                 "num_distributed_optimizer_instances", "decoder_first_pipeline_num_layers",
-                "decoder_last_pipeline_num_layers", "padded_vocab_size", "sequence_parallel",
+                "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
+                "account_for_loss_in_pipeline_split", "padded_vocab_size", "sequence_parallel",
                 "overlap_p2p_comm", "tp_comm_overlap", "use_cpu_initialization",
                 "data_parallel_random_init", "init_model_with_meta_device",
-                "enable_gloo_process_groups"}
+                "enable_gloo_process_groups", "align_param_gather"}
 
 
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
@@ -1110,8 +1353,10 @@ def test_b_ddp_config_comes_from_the_jobs_args_field_for_field(monkeypatch, back
     of the job's args set to B (megatron_lm/builder.py). That copy equals the job's args in
     every attribute but B's layout and weight-making ones; in particular every argument a
     DDP config is made from (each config field's namesake and the renamed flags) is the
-    job's, but the optimizer-instance count, which is B's. (That get_model turns these args
-    into the config is Megatron-LM's code, run by the Megatron-LM tests.)"""
+    job's, but the optimizer-instance count, which is B's, and the aligned parameter
+    gather, which Megatron-LM's validation turns off without VPP. (That Megatron-LM's own
+    functions turn these args into the configs Megatron-LM makes at B is
+    test_megatron_lm_config.py's `test_b_ddp_and_optimizer_configs_are_megatron_lm_own_at_b`.)"""
     import dataclasses
     import types
 
@@ -1139,15 +1384,41 @@ def test_b_ddp_config_comes_from_the_jobs_args_field_for_field(monkeypatch, back
     b_args = builder.args_for(b, types.SimpleNamespace(rank=5), init_weights=False)
     assert vars(args) == job  # the job's own args are untouched
     for n in ddp_args:
-        if n != "num_distributed_optimizer_instances":
+        if n not in ("num_distributed_optimizer_instances", "align_param_gather"):
             assert getattr(b_args, n) is getattr(args, n), n
     assert b_args.num_distributed_optimizer_instances == b.doi
+    assert b_args.align_param_gather is False  # B has no VPP
     differ = {k for k in set(vars(args)) | set(vars(b_args))
               if getattr(args, k, None) != getattr(b_args, k, None)}
     assert differ <= _LAYOUT_ARGS, differ - _LAYOUT_ARGS
     assert b_args.tensor_model_parallel_size == 1 and b_args.data_parallel_size == 4
     # B's groups have no gloo twins under NCCL (megatron's legacy checkpoint formats only)
     assert b_args.enable_gloo_process_groups is (backend == "gloo")
+
+
+def test_aligned_param_gather_follows_vpp_as_megatron_lm_validation_does():
+    """`align_param_gather` (a DDP config field, and what `train()` reads to set the
+    param-sync callback) is off without VPP after Megatron-LM's validation: a job without
+    VPP switching to VPP gets it back (unless `--no-align-param-gather` was given, which
+    only a VPP job's args show), and a VPP job switching away turns it off."""
+    import types
+
+    from dynatrain_megatron.megatron_lm.transformer_config import JobIntents, settings_at
+
+    def job(vpp, align):
+        return types.SimpleNamespace(tensor_model_parallel_size=1, overlap_p2p_comm=vpp > 1,
+                                     virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                     align_param_gather=align)
+
+    vpp, plain = Layout.parse("tp1pp2vpp2dp2", 4), Layout.parse("tp1pp4", 4)
+    no_vpp_job = job(1, False)  # validated: off without VPP whatever was asked
+    assert settings_at(no_vpp_job, vpp, JobIntents.from_args(no_vpp_job))["align_param_gather"]
+    for align in (True, False):
+        a = job(2, align)
+        assert settings_at(a, vpp, JobIntents.from_args(a))["align_param_gather"] is align
+        assert settings_at(a, plain, JobIntents.from_args(a))["align_param_gather"] is False
+    older = types.SimpleNamespace(tensor_model_parallel_size=1)  # a release without the flag
+    assert "align_param_gather" not in settings_at(older, vpp, JobIntents.from_args(older))
 
 
 def test_options_we_cannot_honour_are_refused_at_start():
@@ -1160,7 +1431,9 @@ def test_options_we_cannot_honour_are_refused_at_start():
                    for x in unsupported_args(types.SimpleNamespace(**base)))
     bad = unsupported_args(types.SimpleNamespace(**base, ddp_pad_buckets_for_high_nccl_busbw=True,
                                                  use_sharp=True))
-    assert any("--ddp-pad-buckets-for-high-nccl-busbw" in x for x in bad)
+    # padded buckets switch, planned from the live metadata (the distributed optimizer's
+    # own ranges); SHARP stays refused
+    assert not any("--ddp-pad-buckets-for-high-nccl-busbw" in x for x in bad)
     assert any("--use-sharp" in x for x in bad)
 
 

@@ -33,8 +33,12 @@ def flags(tp, pp, *extra):
 
 
 VPP = ("--num-layers-per-virtual-pipeline-stage", "1")
+# DDP flags away from their defaults (what B must keep from the job)
+DDP = ("--ddp-bucket-size", "4000", "--ddp-average-in-collective", "--check-for-large-grads",
+       "--overlap-grad-reduce")
 CASES = [  # (flags at A, flags Megatron-LM would be launched with at B, B)
-    (flags(2, 2, "--sequence-parallel"), flags(1, 2, "--sequence-parallel"), "tp1pp2dp2"),
+    (flags(2, 2, "--sequence-parallel", *DDP), flags(1, 2, "--sequence-parallel", *DDP),
+     "tp1pp2dp2"),
     (flags(2, 2, "--sequence-parallel"), flags(4, 1, "--sequence-parallel"), "tp4pp1dp1"),
     (flags(2, 2), flags(4, 1), "tp4pp1dp1"),  # no SP asked: none at B
     (flags(1, 4), flags(1, 2, *VPP), "tp1pp2vpp2dp2"),
@@ -67,6 +71,23 @@ def test_b_config_is_megatron_lm_own_at_b(results):
     assert len(results) == len(CASES)
     for r in results:
         assert r["diff"] == [], r
+
+
+def test_b_ddp_and_optimizer_configs_are_megatron_lm_own_at_b(results):
+    """Issue 27, 9: B's DDP and optimizer configs, made by Megatron-LM's own functions from
+    the args our builder gives B (on NCCL: gloo twins off), equal those Megatron-LM makes
+    when launched at B, field for field: the job's gradient reduction dtype (bf16 here, not
+    fp32) and NaN check (on), and in the first case its bucket size, averaging in the
+    collective, large-gradient check and overlapped reduction, so a reset would show.
+    core_v0.16.1 makes its DDP config inside get_model: there only the optimizer's."""
+    from megatron_lm_tree import release_name
+
+    for r in results:
+        assert r["optimizer_diff"] == [], r
+        if r["ddp_diff"] is None:
+            assert release_name() == "core_v0.16.1", r
+        else:
+            assert r["ddp_diff"] == [], r
 
 
 def test_iterators_built_ahead_advance_as_megatron_lm_samples(probe):

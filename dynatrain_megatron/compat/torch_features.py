@@ -15,10 +15,11 @@ CUDA 13). What differs, found by signature and attribute:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,26 @@ def abort_group_now(group) -> None:
         return
     backend = group._get_backend(torch.device("cuda"))
     backend.abort()
+
+
+@contextlib.contextmanager
+def nccl_group_call(group) -> Iterator[bool]:
+    """The block inside one NCCL group call (ncclGroupStart/End) on `group`'s NCCL backend,
+    where this torch exposes it (`_group_start`/`_group_end`, as torch's own abort of its
+    whole world uses); yields whether it did."""
+    try:
+        backend = group._get_backend(torch.device("cuda"))
+    except Exception:  # noqa: BLE001 - no NCCL backend on this group or this torch
+        backend = None
+    start, end = getattr(backend, "_group_start", None), getattr(backend, "_group_end", None)
+    if not (callable(start) and callable(end)):
+        yield False
+        return
+    start()
+    try:
+        yield True
+    finally:
+        end()
 
 
 def report() -> dict[str, object]:

@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence
 import torch.distributed as dist
 
 from ..compat.torch_features import new_group
-from ..transition.transport import abort_group
+from ..transition.transport import abort_groups
 from ..vps.layout import GROUP_AXES, Layout
 from ..vps.placement import Placement
 from ..transition.transport import is_nccl
@@ -91,11 +91,13 @@ class ParallelGroups:
 
     def destroy(self, broken: bool = False) -> None:
         """Destroy every group this object created (nothing else). `broken`: a peer died,
-        so a group may already be unusable; freeing its handle is all that is wanted."""
+        so a group may already be unusable; freeing its handle is all that is wanted:
+        its NCCL communicators are first aborted together (destroying a broken one can
+        hang), every rank in the same order."""
+        if broken:
+            abort_groups(self.created)
         for g in self.created:
             if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
-                if broken:
-                    abort_group(g)  # NCCL: destroying a broken communicator can hang
                 try:
                     dist.destroy_process_group(g)
                 except Exception:  # noqa: BLE001

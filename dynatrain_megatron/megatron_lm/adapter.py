@@ -78,7 +78,7 @@ from .description import describe_job
 from .data_ahead import DataAhead, retire_in_background
 from .step_guard import StepGuard
 from .support import plans_from_metadata
-from .transformer_config import JobIntents
+from .transformer_config import JobIntents, settings_at
 from ..compat import stand_in_world
 from ..compat.megatron_lm import set_last_rank
 
@@ -451,9 +451,11 @@ class MegatronLMSession:
 
     def set_args_for(self, layout: Layout) -> None:
         """Megatron-LM's `args` describe `layout` (its loop, logging, data loaders and
-        checkpointing read them), with the job's sequence-parallel intent."""
+        checkpointing read them), with the job's intents where validation decides by layout."""
         for k, v in args_for_layout(layout, self.spec, like=self.args,
                                     sequence_parallel=self.intents.sequence_parallel).items():
+            setattr(self.args, k, v)
+        for k, v in settings_at(self.args, layout, self.intents).items():
             setattr(self.args, k, v)
 
     def enter_layout_world(self) -> None:

@@ -32,10 +32,13 @@ class JobIntents:
     allow was already turned off: then Megatron-LM's default stands for the intent.
     `sequence_parallel`: `--sequence-parallel` (kept only with TP; an MoE job with TP
     always has it). `overlap_p2p_comm`: the overlapped P2P exchange of the interleaved
-    schedule (on by default; Megatron-LM requires it for VPP with pp2)."""
+    schedule (on by default; Megatron-LM requires it for VPP with pp2).
+    `align_param_gather`: the overlapped parameter all-gathers aligned across the virtual
+    stages (`--no-align-param-gather` turns it off; off without VPP)."""
 
     sequence_parallel: bool
     overlap_p2p_comm: bool
+    align_param_gather: bool = True
 
     @classmethod
     def from_args(cls, args: Any) -> "JobIntents":
@@ -44,6 +47,8 @@ class JobIntents:
         return cls(
             sequence_parallel=bool(arg_value(args, "sequence_parallel", False)) if tp > 1 else False,
             overlap_p2p_comm=bool(arg_value(args, "overlap_p2p_comm", True)) if interleaved else True,
+            align_param_gather=(bool(arg_value(args, "align_param_gather", True)) if interleaved
+                                else True),
         )
 
     def overlap_for(self, layout: Layout) -> bool:
@@ -56,8 +61,19 @@ def args_at(args: Any, layout: Layout, spec: ModelSpec, intents: JobIntents) -> 
     for k, v in args_for_layout(layout, spec, sequence_parallel=intents.sequence_parallel,
                                 like=args).items():
         setattr(out, k, v)
-    out.overlap_p2p_comm = intents.overlap_for(layout)
+    for k, v in settings_at(args, layout, intents).items():
+        setattr(out, k, v)
     out.tp_comm_overlap = False
+    return out
+
+
+def settings_at(args: Any, layout: Layout, intents: JobIntents) -> dict[str, bool]:
+    """The job's settings that Megatron-LM's validation decides by layout, at `layout`
+    (for B's copy of the args, and for the job's own args once B is current: `train()`
+    reads `align_param_gather` when it sets the model config's callbacks)."""
+    out = {"overlap_p2p_comm": intents.overlap_for(layout)}
+    if hasattr(args, "align_param_gather"):
+        out["align_param_gather"] = intents.align_param_gather and layout.vpp > 1
     return out
 
 
@@ -79,4 +95,4 @@ def megatron_lm_config_factory(args: Any, spec: ModelSpec,
     return make
 
 
-__all__ = ("JobIntents", "args_at", "megatron_lm_config_factory")
+__all__ = ("JobIntents", "args_at", "megatron_lm_config_factory", "settings_at")

@@ -30,11 +30,13 @@ import importlib.util
 import os
 import runpy
 import signal
+import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..loop.launch import reserved_port, worker_env
 
@@ -159,8 +161,30 @@ def run(nproc: int, script: Path, args: Sequence[str], grace_s: float = 10.0) ->
         return _fork_and_wait(nproc, port, script, args, grace_s)
 
 
+def launch_preloaded(nproc: int, script: Path, args: Sequence[str], watch: socket.socket,
+                     grace_s: float = 10.0) -> int:
+    """`run` in a process that has preloaded `script` already (`launch_server`); the
+    workers are killed, and this process ends, when `watch` (the job's client) closes."""
+    if nproc < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {nproc}")
+    with reserved_port() as port:
+        return _fork_and_wait(nproc, port, script, args, grace_s, watch)
+
+
+def _watch_client(conn: socket.socket, pids: dict[int, int]) -> None:
+    """Until the client's socket closes (it was killed): then end the job at once."""
+    try:
+        while conn.recv(64):
+            pass
+    except OSError:
+        pass
+    for p in list(pids):
+        _kill(p, signal.SIGKILL)
+    os._exit(137)
+
+
 def _fork_and_wait(nproc: int, port: int, script: Path, args: Sequence[str],
-                   grace_s: float) -> int:
+                   grace_s: float, watch: Optional[socket.socket] = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     pids: dict[int, int] = {}
@@ -169,6 +193,8 @@ def _fork_and_wait(nproc: int, port: int, script: Path, args: Sequence[str],
         if pid == 0:
             _worker(rank, nproc, port, script, args)
         pids[pid] = rank
+    if watch is not None:  # started after the forks: no worker inherits the thread
+        threading.Thread(target=_watch_client, args=(watch, dict(pids)), daemon=True).start()
 
     def forward(signum, _frame):
         for p in pids:

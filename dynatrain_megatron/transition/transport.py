@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..compat.torch_features import abort_group_now
+from ..compat.torch_features import abort_group_now, nccl_group_call
 
 log = logging.getLogger("dynatrain")
 
@@ -88,6 +88,23 @@ def abort_group(group: Optional[dist.ProcessGroup]) -> bool:
         return False
     _WARM.discard(group)
     return True
+
+
+def abort_groups(groups: Sequence) -> int:
+    """Abort the NCCL groups among `groups` together, inside one NCCL group call: NCCL
+    communicators aborted one at a time can wait on each other (torch aborts its whole
+    world this way for that reason, pytorch#119797). Gloo groups are left alone. Returns
+    how many were aborted."""
+    nccl, seen = [], set()
+    for g in groups:
+        if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER and id(g) not in seen \
+                and is_nccl(g):
+            seen.add(id(g))
+            nccl.append(g)
+    if not nccl:
+        return 0
+    with nccl_group_call(nccl[0]):
+        return sum(abort_group(g) for g in nccl)
 
 
 class Pending:
