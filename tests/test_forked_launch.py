@@ -2,6 +2,7 @@
 forked after the script's imports, in torchrun's environment; the first failure ends the
 others and is the job's status."""
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -66,3 +67,25 @@ def test_script_imports_are_its_top_level_absolute_imports(tmp_path):
     p.write_text("import os, json as j\nfrom a.b import c\nfrom . import d\n"
                  "def f():\n    import never\n")
     assert script_imports(p) == ["os", "json", "a.b"]
+
+
+def test_with_survivors_a_failure_ends_no_other_worker(tmp_path):
+    """`--survivors`: supervised as under `dynatrain launch` (rank death tests): rank 1's
+    failure leaves rank 0 running to its end, each exit is logged, and the status is the
+    first failure's (no worker reported that it completed training)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent('''
+        import os, sys, time
+        if os.environ["RANK"] == "1":
+            sys.exit(3)
+        time.sleep(2)
+        open(sys.argv[1] + "/r0.done", "w").close()
+    '''))
+    proc = subprocess.run([sys.executable, "-m", "dynatrain_megatron.testing.forked_launch",
+                           "--survivors", "--nproc-per-node", "2", str(script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert (tmp_path / "r0.done").exists()  # rank 0 was not ended by rank 1's failure
+    exits = sorted(set(re.findall(r"\[launch\] worker (\d) exited with (-?\d+) after",
+                                  proc.stderr)))
+    assert exits == [("0", "0"), ("1", "3")], proc.stderr[-3000:]

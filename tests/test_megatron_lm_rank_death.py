@@ -130,21 +130,38 @@ def test_a_death_seen_after_the_step_is_held_until_the_boundary(monkeypatch):
     import torch.distributed as dist
 
     barriers = []
-    monkeypatch.setattr(dist, "barrier", lambda group=None: barriers.append(group))
-    loop = seam.LoopSeam(SimpleNamespace(), None, training_module=module)
+
+    class Timer:  # megatron-core's Timer: start/stop(barrier=...)
+        def __init__(self, group):
+            self.group = group
+
+        def start(self, barrier=False):
+            if barrier:
+                barriers.append(self.group)
+
+        def stop(self, barrier=False):
+            if barrier:
+                barriers.append(-self.group)
+
+    own_timer = dict(vars(Timer))
+    torch_barrier = dist.barrier
+    loop = seam.LoopSeam(SimpleNamespace(), None, training_module=module, timer_class=Timer)
     assert all(vars(module)[n] is not f for n, f in own.items())  # wrapped for the loop
+    # torch's barrier is not replaced: our own (background threads, votes) stay torch's
+    assert dist.barrier is torch_barrier
 
     def iteration(i):  # the calls of one iteration after train_step, as train() makes them
         flag = module.training_log({}, {}, 1e-3, i, 1.0, True, 0, None, None, None, None)
         module.evaluate_and_print_results(f"iteration {i}", None, None, [], i)
-        dist.barrier(group=i)  # the loop's timers after an evaluation
+        Timer(i).start(barrier=True)  # the loop's interval timer after an evaluation
+        Timer(i).stop(barrier=True)
         flops = module.post_training_step_callbacks([], None, None, i, None, 123.0)
         return flag, flops, module.checkpoint_and_decide_exit([], None, None, i, 0.0, {}, None)
 
     assert iteration(3) == (False, 0, True) and loop.post_step.pending is None
     assert iteration(4) == (True, 123.0, False)  # as when idle: no exit decided on it
     assert calls[-1] == ("log", 4) and loop.post_step.pending == "dead peer"
-    assert barriers == [3]  # skipped on the broken world while the failure is held
+    assert barriers == [3, -3]  # skipped on the broken world while the failure is held
     v = (4, 0.0, [], None, None, None, None, None, None, 1, None)
     assert loop.at_step_end(False, *v).iteration == 4
     assert calls[-1] == ("recover", 4, "dead peer") and loop.post_step.pending is None
@@ -153,8 +170,7 @@ def test_a_death_seen_after_the_step_is_held_until_the_boundary(monkeypatch):
         iteration(9)
     seam.finish([], None, None, None, None, None, None)
     assert vars(module) == own  # Megatron-LM's own functions again after train()
-    dist.barrier(group=10)
-    assert barriers == [3, 10]
+    assert dict(vars(Timer)) == own_timer and dist.barrier is torch_barrier
 
 
 def test_a_failed_step_leaves_timers_and_rerun_mode_as_at_the_boundary(monkeypatch):
@@ -229,7 +245,7 @@ def run(tmp_path_factory):
             "--eval-interval", "3",
             "--distributed-timeout-minutes", "3",
             "--dynatrain", "--dynatrain-rendezvous-dir", str(w / "rdv")],
-        w / "job.log", env={"DYNATRAIN_FAULTS": faults})
+        w / "job.log", env={"DYNATRAIN_FAULTS": faults}, forked=False)  # dynatrain launch
     return dict(w=w, status=status, text=text, left=job_processes(tree))
 
 
@@ -291,3 +307,60 @@ def test_checkpoints_after_the_recovery_describe_the_new_world(run):
         # the work of the iteration lost with the dead rank (3) is not counted twice
         flops = common[i]["num_floating_point_operations_so_far"]
         assert flops == common[2]["num_floating_point_operations_so_far"] * i / 2
+
+
+def test_the_first_train_step_begins_the_session_at_the_loops_start(monkeypatch):
+    # a peer that dies inside the loop's first step (before any step boundary) is recovered
+    # from the state the loop started with: the session begins before that step runs, on
+    # the objects train_step is given, at the loop's starting iteration (once)
+    from dynatrain_megatron.megatron_lm import seam
+
+    begun = []
+
+    def begin_session(args, iteration, model, optimizer, scheduler, config):
+        begun.append((iteration, model, optimizer, scheduler, config))
+        monkeypatch.setattr(mlm, "_SESSION", "session")
+
+    monkeypatch.setattr(mlm, "_SESSION", None)
+    monkeypatch.setattr(mlm, "begin_session", begin_session)
+
+    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                   config, forward_backward_func, iteration=None):
+        return (mlm.current_session(),)
+
+    loop = seam.LoopSeam(SimpleNamespace(), None)
+    assert loop.guard(train_step)("f", "it", ["m"], "o", "s", "c", "fb", iteration=4) == (
+        "session",)  # begun before the step ran
+    assert loop.guard(train_step)("f", "it", ["m2"], "o", "s", "c", "fb", iteration=5)
+    assert begun == [(4, ["m"], "o", "s", "c")]
+
+
+def test_survivors_resume_from_the_save_else_the_load_the_job_started_from(monkeypatch):
+    # with no replica, the survivors load the last checkpoint: this job's --save, or before
+    # its first save the --load it started from (a death in its first steps), never a
+    # --load it took only in part; with none, one line naming both
+    import sys
+    import types
+
+    from dynatrain_megatron.vps.errors import DynatrainError
+
+    present = set()
+    fake = types.ModuleType("megatron.training.checkpointing")
+    fake.checkpoint_exists = lambda d: d in present
+    monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", fake)
+
+    def args(**kw):
+        return SimpleNamespace(**dict(dict(save="/s", load="/l", finetune=False,
+                                           no_load_optim=False, no_load_rng=False), **kw))
+
+    present |= {"/s", "/l"}
+    assert rank_death._last_checkpoint(args()) == "save"
+    present.discard("/s")
+    assert rank_death._last_checkpoint(args()) == "load"
+    with pytest.raises(DynatrainError, match=r"loaded only in part \(--no-load-optim\)"):
+        rank_death._last_checkpoint(args(no_load_optim=True))
+    present.clear()
+    with pytest.raises(DynatrainError) as e:
+        rank_death._last_checkpoint(args())
+    assert "nothing yet in --save /s, nor --load /l" in str(e.value)
+    assert "\n" not in str(e.value)

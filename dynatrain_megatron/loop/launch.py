@@ -29,7 +29,7 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Collection, Iterator, Optional, Sequence
+from typing import Callable, Collection, Iterator, Optional, Protocol, Sequence
 
 from .. import process_env
 
@@ -111,6 +111,19 @@ def _read_reports(fd: int, completed: set[int], pending: bytearray) -> None:
                 completed.add(int(rank))
 
 
+class Worker(Protocol):
+    """A started worker as `supervise` watches it (`subprocess.Popen` is one)."""
+
+    def poll(self) -> Optional[int]: ...
+
+    def send_signal(self, signum: int) -> None: ...
+
+
+# start(rank, env, report_fd) -> the worker of `rank`, running with `env` and the report
+# pipe's write end `report_fd` open in it
+Starter = Callable[[int, dict, int], Worker]
+
+
 def launch(nproc: int, command: Sequence[str], env: Optional[dict] = None,
            poll_seconds: float = 0.2) -> tuple[int, list[WorkerExit]]:
     """Run `command` (argv) as `nproc` workers; wait for all. Returns (exit status, exits
@@ -119,8 +132,22 @@ def launch(nproc: int, command: Sequence[str], env: Optional[dict] = None,
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     if not command:
         raise ValueError("no command to launch")
+
+    def start(_rank: int, worker: dict, report_fd: int) -> Worker:
+        return subprocess.Popen(list(command), env=worker, pass_fds=(report_fd,))
+
+    return supervise(nproc, start, env, poll_seconds)
+
+
+def supervise(nproc: int, start: Starter, env: Optional[dict] = None,
+              poll_seconds: float = 0.2) -> tuple[int, list[WorkerExit]]:
+    """Start `nproc` workers with `start` in torchrun's environment and watch them until all
+    ended (a failure ends none of the others); (exit status, exits in the order the workers
+    ended). `launch` starts processes; the tests' forked launcher forks them."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
     with reserved_port() as port:  # held until every worker ended
-        exits, completed = _run_workers(nproc, command, env, poll_seconds, port)
+        exits, completed = _run_workers(nproc, start, env, poll_seconds, port)
     status = job_status(exits, completed)
     if status and exits and not completed and any(e.code == 0 for e in exits):
         log.error("no worker finished training: the job did not complete (workers that "
@@ -128,7 +155,7 @@ def launch(nproc: int, command: Sequence[str], env: Optional[dict] = None,
     return status, exits
 
 
-def _run_workers(nproc: int, command: Sequence[str], env: Optional[dict],
+def _run_workers(nproc: int, start: Starter, env: Optional[dict],
                  poll_seconds: float, port: int) -> tuple[list[WorkerExit], set[int]]:
     """Start the workers with the store at `port`, wait for all; (exits in the order the
     workers ended, the ranks that reported completion)."""
@@ -138,9 +165,7 @@ def _run_workers(nproc: int, command: Sequence[str], env: Optional[dict],
     base[REPORT_FD] = str(write_fd)
     t0 = time.monotonic()
     try:
-        procs = {r: subprocess.Popen(list(command), env=worker_env(base, r, nproc, port),
-                                     pass_fds=(write_fd,))
-                 for r in range(nproc)}
+        procs = {r: start(r, worker_env(base, r, nproc, port), write_fd) for r in range(nproc)}
     finally:
         os.close(write_fd)
     exits: list[WorkerExit] = []

@@ -12,9 +12,12 @@ would fail on the broken world; a `--save` started there could not complete), an
 `LoopSeam.at_step_end` recovers at the boundary (`rank_death.recover_at_boundary`), as from
 a death seen by the boundary's poll: in memory, or from the last complete `--save`. Lost:
 that iteration's log line, its evaluation and its `--save` (the next ones run as
-scheduled), each named in a warning. The loop's own barriers between those calls (its
-timers') are skipped too while a failure is held. A failure that is not a dead peer's is Megatron-LM's
-own error, raised as without dynatrain.
+scheduled), each named in a warning. The loop's own barriers between those calls are its
+timers' (`timers('interval-time').start(barrier=True)` after an evaluation): while a failure
+is held, Megatron-LM's timers start and stop without their barrier. Only those timers are
+hooked (megatron-core's `Timer` class), not `torch.distributed.barrier`: every other barrier
+of the process, ours included (background threads, the controller), is torch's own. A
+failure that is not a dead peer's is Megatron-LM's own error, raised as without dynatrain.
 
 The wrappers replace those names in `megatron.training.training` for the loop's life
 (`train()` looks them up at each call; the same names in every supported release) and are
@@ -62,15 +65,14 @@ class PostStepGuard:
         self.skipped: list[str] = []  # the calls skipped since
         self._module: Optional[ModuleType] = None
         self._originals: dict[str, Callable] = {}
-        self._barrier: Optional[Callable] = None  # torch's, while wrapped
+        self._timer_class: Optional[type] = None  # megatron-core's Timer, while wrapped
+        self._timer_methods: dict[str, Callable] = {}
 
-    def install(self, module: ModuleType) -> None:
-        """Wrap the calls in `module` (Megatron-LM's `megatron.training.training`), and
-        `torch.distributed.barrier`: the loop's own timers synchronise between those calls
-        (`timers('interval-time').start(barrier=True)` after an evaluation), which on the
-        broken world, while a failure is held, is skipped."""
-        import torch.distributed as dist
-
+    def install(self, module: ModuleType, timer_class: Optional[type] = None) -> None:
+        """Wrap the calls in `module` (Megatron-LM's `megatron.training.training`), and the
+        barrier of Megatron-LM's timers (`timer_class`, default megatron-core's `Timer`):
+        the loop's timers synchronise between those calls, which on the broken world,
+        while a failure is held, is skipped (module doc)."""
         self._module = module
         for name in sorted(set(_IDLE) | set(_FAULTS)):
             inner = getattr(module, name, None)
@@ -78,32 +80,41 @@ class PostStepGuard:
                 continue
             self._originals[name] = inner
             setattr(module, name, self._wrap(name, inner))
-        barrier = dist.barrier
-        if not getattr(barrier, _WRAPPED, False):
-            self._barrier = barrier
-
-            @functools.wraps(barrier)
-            def held_barrier(*args: Any, **kwargs: Any) -> Any:
-                if self.pending is not None:
-                    self.skipped.append("barrier")
-                    return None
-                return barrier(*args, **kwargs)
-
-            setattr(held_barrier, _WRAPPED, True)
-            dist.barrier = held_barrier
+        if timer_class is None:
+            from megatron.core.timers import Timer as timer_class  # noqa: N813
+        self._timer_class = timer_class
+        for method in ("start", "stop"):
+            inner = vars(timer_class).get(method)
+            if inner is None or getattr(inner, _WRAPPED, False):
+                continue
+            self._timer_methods[method] = inner
+            setattr(timer_class, method, self._timer_method(method, inner))
 
     def remove(self) -> None:
-        """Put Megatron-LM's own functions and torch's barrier back."""
-        import torch.distributed as dist
-
+        """Put Megatron-LM's own functions and timer methods back."""
         if self._module is not None:
             for name, inner in self._originals.items():
                 setattr(self._module, name, inner)
-        if self._barrier is not None:
-            dist.barrier = self._barrier
-            self._barrier = None
+        if self._timer_class is not None:
+            for method, inner in self._timer_methods.items():
+                setattr(self._timer_class, method, inner)
         self._originals.clear()
-        self._module = None
+        self._timer_methods.clear()
+        self._module = self._timer_class = None
+
+    def _timer_method(self, method: str, inner: Callable) -> Callable:
+        """A timer's `start`/`stop(barrier=...)`: without its barrier while a failure is
+        held (the timing itself unchanged)."""
+
+        @functools.wraps(inner)
+        def call(timer: Any, barrier: bool = False) -> Any:
+            if barrier and self.pending is not None:
+                self.skipped.append(f"a timer's barrier ({method})")
+                barrier = False
+            return inner(timer, barrier=barrier)
+
+        setattr(call, _WRAPPED, True)
+        return call
 
     def take(self) -> Optional[str]:
         """The held failure (None if none), cleared; the skipped calls are logged."""

@@ -49,10 +49,16 @@ A death first seen after the step, in the rest of the iteration (its log line's 
 an evaluation, a `--save`), is held until the step boundary and recovered there from that
 step's state (`post_step.py`, `recover_at_boundary`).
 
-Not covered: a death before the first step boundary (no session yet) or after `train()`
-(the final save, validation and test) ends the survivors with Megatron-LM's own error, like
-without dynatrain; a recovery from the last `--save` loads Megatron-LM's latest complete
-checkpoint (its tracker file is written last).
+A death inside the loop's first step is recovered like one in any later step: the session
+begins before that step (`seam.LoopSeam.guard`), on the state the loop starts from. Where
+the survivors resume from a checkpoint and this job has saved none yet, they load the one
+it started from (`--load`, `_last_checkpoint`); with neither, every survivor ends with a
+one-line error. A recovery from a checkpoint loads Megatron-LM's latest complete one (its
+tracker file is written last).
+
+Not covered: a death during Megatron-LM's start-up (before `train()`'s loop: the model,
+optimizer and data are still being built, there is no state to recover) ends the job with
+Megatron-LM's own error, as without dynatrain; so does one after `train()` (`seam.finish`).
 """
 from __future__ import annotations
 
@@ -238,33 +244,52 @@ def _stop_data_loader_workers() -> int:
     return n
 
 
+def _last_checkpoint(args: Any) -> str:
+    """Which of Megatron-LM's checkpoint arguments holds the job's last checkpoint: `save`
+    (what this job wrote), or, before its first save, `load` (what it started from: a
+    death in the first steps after a restart), unless the job did not start from all of
+    it (`--finetune`, `--no-load-optim`, `--no-load-rng`). DynatrainError (one line) when
+    there is none."""
+    from megatron.training.checkpointing import checkpoint_exists
+
+    save, load = arg_value(args, "save"), arg_value(args, "load")
+    if save and checkpoint_exists(save):
+        return "save"
+    partial = [f for f in ("finetune", "no_load_optim", "no_load_rng") if arg_value(args, f)]
+    if load and checkpoint_exists(load) and not partial:
+        return "load"
+    why = (f"--load {load} was loaded only in part (--{', --'.join(partial)})".replace("_", "-")
+           if load and partial else f"nor --load {load}" if load else "and no --load")
+    raise DynatrainError(
+        "a rank died and its optimizer state had no replica (one distributed-optimizer "
+        f"instance, or a death inside the optimizer update), and there is no Megatron-LM "
+        f"checkpoint to resume from (nothing yet in --save {save}, {why}): the job ends; "
+        f"restart it (--num-distributed-optimizer-instances 2 keeps a replica of every "
+        f"shard)")
+
+
 def _resume_from_save(s: MegatronLMSession, dst: Layout, box: dict):
     """`HostLoop.resume`: build `dst` on the re-formed world and load Megatron-LM's last
-    checkpoint (`--save`) into it with Megatron-LM's own `load_checkpoint`."""
+    checkpoint (`--save`, else the `--load` the job started from: `_last_checkpoint`) into
+    it with Megatron-LM's own `load_checkpoint`."""
     import torch.distributed as dist
-    from megatron.training.checkpointing import checkpoint_exists, load_checkpoint
+    from megatron.training.checkpointing import load_checkpoint
 
     from ..mcore.session import start_job
     from ..mcore.training import Trainer
 
     args = s.args
-    save = arg_value(args, "save")
-    if not save or not checkpoint_exists(save):
-        raise DynatrainError(
-            "a rank died and its optimizer state had no replica (one distributed-optimizer "
-            f"instance), and there is no Megatron-LM checkpoint to resume from (--save "
-            f"{save}): the job ends; restart it (--num-distributed-optimizer-instances 2 "
-            f"keeps a replica of every shard)")
+    which = _last_checkpoint(args)
     s.set_args_for(dst)  # what load_checkpoint compares the checkpoint's args with
     _follow_world(args)
     new = start_job(s.spec, dst, s.train, builder=s.hook.builder)
     o = new.objs
-    iteration, flops = load_checkpoint(o.model, o.optimizer, o.scheduler, load_arg="save")
+    iteration, flops = load_checkpoint(o.model, o.optimizer, o.scheduler, load_arg=which)
     box["flops"] = flops
     consumed = arg_value(args, "consumed_train_samples", 0)
     log.warning("dynatrain: loaded Megatron-LM's checkpoint of iteration %d (%d samples "
-                "consumed) from %s at %s on %d ranks", iteration, consumed, save, dst,
-                dist.get_world_size())
+                "consumed) from %s at %s on %d ranks (its --%s)", iteration, consumed,
+                arg_value(args, which), dst, dist.get_world_size(), which)
     return Trainer(s.spec, s.train, o, iteration, consumed)
 
 

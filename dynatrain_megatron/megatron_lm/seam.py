@@ -76,9 +76,11 @@ class LoopSeam:
 
     def __init__(self, args: Any, checkpointing_context: Optional[dict], *,
                  pg_collection: Any = None, p2p_communicator: Any = None,
-                 training_module: Optional[ModuleType] = None) -> None:
+                 training_module: Optional[ModuleType] = None,
+                 timer_class: Optional[type] = None) -> None:
         """`training_module`: the module whose `train()` runs this loop (default
-        Megatron-LM's `megatron.training.training`, when imported: it is the caller)."""
+        Megatron-LM's `megatron.training.training`, when imported: it is the caller);
+        `timer_class`: its timers' class (default megatron-core's `Timer`)."""
         if pg_collection is not None or p2p_communicator is not None:
             raise DynatrainError("--dynatrain: pretrain() was given its own process-group "
                                  "collection or P2P communicator; a switch rebuilds the "
@@ -98,7 +100,7 @@ class LoopSeam:
         _POST_STEP = self.post_step = PostStepGuard(_fault_after_step, rank_death.failure_of)
         module = training_module or sys.modules.get("megatron.training.training")
         if module is not None:
-            self.post_step.install(module)
+            self.post_step.install(module, timer_class)
 
     # ------------------------------------------------------------------ train_step
     def guard(self, train_step: Callable) -> Callable:
@@ -111,6 +113,8 @@ class LoopSeam:
         def guarded(*a: Any, **k: Any) -> Any:
             self.recovered = None
             iteration = k.get("iteration", getattr(self.args, "curr_iteration", 0))
+            if adapter.current_session() is None:  # the loop's start: its first boundary
+                self._begin(train_step, iteration, a, k)
             try:
                 out = train_step(*a, **k)
             except Exception as error:  # noqa: BLE001 - handed on or re-raised
@@ -126,6 +130,20 @@ class LoopSeam:
 
         guarded.__wrapped__ = train_step  # type: ignore[attr-defined]
         return guarded
+
+    def _begin(self, train_step: Callable, iteration: int, a: tuple, k: dict) -> None:
+        """The session starts on the objects the first `train_step` is given (its
+        arguments by name: `model`, `optimizer`, `opt_param_scheduler`, `config`; a call
+        without them starts none: the first `dynatrain_step` does)."""
+        import inspect
+
+        try:
+            bound = inspect.signature(train_step).bind_partial(*a, **k).arguments
+        except (TypeError, ValueError):
+            return
+        names = ("model", "optimizer", "opt_param_scheduler", "config")
+        if all(n in bound for n in names):
+            adapter.begin_session(self.args, iteration, *(bound[n] for n in names))
 
     def after_recovery(self, *values: Any) -> LoopValues:
         """After `guard` recovered: what the loop continues with."""

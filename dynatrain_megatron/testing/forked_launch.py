@@ -15,6 +15,11 @@ thread and no process group exists yet in the parent.
 
     python -m dynatrain_megatron.testing.forked_launch --nproc-per-node N script.py [args]
 
+With `--survivors` it watches the workers as `dynatrain launch` does (`loop.launch.supervise`:
+a worker that dies ends none of the others, the status is the job's completion, each exit
+is logged as `[launch] worker R exited with S after T s`): the tests' rank-death jobs get the
+same supervision without starting an interpreter per rank.
+
 Not for GPUs (a CUDA context must not cross a fork) and not a user-facing launcher:
 `torchrun` and `dynatrain launch` are those. The README's own commands still run torchrun.
 """
@@ -33,7 +38,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..loop.launch import reserved_port, worker_env
 
@@ -55,11 +60,13 @@ def preload(script: Path) -> None:
     """Import in this process what every worker of `script` imports first (after the
     Megatron-LM runtime, where Megatron-LM is importable)."""
     sys.path.insert(0, str(script.parent))  # as `python script.py` would have it
+    later: tuple[str, ...] = ()
     if importlib.util.find_spec("megatron") and importlib.util.find_spec("megatron.training"):
         from ..compat.megatron_lm import prepare_megatron_lm
 
         prepare_megatron_lm()
-    for name in script_imports(script) + list(LATER_IMPORTS):
+        later = LATER_IMPORTS  # a Megatron-LM job's (another script: only its own)
+    for name in script_imports(script) + list(later):
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the worker imports it again and says why
@@ -114,12 +121,14 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker(rank: int, nproc: int, port: int, script: Path, args: Sequence[str]) -> None:
-    """In the forked child: become worker `rank` and run the script; never returns."""
+def _worker(env: dict, script: Path, args: Sequence[str]) -> None:
+    """In the forked child: become the worker of environment `env` (torchrun's, its rank's)
+    and run the script; never returns."""
     _die_with_parent()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.environ.update(worker_env(dict(os.environ), rank, nproc, port))
+    os.environ.clear()
+    os.environ.update(env)
     sys.argv = [str(script), *args]
     code = 0
     try:
@@ -157,7 +166,7 @@ def _fork_and_wait(nproc: int, port: int, script: Path, args: Sequence[str],
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            _worker(rank, nproc, port, script, args)
+            _worker(worker_env(dict(os.environ), rank, nproc, port), script, args)
         pids[pid] = rank
 
     def forward(signum, _frame):
@@ -178,6 +187,51 @@ def _fork_and_wait(nproc: int, port: int, script: Path, args: Sequence[str],
             print(f"forked_launch: worker {pid} exited {code}; ending the others",
                   file=sys.stderr, flush=True)
             _end(pids, grace_s)
+    return status
+
+
+class _Forked:
+    """A forked worker as `loop.launch.supervise` watches it (Popen's poll/send_signal)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.code: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.code is None:
+            pid, raw = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.code = os.waitstatus_to_exitcode(raw)
+        return self.code
+
+    def send_signal(self, signum: int) -> None:
+        _kill(self.pid, signum)
+
+
+def run_survivors(nproc: int, script: Path, args: Sequence[str]) -> int:
+    """Fork `nproc` workers of `script` after preloading it and supervise them as
+    `dynatrain launch` does (module doc); the job's status."""
+    import logging
+
+    from ..loop.launch import supervise
+
+    logging.basicConfig(level=logging.INFO, format="[launch] %(message)s", stream=sys.stderr)
+    log = logging.getLogger("dynatrain.launch")
+    preload(script)
+
+    def start(_rank: int, env: dict, _report_fd: int) -> _Forked:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            for handler in logging.root.handlers[:]:  # the launcher's, not the worker's
+                logging.root.removeHandler(handler)
+            _worker(env, script, args)
+        return _Forked(pid)
+
+    status, exits = supervise(nproc, start)
+    for e in exits:
+        log.info("worker %d exited with %d after %.1f s", e.rank, e.code, e.seconds)
     return status
 
 
@@ -208,9 +262,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc-per-node", type=int, required=True, metavar="N",
                    help="workers (ranks) to fork on this machine")
+    p.add_argument("--survivors", action="store_true",
+                   help="a worker's failure ends none of the others (as `dynatrain launch`)")
     p.add_argument("script", type=Path, help="the training script (pretrain_gpt.py)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     a = p.parse_args(argv)
+    if a.survivors:
+        return run_survivors(a.nproc_per_node, a.script.resolve(), a.args)
     return run(a.nproc_per_node, a.script.resolve(), a.args)
 
 
