@@ -364,3 +364,75 @@ def test_survivors_resume_from_the_save_else_the_load_the_job_started_from(monke
         rank_death._last_checkpoint(args())
     assert "nothing yet in --save /s, nor --load /l" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_a_death_after_train_is_recovered_and_the_call_runs_again(monkeypatch):
+    # pretrain()'s final save / validation / test after train(): a dead peer's failure is
+    # recovered from the final state, the failed call runs again with the survivors'
+    # objects and so do the later calls; no replica: one line and status 1; a survivor
+    # kept on standby leaves with 0; anything else is Megatron-LM's own error
+    from dynatrain_megatron.megatron_lm.after_train import AfterTrain
+    from dynatrain_megatron.vps.errors import DynatrainError
+
+    calls, faults, dead = [], [], RuntimeError("Connection closed by peer")
+
+    def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
+                                 num_floating_point_operations_so_far, checkpointing_context,
+                                 non_persistent_ckpt=False, train_data_iterator=None):
+        calls.append(("save", iteration, model, optimizer, train_data_iterator))
+        if model == "m":
+            raise dead
+
+    def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration,
+                                   process_non_loss_data_func, config, verbose=False):
+        calls.append((prefix, data_iterator, model, config))
+
+    module = SimpleNamespace(save_checkpoint_and_time=save_checkpoint_and_time,
+                             evaluate_and_print_results=evaluate_and_print_results)
+    own = dict(vars(module))
+    survivors = mlm.LoopObjects(["m2"], "o2", "s2", "t2", "v2", "c2", "test2")
+    recovered = []
+
+    def recover(iteration, failure, context):
+        recovered.append((iteration, failure, context))
+        return survivors
+
+    def failure_of(error):
+        if error is not dead:
+            raise error
+        return "dead peer"
+
+    after = AfterTrain(recover, failure_of, lambda phase, it: faults.append((phase, it)))
+    after.install(module)
+    module.save_checkpoint_and_time(6, "m", "o", "s", 1.0, {"ctx": 1}, train_data_iterator="t")
+    assert recovered == [(6, "dead peer", {"ctx": 1})]
+    assert calls == [("save", 6, "m", "o", "t"), ("save", 6, ["m2"], "o2", "t2")]
+    module.evaluate_and_print_results("iteration 6 on validation set", None, "v", "m", 6, None,
+                                      "c")
+    module.evaluate_and_print_results("iteration 6 on test set", None, "x", "m", 6, None, "c")
+    assert calls[2:] == [("iteration 6 on validation set", "v2", ["m2"], "c2"),
+                         ("iteration 6 on test set", "test2", ["m2"], "c2")]
+    assert faults == [("save", 6), ("eval", 6), ("eval", 6)]
+    after.remove()
+    assert vars(module) == own
+
+    def ends(outcome):  # a second job's final save, recovered to `outcome`
+        after = AfterTrain(outcome, failure_of, lambda *a: None)
+        after.install(module)
+        try:
+            with pytest.raises(SystemExit) as e:
+                module.save_checkpoint_and_time(6, "m", "o", "s", 1.0, {})
+            return e.value.code
+        finally:
+            after.remove()
+
+    def no_replica(*a):
+        raise DynatrainError("no replica: the job ends")
+
+    assert ends(no_replica) == 1
+    assert ends(lambda *a: mlm.LoopObjects([], None, None, None, None, None, stop=True)) == 0
+    bug = ValueError("a bug")
+    after = AfterTrain(recover, failure_of, lambda *a: None)
+    after.install(SimpleNamespace(save_checkpoint_and_time=lambda *a, **k: (_ for _ in ()).throw(bug)))
+    with pytest.raises(ValueError, match="a bug"):
+        after._module.save_checkpoint_and_time(6)

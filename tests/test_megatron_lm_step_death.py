@@ -32,7 +32,12 @@ survivors blocked in whatever that step's collectives were:
   K+1's state and others K's, so they resume from a checkpoint at tp1pp2dp1, never from
   memory, and the third leaves. This run too starts from the checkpoint of K (`--load`)
   and dies in its first step, before its first `--save`: the survivors resume from the
-  `--load` it started from.
+  `--load` it started from;
+* "final_save": rank 3 as Megatron-LM's final `--save` starts, after `train()` returned
+  (`pretrain()`'s own save of N, not a multiple of `--save-interval`): the survivors, in that
+  save's collectives, recover in memory to tp1pp2dp1 (the third leaves) and run the save
+  again at that layout (`after_train.py`): it is the final checkpoint compared. This run
+  too starts from the checkpoint of K.
 
 Every run ends at Megatron-LM's restart from K: the UNPATCHED tree trains tp1pp2doi2dp2 to K
 and saves; the patched tree without --dynatrain loads that at tp1pp2dp1 on 2 ranks and
@@ -69,6 +74,8 @@ DEATHS = {
     "optimizer+log": ([("optimizer", 3, K, 0, 3), ("log", 1, K + 2, 1, 1)], K + 1, False),
     # in the optimizer's update of the first step: the survivors resume from the --load of K
     "optimizer_update": ([("optimizer_update", 2, K, 0, 2)], K, True),
+    # in Megatron-LM's final save after train() returned: in memory, the save runs again
+    "final_save": ([("save", 3, N, 0, 3)], 1000, True),
 }
 
 
@@ -150,6 +157,10 @@ def test_survivors_recover_from_each_death(killed):
     assert set(loaded) == from_save, loaded
     if "log" in {phase for phase, *_ in deaths}:  # seen in the log line's collectives
         assert re.search(r"a peer died during Megatron-LM's training_log", text)
+    if first == "save":  # after train(): the final save, again at the survivors' layout
+        assert re.search(r"a peer died during Megatron-LM's save_checkpoint_and_time after "
+                         r"train\(\)", text)
+        assert re.search(rf"successfully saved checkpoint from iteration\s+{N} ", text)
     assert "UnboundLocalError" not in text and "Traceback" not in text
 
 

@@ -331,6 +331,8 @@ class MegatronLMSession:
         self.test_data_iterator: Any = None
         self.latest: Optional[LoopObjects] = None
         self.launch_layout = layout  # Megatron-LM's log line does not show a later one
+        # the final iteration, once a peer died after train() (rank_death.recover_after_train)
+        self.after_train: Optional[int] = None
         # what a rank death inside a train_step leaves behind, and its fault points
         self.guard = StepGuard(self.hook.fault_plans, vote=self.hook.rendezvous_dir is not None,
                                generation=lambda: self.hook.generation)

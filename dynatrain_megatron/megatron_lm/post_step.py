@@ -21,8 +21,8 @@ failure that is not a dead peer's is Megatron-LM's own error, raised as without 
 
 The wrappers replace those names in `megatron.training.training` for the loop's life
 (`train()` looks them up at each call; the same names in every supported release) and are
-removed when it ends (`seam.finish`): a death in the final validation or save after
-`train()` still ends the job with Megatron-LM's error. They also hold the fault points of
+removed when it ends (`seam.finish`; a death in the final save, validation or test after
+`train()` is `after_train.py`'s). They also hold the fault points of
 this part of an iteration (`DYNATRAIN_FAULTS` phases "log", "eval", "save": the rank dies as
 that call starts, in the iteration the plan names).
 """

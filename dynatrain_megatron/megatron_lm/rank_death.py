@@ -58,7 +58,9 @@ tracker file is written last).
 
 Not covered: a death during Megatron-LM's start-up (before `train()`'s loop: the model,
 optimizer and data are still being built, there is no state to recover) ends the job with
-Megatron-LM's own error, as without dynatrain; so does one after `train()` (`seam.finish`).
+Megatron-LM's own error, as without dynatrain. A death after `train()` (the final save,
+validation, test) is recovered in memory where the state allows (`after_train.py`,
+`recover_after_train`), else ends every survivor with one line.
 """
 from __future__ import annotations
 
@@ -166,6 +168,29 @@ def recover_at_boundary(args: Any, iteration: int, failure: str,
                                            s.trainer.consumed_samples)
     s.guard.step_completed()
     return recover(args, iteration, failure, checkpointing_context)
+
+
+def recover_after_train(args: Any, iteration: int, failure: str,
+                        checkpointing_context: Optional[dict] = None) -> LoopObjects:
+    """`recover` after a failure in `pretrain()`'s calls after `train()` returned
+    (`after_train.py`): every step completed on every survivor, so the recovery starts from
+    the final state (iteration `iteration`), in memory only (the training since the last
+    `--save` cannot be redone outside `train()`: DynatrainError, one line). The ranks of
+    the new layout then release the survivors it keeps on standby (`end_job`), whose
+    objects come back with `stop`."""
+    s = current_session()
+    if s is None or s.trainer is None:
+        raise DynatrainError(f"a peer died after train() at iteration {iteration}, on a "
+                             f"process holding no training state: {failure}")
+    s.after_train = iteration
+    s.trainer.iteration = iteration
+    s.trainer.consumed_samples = arg_value(args, "consumed_train_samples",
+                                           s.trainer.consumed_samples)
+    s.guard.step_completed()
+    loop = recover(args, iteration, failure, checkpointing_context)
+    if not loop.stop:
+        s.hook.end_job(s.trainer)  # collective with the survivors on standby: they leave
+    return loop
 
 
 def _follow_world(args: Any) -> None:
@@ -279,6 +304,14 @@ def _resume_from_save(s: MegatronLMSession, dst: Layout, box: dict):
     from ..mcore.training import Trainer
 
     args = s.args
+    if s.after_train is not None:
+        raise DynatrainError(
+            f"a rank died after train() returned (Megatron-LM's final save, validation or "
+            f"test) and its optimizer state had no replica: the final state of iteration "
+            f"{s.after_train} is lost and the training since the "
+            f"last checkpoint cannot be redone here; the job ends: restart it from the last "
+            f"complete checkpoint (--save {arg_value(args, 'save')}; an interrupted save is "
+            f"never loaded)")
     which = _last_checkpoint(args)
     s.set_args_for(dst)  # what load_checkpoint compares the checkpoint's args with
     _follow_world(args)
@@ -293,4 +326,4 @@ def _resume_from_save(s: MegatronLMSession, dst: Layout, box: dict):
     return Trainer(s.spec, s.train, o, iteration, consumed)
 
 
-__all__ = ("failure_of", "recover", "recover_at_boundary")
+__all__ = ("failure_of", "recover", "recover_after_train", "recover_at_boundary")

@@ -90,6 +90,8 @@ class LoopSeam:
 
         self.args = args
         self.checkpointing_context = checkpointing_context
+        global _CONTEXT
+        _CONTEXT = checkpointing_context  # pretrain()'s own: its final save uses it too
         self.stop = False  # leave the loop (on standby when the job ended)
         self.recovered: Optional[LoopObjects] = None
         self._results = 0  # how many values train_step returns (seen on its first success)
@@ -229,13 +231,32 @@ def finish(model: list, optimizer: Any, opt_param_scheduler: Any, train_data_ite
            valid_data_iterator: Any, test_data_iterator: Any, config: Any) -> tuple:
     """`pretrain()`, right after `train()`: the objects the loop ended with (`pretrain()`'s
     own point at a layout a switch released) and the switch summary. Megatron-LM's calls
-    after the step are its own again (`post_step.py`)."""
-    global _POST_STEP
+    after the step are its own again (`post_step.py`); a peer's death in its final save,
+    validation or test is recovered from (`after_train.py`)."""
+    global _POST_STEP, _AFTER_TRAIN
     if _POST_STEP is not None:
         _POST_STEP.remove()
         _POST_STEP = None
-    return adapter.finish_training(model, optimizer, opt_param_scheduler, train_data_iterator,
-                                   valid_data_iterator, test_data_iterator, config)
+    out = adapter.finish_training(model, optimizer, opt_param_scheduler, train_data_iterator,
+                                  valid_data_iterator, test_data_iterator, config)
+    module = sys.modules.get("megatron.training.training")
+    if module is not None and not adapter.left_out():
+        from . import rank_death
+        from .after_train import AfterTrain
+
+        if _AFTER_TRAIN is not None:
+            _AFTER_TRAIN.remove()
+        args = adapter.current_session().args if adapter.current_session() else None
+        _AFTER_TRAIN = AfterTrain(
+            lambda iteration, failure, context: rank_death.recover_after_train(
+                args, iteration, failure, context if context is not None else _CONTEXT),
+            rank_death.failure_of, _fault_after_step)
+        _AFTER_TRAIN.install(module)
+    return out
+
+
+_AFTER_TRAIN = None  # pretrain()'s calls after train() (after_train.py)
+_CONTEXT: Optional[dict] = None  # the checkpointing context train() was given
 
 
 def left_out() -> bool:
