@@ -90,11 +90,12 @@ def test_a_death_seen_after_the_step_is_held_until_the_boundary(monkeypatch):
     from dynatrain_megatron.megatron_lm import seam
 
     dead, bug, calls, faults = RuntimeError("Connection closed by peer"), ValueError("bug"), [], []
+    models = []
 
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                      report_memory_flag, *rest, **kw):
         calls.append(("log", iteration))
-        if iteration == 4:
+        if iteration in (4, 5):
             raise dead
         if iteration == 9:
             raise bug
@@ -103,6 +104,7 @@ def test_a_death_seen_after_the_step_is_held_until_the_boundary(monkeypatch):
     def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration,
                                    *rest, **kw):
         calls.append(("eval", iteration))
+        models.append((model, data_iterator))
 
     def save_checkpoint_and_time(iteration, model, optimizer, *rest, **kw):
         calls.append(("save", iteration))
@@ -123,9 +125,11 @@ def test_a_death_seen_after_the_step_is_held_until_the_boundary(monkeypatch):
     monkeypatch.setattr(seam, "_fault_after_step", lambda phase, it: faults.append((phase, it)))
     monkeypatch.setattr(rank_death, "failure_of", lambda e: (_ for _ in ()).throw(e)
                         if e is bug else "dead peer")
+    # in memory at the iteration (4), or from an older checkpoint (5 -> 3)
     monkeypatch.setattr(rank_death, "recover_at_boundary",
                         lambda args, it, failure, ctx: calls.append(("recover", it, failure))
-                        or mlm.LoopObjects([], None, None, None, None, None, iteration=it))
+                        or mlm.LoopObjects(["m2"], None, None, None, "v2", None,
+                                           iteration=it if it == 4 else it - 2))
 
     import torch.distributed as dist
 
@@ -164,8 +168,17 @@ def test_a_death_seen_after_the_step_is_held_until_the_boundary(monkeypatch):
     assert barriers == [3, -3]  # skipped on the broken world while the failure is held
     v = (4, 0.0, [], None, None, None, None, None, None, 1, None)
     assert loop.at_step_end(False, *v).iteration == 4
-    assert calls[-1] == ("recover", 4, "dead peer") and loop.post_step.pending is None
-    assert faults == [("log", 3), ("eval", 3), ("save", 3), ("log", 4)]
+    assert loop.post_step.pending is None
+    # in memory at 4: its evaluation and its save + exit checks run again, with the
+    # survivors' objects (the exit they decide ends the loop)
+    assert calls[-4:] == [("recover", 4, "dead peer"), ("eval", 4), ("exit?", 4), ("save", 4)]
+    assert models[-1] == (["m2"], "v2") and loop.stop
+    assert faults == [("log", 3), ("eval", 3), ("save", 3), ("log", 4), ("save", 4)]
+    loop.stop = False
+    iteration(5)
+    loop.at_step_end(False, 5, *v[1:])
+    assert calls[-1] == ("recover", 5, "dead peer")  # from a checkpoint: nothing again
+    assert not loop.stop
     with pytest.raises(ValueError, match="bug"):  # anything else: Megatron-LM's own error
         iteration(9)
     seam.finish([], None, None, None, None, None, None)

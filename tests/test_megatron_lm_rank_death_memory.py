@@ -8,12 +8,13 @@ The reference is Megatron-LM's own restart, as in test_megatron_lm_train.py:
   (`DYNATRAIN_FAULTS` phase "save"), after that step completed on both ranks; rank 0 sees it
   inside the save, holds the failure until the step boundary (`megatron_lm/post_step.py`),
   re-forms the world alone, switches from its own tensors of iteration K (rank 1's pieces
-  taken from their replicas) to tp1pp1dp1 and trains to N, then `--save`s;
+  taken from their replicas) to tp1pp1dp1, makes the `--save` of K again at that layout
+  (with the exit checks of that iteration), trains to N, then `--save`s;
 * saved: the UNPATCHED tree trains tp1pp1doi2dp2 to K on 2 ranks and saves;
 * resumed: patched, without `--dynatrain`, loads that on 1 rank at tp1pp1dp1 and trains to N.
 
-The final checkpoints must be equal bit for bit as logical tensors, and the losses after K
-the restart's (its 2nd print after `--load` is Megatron-LM's two-iteration mean).
+The final checkpoints must be equal bit for bit as logical tensors, so must the survivor's
+`--save` of K and the unpatched tree's, and the losses after K the restart's (its 2nd print after `--load` is Megatron-LM's two-iteration mean).
 """
 import json
 import re
@@ -21,8 +22,8 @@ import re
 import pytest
 
 from megatron_lm_runs import (CPU_FLAGS, TINY_GPT, assert_final_checkpoints_identical,
-                              assert_losses_as_restart, layout_flags, run_launched,
-                              run_megatron_lm)
+                              assert_losses_as_restart, checkpoint_tensors, differences,
+                              layout_flags, run_launched, run_megatron_lm)
 from megatron_lm_tree import copy_tree, require_snapshot
 
 # also on every other release (make test): a rank death recovered in memory
@@ -70,7 +71,20 @@ def test_the_survivor_recovers_in_memory_at_the_current_iteration(runs):
     assert "fault injection: rank 1 dies in phase save" in text
     assert "a peer died during Megatron-LM's checkpoint_and_decide_exit" in text
     assert f"training goes on at tp1pp1dp1 on 1 ranks after iteration {K}" in text
+    # the --save of K cut by the death, made again at the survivor's layout
+    assert (f"running iteration {K}'s checkpoint_and_decide_exit again at the survivors' "
+            f"layout") in text
     assert "Traceback" not in text
+
+
+def test_the_save_cut_by_the_death_is_made_again_at_the_survivors_layout(runs):
+    w = runs["w"]
+    ours, theirs = checkpoint_tensors(w / "switched", K), checkpoint_tensors(w / "saved", K)
+    # rng and rerun-state-machine entries are per rank: one writer against two
+    diff = differences(ours, theirs, skip=lambda k: k.startswith(("rng_state",
+                                                                 "rerun_state_machine_state")))
+    assert not diff, diff[:10]
+    assert any(k.startswith("optimizer.state.exp_avg") for k in ours)
 
 
 def test_final_checkpoint_equals_megatron_lm_restart(runs):

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 from ..loop.launch import report_completed
 from ..vps.errors import DynatrainError
+from .call_objects import drop_objects, substitute
 
 log = logging.getLogger("dynatrain")
 
@@ -85,7 +86,7 @@ class AfterTrain:
                 self._fault(_PHASES[name], iteration)
             while True:
                 if self.objs is not None:
-                    _substitute(bound, self.objs)
+                    substitute(bound, self.objs)
                 try:
                     out = inner(*bound.args, **bound.kwargs)
                 except Exception as error:  # noqa: BLE001 - recovered or re-raised
@@ -96,7 +97,7 @@ class AfterTrain:
                     return out
                 log.warning("dynatrain: a peer died during Megatron-LM's %s after train() "
                             "(%s): recovering, then running it again", name, failure[:200])
-                _drop_objects(bound)
+                drop_objects(bound)
                 try:
                     self.objs = self._recover(iteration, failure,
                                               bound.arguments.get("checkpointing_context"))
@@ -112,29 +113,6 @@ class AfterTrain:
 
         setattr(call, _WRAPPED, True)
         return call
-
-
-def _drop_objects(bound: inspect.BoundArguments) -> None:
-    """The broken layout's objects out of the call's arguments (their communicators must
-    close: `rank_death._let_go`)."""
-    for name in ("model", "optimizer", "opt_param_scheduler", "data_iterator",
-                 "train_data_iterator", "config"):
-        if name in bound.arguments:
-            bound.arguments[name] = None
-
-
-def _substitute(bound: inspect.BoundArguments, objs: Any) -> None:
-    """The survivors' objects in place of the broken layout's in one of the calls."""
-    a = bound.arguments
-    for name, value in (("model", objs.model), ("optimizer", objs.optimizer),
-                        ("opt_param_scheduler", objs.opt_param_scheduler),
-                        ("train_data_iterator", objs.train_data_iterator),
-                        ("config", objs.config)):
-        if name in a:
-            a[name] = value
-    if "data_iterator" in a:  # evaluate_and_print_results: the validation or the test set
-        test = "test set" in str(a.get("prefix", ""))
-        a["data_iterator"] = objs.test_data_iterator if test else objs.valid_data_iterator
 
 
 __all__ = ("AfterTrain",)

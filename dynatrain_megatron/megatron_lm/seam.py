@@ -164,9 +164,13 @@ class LoopSeam:
         v = LoopValues(*values)
         failure = self.post_step.take()
         if failure is not None:  # seen after train_step: its step completed everywhere
+            replays = self.post_step.replays(v.iteration)
             dt = rank_death.recover_at_boundary(self.args, v.iteration, failure,
                                                 self.checkpointing_context)
-            return self._rebind(dt, v)
+            out = self._rebind(dt, v)
+            if not dt.stop and dt.iteration == v.iteration:  # in memory, at the iteration
+                self._replay(replays, dt)
+            return out
         try:
             dt = adapter.dynatrain_step(self.args, v.iteration, v.model, v.optimizer,
                                         v.opt_param_scheduler, v.train_data_iterator,
@@ -179,6 +183,20 @@ class LoopSeam:
             # the cached save strategy holds the old layout's data-parallel group
             self.checkpointing_context.pop("save_strategy", None)
         return self._rebind(dt, v)
+
+    def _replay(self, replays: list, dt: LoopObjects) -> None:
+        """The iteration's evaluation and `checkpoint_and_decide_exit`, failed or skipped
+        on the broken world, made again at the survivors' layout with their objects
+        (`post_step.py`); an exit it decides ends the loop (`stop`)."""
+        from .call_objects import substitute
+
+        for name, inner, bound in replays:
+            substitute(bound, dt)
+            log.warning("dynatrain: running iteration %d's %s again at the survivors' layout",
+                        dt.iteration, name)
+            out = inner(*bound.args, **bound.kwargs)
+            if name == "checkpoint_and_decide_exit" and out:
+                self.stop = True  # Megatron-LM decided to exit after this iteration
 
     def _rebind(self, dt: LoopObjects, v: LoopValues) -> LoopValues:
         if dt.stop:  # this rank was on standby (outside the layout) when the job ended
