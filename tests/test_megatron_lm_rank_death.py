@@ -449,3 +449,28 @@ def test_a_death_after_train_is_recovered_and_the_call_runs_again(monkeypatch):
     after.install(SimpleNamespace(save_checkpoint_and_time=lambda *a, **k: (_ for _ in ()).throw(bug)))
     with pytest.raises(ValueError, match="a bug"):
         after._module.save_checkpoint_and_time(6)
+
+
+def test_a_death_in_megatron_lms_start_up_ends_each_survivor_in_one_line(monkeypatch, capsys):
+    # between start() and the loop (no training state yet): the uncaught dead-peer error is
+    # one line on stderr (status 1 as for any uncaught error); anything else as before; the
+    # loop's start removes the hook (from there on deaths are recovered)
+    import sys
+
+    from dynatrain_megatron.megatron_lm import seam
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda *a: seen.append(a[1]))
+    seam._StartupDeath.install()
+    dead = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234\nmore")
+    sys.excepthook(RuntimeError, dead, None)
+    err = capsys.readouterr().err
+    assert err == ("dynatrain: a peer died during Megatron-LM's start-up, before the training "
+                   "loop ([pair.cc:553] Connection closed by peer [127.0.0.1]:1234): there is "
+                   "no training state to recover yet; the job ends: restart it\n")
+    bug = ValueError("a bug")
+    sys.excepthook(ValueError, bug, None)
+    assert seen == [bug]
+    seam.LoopSeam(SimpleNamespace(), None, training_module=SimpleNamespace(),
+                  timer_class=type("T", (), {}))
+    assert sys.excepthook is not seam._StartupDeath.hook and seam._StartupDeath.previous is None

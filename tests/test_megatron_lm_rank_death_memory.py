@@ -57,7 +57,16 @@ def runs(tmp_path_factory):
         patched, 1, common + ["--load", str(w / "saved"), "--save", str(w / "resumed"),
                               "--save-interval", "1000"],
         w / "resumed.log")
-    return dict(w=w, status=status, switched=switched, saved=saved, resumed=resumed)
+    # rank 1 dies in Megatron-LM's start-up (after the job registered, before the loop)
+    startup = json.dumps({"fail_rank": 1, "fail_phase": "startup", "kill": True,
+                          "exit_code": 1})
+    early_status, early = run_launched(
+        patched, 2, common + DOI2 + [
+            "--distributed-timeout-minutes", "10",
+            "--dynatrain", "--dynatrain-rendezvous-dir", str(w / "rdv-early")],
+        w / "early.log", env={"DYNATRAIN_FAULTS": startup})
+    return dict(w=w, status=status, switched=switched, saved=saved, resumed=resumed,
+                early_status=early_status, early=early)
 
 
 def test_the_survivor_recovers_in_memory_at_the_current_iteration(runs):
@@ -75,6 +84,22 @@ def test_the_survivor_recovers_in_memory_at_the_current_iteration(runs):
     assert (f"running iteration {K}'s checkpoint_and_decide_exit again at the survivors' "
             f"layout") in text
     assert "Traceback" not in text
+
+
+def test_a_death_in_megatron_lms_start_up_ends_the_survivor_in_one_line_at_once(runs):
+    # no training state exists before the loop: the survivor ends (status 1) with one line
+    # saying why, as soon as it sees the death (not after the process-group timeout)
+    text, status = runs["early"], runs["early_status"]
+    assert status == 1, text[-4000:]
+    assert "fault injection: rank 1 dies in phase startup" in text
+    assert re.search(r"dynatrain: a peer died during Megatron-LM's start-up, before the "
+                     r"training loop \(.*\): there is no training state to recover yet; the "
+                     r"job ends: restart it", text), text[-3000:]
+    assert "Traceback" not in text
+    exits = {r: (c, float(t)) for r, c, t in re.findall(
+        r"\[launch\] worker (\d) exited with (-?\d+) after ([0-9.]+) s$", text, re.M)}
+    assert {r: c for r, (c, _) in exits.items()} == {"0": "1", "1": "1"}
+    assert exits["0"][1] - exits["1"][1] < 120  # the timeout is 10 minutes
 
 
 def test_the_save_cut_by_the_death_is_made_again_at_the_survivors_layout(runs):

@@ -188,8 +188,9 @@ def recover_after_train(args: Any, iteration: int, failure: str,
                                            s.trainer.consumed_samples)
     s.guard.step_completed()
     loop = recover(args, iteration, failure, checkpointing_context)
-    if not loop.stop:
-        s.hook.end_job(s.trainer)  # collective with the survivors on standby: they leave
+    if not loop.stop:  # with the survivors on standby (a real-world collective): they leave
+        with stand_in_world.real_world():
+            s.hook.end_job(s.trainer)
     return loop
 
 

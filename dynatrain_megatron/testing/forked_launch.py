@@ -36,7 +36,6 @@ import runpy
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -137,8 +136,8 @@ def _worker(env: dict, script: Path, args: Sequence[str]) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - reported as a worker's traceback would be
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - reported as a worker's interpreter would
+        sys.excepthook(*sys.exc_info())  # (a hook the script installed included)
         code = 1
     try:
         atexit._run_exitfuncs()  # what a worker's own interpreter would run at its exit
