@@ -318,7 +318,16 @@ def _resume_from_save(s: MegatronLMSession, dst: Layout, box: dict):
     _follow_world(args)
     new = start_job(s.spec, dst, s.train, builder=s.hook.builder)
     o = new.objs
-    iteration, flops = load_checkpoint(o.model, o.optimizer, o.scheduler, load_arg=which)
+    # Megatron-LM reads --ckpt-step (the iteration of --load to start from) for any
+    # directory: this job's own --save resumes from its latest
+    ckpt_step = getattr(args, "ckpt_step", None)
+    if which == "save" and ckpt_step is not None:
+        args.ckpt_step = None
+    try:
+        iteration, flops = load_checkpoint(o.model, o.optimizer, o.scheduler, load_arg=which)
+    finally:
+        if which == "save" and ckpt_step is not None:
+            args.ckpt_step = ckpt_step
     box["flops"] = flops
     consumed = arg_value(args, "consumed_train_samples", 0)
     log.warning("dynatrain: loaded Megatron-LM's checkpoint of iteration %d (%d samples "
