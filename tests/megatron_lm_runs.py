@@ -239,12 +239,18 @@ def load_common(iteration_dir: Path) -> dict:
 # Read in an interpreter whose megatron.core is the snapshot's: a checkpoint pickles objects
 # of the megatron-core that wrote it (args holding its enums), which the test process's own
 # megatron-core (the 0.16.1 wheel) may not have. There they become plain objects (an
-# argparse.Namespace of plain values, an enum its name), compared as before.
-_PLAIN = """
-import argparse, enum, sys, torch
+# argparse.Namespace of plain values, an enum its name), compared as before. One reader per
+# snapshot serves the whole session (a request per line on its stdin, the answer on a pipe of
+# its own): a fresh interpreter per checkpoint paid the imports of torch and the snapshot's
+# megatron-core again, seconds of CPU each, two or three times per Megatron-LM test.
+_READER = """
+import argparse, enum, json, os, sys, traceback, torch
+answers = os.fdopen(os.dup(1), 'w')
+os.dup2(2, 1)  # whatever the libraries print goes to the reader's log, not to the answers
 from dynatrain_megatron.compat.megatron_lm import prepare_megatron_lm
 prepare_megatron_lm()
-kind, src, out = sys.argv[1:]
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from megatron.core.dist_checkpointing import load_common_state_dict
 
 def plain(x):
     if torch.is_tensor(x) or x is None or isinstance(x, (bool, int, float, str, bytes)):
@@ -261,15 +267,64 @@ def plain(x):
         return argparse.Namespace(**{k: plain(v) for k, v in vars(x).items()})
     return repr(x)
 
-if kind == 'dcp':
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    dcp_to_torch_save(src, out)
-    obj = torch.load(out, weights_only=False)
-else:
-    from megatron.core.dist_checkpointing import load_common_state_dict
-    obj = load_common_state_dict(src)
-torch.save(plain(obj), out)
+for line in sys.stdin:
+    kind, src, out = json.loads(line)
+    try:
+        if kind == 'dcp':
+            dcp_to_torch_save(src, out)
+            obj = torch.load(out, weights_only=False)
+        else:
+            obj = load_common_state_dict(src)
+        torch.save(plain(obj), out)
+        answer = 'ok'
+    except BaseException:
+        answer = traceback.format_exc()
+    answers.write(json.dumps(answer) + '\\n')
+    answers.flush()
 """
+_READERS: dict = {}
+
+
+def _reader(snapshot: Path) -> subprocess.Popen:
+    """The session's reader for `snapshot`, started at its first use (ended at exit)."""
+    import atexit
+    import tempfile
+
+    proc = _READERS.get(snapshot)
+    if proc is None or proc.poll() is not None:
+        log = tempfile.NamedTemporaryFile(prefix="dynatrain-reader-", suffix=".log",
+                                          delete=False)
+        proc = subprocess.Popen([sys.executable, "-c", _READER], env=job_env(snapshot),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                text=True)
+        proc.log_path = log.name  # type: ignore[attr-defined]
+        _READERS[snapshot] = proc
+
+        def end() -> None:
+            proc.kill()
+            Path(log.name).unlink(missing_ok=True)
+
+        atexit.register(end)
+    return proc
+
+
+def _read_in_reader(snapshot: Path, kind: str, src: Path, out: Path) -> None:
+    import json
+    import select
+
+    proc = _reader(snapshot)
+    proc.stdin.write(json.dumps([kind, str(src), str(out)]) + "\n")
+    proc.stdin.flush()
+    ready, _, _ = select.select([proc.stdout], [], [], 600)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        _READERS.pop(snapshot, None)
+        tail = Path(proc.log_path).read_text(errors="replace")[-3000:]
+        raise AssertionError(f"reading {src}: the reader ended or hung:\n{tail}")
+    answer = json.loads(line)
+    if answer != "ok":
+        raise AssertionError(f"reading {src} failed:\n{answer[-3000:]}")
 
 
 def _load_as_plain(kind: str, src: Path, out: Path) -> dict:
@@ -277,11 +332,7 @@ def _load_as_plain(kind: str, src: Path, out: Path) -> dict:
 
     snapshot = require_snapshot()
     if (snapshot / "megatron" / "core").is_dir():  # a checkout with its own megatron-core
-        proc = subprocess.run([sys.executable, "-c", _PLAIN, kind, str(src), str(out)],
-                              env=job_env(snapshot), capture_output=True, text=True,
-                              timeout=600)
-        if proc.returncode != 0:
-            raise AssertionError(f"reading {src} failed:\n{proc.stderr[-3000:]}")
+        _read_in_reader(snapshot, kind, src, out)
         return torch.load(out, weights_only=False)
     if kind == "common":
         from megatron.core.dist_checkpointing import load_common_state_dict

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..compat import runtime_in_this_thread
 from ..vps.layout import Layout
 from ..vps.placement import Placement
+from ..transition.faults import end_preparation_delays
 from ..transition.transport import collective_device
 from .communicators import control_group, device_context, rank_device, warm_up_groups
 from .groups import ParallelGroups, build_groups
@@ -206,6 +207,7 @@ class DeviceManager:
         up to `timeout` s (None: until it ends) for the background work, then hand back what
         it built, (groups, prepared), for the caller to free. A thread still blocked on a
         dead peer is left behind (daemon)."""
+        end_preparation_delays()  # a test's injected slowness ends with the preparation
         if self._thread is not None:
             self._thread.join(0 if self.given_up is not None else timeout)
             if self._thread.is_alive():

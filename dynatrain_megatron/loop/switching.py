@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import ParallelGroups, build_groups, install
-from ..transition.faults import FaultPlan
+from ..transition.faults import FaultPlan, start_preparation_delays
 from ..transition.switch import choose_dst_placement, prepare_switch, read_scalars, switch_layout
 from ..transition.switch_types import Prepared, SwitchOptions, SwitchResult
 from ..vps.errors import DynatrainError
@@ -224,6 +224,7 @@ def start_preparation(manager: DeviceManager, builder: MegatronBuilder, src: Lay
         return prepare_switch(builder.spec, builder, src, src_placement, dst, groups, options,
                               background=True, faults=faults, src_objs=src_objs)
 
+    start_preparation_delays()
     manager.prepare(dst, dst_placement if dst_placement is not None else choose, background=True,
                     then=prepare)
     return manager

@@ -29,6 +29,7 @@ import argparse
 import ast
 import atexit
 import ctypes
+import gc
 import importlib
 import importlib.util
 import os
@@ -55,22 +56,30 @@ def script_imports(script: Path) -> list[str]:
     return out
 
 
-def preload(script: Path) -> None:
+def preload(script: Path, args: Sequence[str] = ()) -> None:
     """Import in this process what every worker of `script` imports first (after the
-    Megatron-LM runtime, where Megatron-LM is importable)."""
+    Megatron-LM runtime, where Megatron-LM is importable), then what its workers import
+    later (`LATER_IMPORTS`; TorchInductor's entry for a job with experts, whose router
+    functions are compiled at their first call), and move it all out of the garbage
+    collector's generations (`gc.freeze`, kept across `fork`): the workers' collections
+    then scan what they made, not the ~400k objects every worker starts with."""
     sys.path.insert(0, str(script.parent))  # as `python script.py` would have it
-    later: tuple[str, ...] = ()
+    later: list[str] = []
     if importlib.util.find_spec("megatron") and importlib.util.find_spec("megatron.training"):
         from ..compat.megatron_lm import prepare_megatron_lm
 
         prepare_megatron_lm()
-        later = LATER_IMPORTS  # a Megatron-LM job's (another script: only its own)
-    for name in script_imports(script) + list(later):
+        later = list(LATER_IMPORTS)  # a Megatron-LM job's (another script: only its own)
+        if "--num-experts" in args:
+            later.append("torch._inductor.compile_fx")
+    for name in script_imports(script) + later:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the worker imports it again and says why
             pass
     _share_argument_docstrings()
+    gc.collect()
+    gc.freeze()
 
 
 # modules every worker imports later, inside functions: torch's dynamo (its optimizers'
@@ -152,7 +161,7 @@ def run(nproc: int, script: Path, args: Sequence[str], grace_s: float = 10.0) ->
     all exited 0, else the first failure's status (the others are ended)."""
     if nproc < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {nproc}")
-    preload(script)
+    preload(script, args)
     with reserved_port() as port:  # held until the workers ended (`loop.launch`)
         return _fork_and_wait(nproc, port, script, args, grace_s)
 
@@ -216,7 +225,7 @@ def run_survivors(nproc: int, script: Path, args: Sequence[str]) -> int:
 
     logging.basicConfig(level=logging.INFO, format="[launch] %(message)s", stream=sys.stderr)
     log = logging.getLogger("dynatrain.launch")
-    preload(script)
+    preload(script, args)
 
     def start(_rank: int, env: dict, _report_fd: int) -> _Forked:
         sys.stdout.flush()

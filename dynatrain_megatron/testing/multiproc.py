@@ -78,13 +78,17 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
         pass
 
 
-# imported once by the fork server, so that every rank forked from it starts with them
+# imported once by the fork server, so that every rank forked from it starts with them:
+# besides megatron-core, what ranks import later inside functions (torch's dynamo at an
+# optimizer's construction, TorchInductor's entry at the first call of a compiled MoE router
+# function, `compat.cpu.defer_torch_compile`), then the objects frozen (`preload_done`)
 PRELOAD = ("dynatrain_megatron.testing.preload", "torch", "torch.distributed", "megatron.core",
            "megatron.core.models.gpt",
            "megatron.core.optimizer", "megatron.core.distributed",
            "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing",
            "megatron.core.optimizer_param_scheduler", "dynatrain_megatron.mcore.builders",
-           "dynatrain_megatron.mcore.session")
+           "dynatrain_megatron.mcore.session", "torch._dynamo", "torch._inductor.compile_fx",
+           "dynatrain_megatron.testing.preload_done")
 
 
 def _context():

@@ -17,7 +17,9 @@ process exits on the spot instead of raising, as a crash would (its sockets clos
 that cannot be built on one rank), so a later switch of the same job goes through.
 `delay_seconds` delays `delay_rank` before transfer round `round` (`delay_phase` "round"), or
 at the end of its background preparation of B (`delay_phase` "prepare", only for a switch
-to `dst_layout` when that is set): a B that is not ready when the job ends.
+to `dst_layout` when that is set): a B that is not ready when the job ends. A preparation
+delay ends early once the job gives the preparation up (`end_preparation_delays`): the job
+still waits for the background work as it would for a slow one, not for the whole delay.
 
 `generation` numbers the world a plan's ranks refer to: 0 the launch world, g the world
 re-formed by the g-th recovery after a rank death (the survivors renumbered). A job may
@@ -32,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -57,6 +60,21 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "fail_rank": (int,), "fail_phase": (str,), "corrupt_rank": (int,), "delay_rank": (int,),
     "delay_seconds": (int, float), "round": (int,), "kill": (bool,), "exit_code": (int,),
     "iteration": (int,), "dst_layout": (str,), "delay_phase": (str,), "generation": (int,)}
+
+
+# set while this process gives a preparation up: its injected delay (if any) ends
+_GIVEN_UP = threading.Event()
+
+
+def start_preparation_delays() -> None:
+    """A new preparation begins: its injected delay runs in full unless given up."""
+    _GIVEN_UP.clear()
+
+
+def end_preparation_delays() -> None:
+    """The job gives the pending preparation up (it ends, or the world changed): an
+    injected preparation delay returns now."""
+    _GIVEN_UP.set()
 
 
 class FaultSpecError(DynatrainError, ValueError):
@@ -176,12 +194,13 @@ class FaultPlan:
             time.sleep(self.delay_seconds)
 
     def delay_preparation(self, rank: int, dst: str) -> None:
-        """At the end of B's background preparation (`delay_phase` "prepare")."""
+        """At the end of B's background preparation (`delay_phase` "prepare"); ends early
+        when the job gives the preparation up (`end_preparation_delays`)."""
         if self.delay_phase == "prepare" and self.delay_rank == rank and self.delay_seconds \
                 and self.dst_layout in (None, dst):
             log.warning("fault injection: rank %d's preparation of %s takes %.1f s more", rank,
                         dst, self.delay_seconds)
-            time.sleep(self.delay_seconds)
+            _GIVEN_UP.wait(self.delay_seconds)
 
     def corrupt(self, rank: int, round_index: int, received: Sequence[torch.Tensor]) -> None:
         if self.corrupt_rank == rank and round_index == self.round and received:
