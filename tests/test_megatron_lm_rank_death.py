@@ -458,10 +458,11 @@ def test_a_death_in_megatron_lms_start_up_ends_each_survivor_in_one_line(monkeyp
     import sys
 
     from dynatrain_megatron.megatron_lm import seam
+    from dynatrain_megatron.megatron_lm.startup_death import StartupDeath
 
     seen = []
     monkeypatch.setattr(sys, "excepthook", lambda *a: seen.append(a[1]))
-    seam._StartupDeath.install()
+    StartupDeath.install()
     dead = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234\nmore")
     sys.excepthook(RuntimeError, dead, None)
     err = capsys.readouterr().err
@@ -473,4 +474,4 @@ def test_a_death_in_megatron_lms_start_up_ends_each_survivor_in_one_line(monkeyp
     assert seen == [bug]
     seam.LoopSeam(SimpleNamespace(), None, training_module=SimpleNamespace(),
                   timer_class=type("T", (), {}))
-    assert sys.excepthook is not seam._StartupDeath.hook and seam._StartupDeath.previous is None
+    assert sys.excepthook is not StartupDeath.hook and StartupDeath.previous is None

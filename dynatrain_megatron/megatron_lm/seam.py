@@ -36,6 +36,7 @@ from typing import Any, Callable, NamedTuple, Optional
 from ..vps.errors import DynatrainError
 from . import adapter
 from .adapter import LoopObjects
+from .startup_death import StartupDeath
 
 log = logging.getLogger("dynatrain")
 
@@ -69,7 +70,7 @@ def start(provider: Callable) -> None:
         raise DynatrainError("--dynatrain cannot switch this Megatron-LM job: "
                              + "; ".join(problems))
     adapter.register_dataset_provider(provider, args)
-    _StartupDeath.install()
+    StartupDeath.install()
     _fault_at_startup()
 
 
@@ -84,41 +85,6 @@ def _fault_at_startup() -> None:
 
         for plan in plans:
             plan.fail(dist.get_rank(), "startup")
-
-
-class _StartupDeath:
-    """A peer that dies in Megatron-LM's start-up, between `start` and the training loop
-    (its data iterators being built): there is no training state yet to recover from (the
-    loop's first boundary is where recovery begins), so every survivor ends, and says why
-    in one line instead of a traceback: the uncaught error, when it is a dead peer's, goes
-    through this `sys.excepthook` (status 1, as for any uncaught error); anything else is
-    reported as before. Removed when the loop starts (`LoopSeam`)."""
-
-    previous = None
-
-    @classmethod
-    def install(cls) -> None:
-        if cls.previous is None:
-            cls.previous = sys.excepthook
-            sys.excepthook = cls.hook
-
-    @classmethod
-    def remove(cls) -> None:
-        if cls.previous is not None:
-            sys.excepthook, cls.previous = cls.previous, None
-
-    @staticmethod
-    def hook(kind: type, error: BaseException, tb: Any) -> None:
-        from ..loop.switching import is_dead_peer
-
-        previous = _StartupDeath.previous or sys.__excepthook__
-        if not isinstance(error, Exception) or not is_dead_peer(error):
-            previous(kind, error, tb)
-            return
-        first = str(error).splitlines()[0][:200] if str(error) else kind.__name__
-        print(f"dynatrain: a peer died during Megatron-LM's start-up, before the training "
-              f"loop ({first}): there is no training state to recover yet; the job ends: "
-              f"restart it", file=sys.stderr, flush=True)
 
 
 class LoopSeam:
@@ -138,7 +104,7 @@ class LoopSeam:
         from . import rank_death
         from .post_step import PostStepGuard
 
-        _StartupDeath.remove()  # from here on, deaths are recovered
+        StartupDeath.remove()  # from here on, deaths are recovered
         self.args = args
         self.checkpointing_context = checkpointing_context
         global _CONTEXT
