@@ -57,8 +57,8 @@ one-line error. A recovery from a checkpoint loads Megatron-LM's latest complete
 tracker file is written last).
 
 Not covered: a death during Megatron-LM's start-up (before `train()`'s loop: the model,
-optimizer and data are still being built, there is no state to recover) ends the job with
-Megatron-LM's own error, as without dynatrain. A death after `train()` (the final save,
+optimizer and data are still being built, there is no state to recover) ends every
+survivor, in one line (`startup_death.py`). A death after `train()` (the final save,
 validation, test) is recovered in memory where the state allows (`after_train.py`,
 `recover_after_train`), else ends every survivor with one line.
 """
