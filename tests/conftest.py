@@ -29,6 +29,18 @@ def _collections_left_as_found(request):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _megatron_lm_launch_servers(tmp_path_factory):
+    """The session's working copies of the Megatron-LM snapshot (`megatron_lm_tree.copy_tree`)
+    and its preloaded launchers for them (`megatron_lm_runs.torchrun_cmd`,
+    `dynatrain_megatron/testing/launch_server.py`); each launcher ends with the session."""
+    os.environ["DYNATRAIN_TEST_LAUNCH_SERVERS"] = str(tmp_path_factory.mktemp("launch-servers"))
+    os.environ["DYNATRAIN_TEST_TREES"] = str(tmp_path_factory.mktemp("megatron-lm-trees"))
+    yield
+    os.environ.pop("DYNATRAIN_TEST_LAUNCH_SERVERS", None)
+    os.environ.pop("DYNATRAIN_TEST_TREES", None)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _megatron_lm_data_cache(tmp_path_factory):
     """One index cache for the session's Megatron-LM jobs on mock data
     (`megatron_lm_runs.with_data_cache`)."""

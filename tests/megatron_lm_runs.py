@@ -79,12 +79,19 @@ def torchrun_cmd(tree: Path, nproc: int, flags: list[str],
     `nproc` ranks: the workers forked after
     one import of torch and Megatron-LM, in torchrun's environment
     (`dynatrain_megatron/testing/forked_launch.py`: most of a tiny job's start-up on 2
-    cores); `DYNATRAIN_TEST_LAUNCHER=torchrun`: the plain torchrun command (the README's
+    cores), through the session's preloaded launcher for the same script and environment
+    where the session has them (`testing/launch_server.py`, `DYNATRAIN_TEST_LAUNCH_SERVERS`);
+    `DYNATRAIN_TEST_LAUNCHER=torchrun`: the plain torchrun command (the README's
     quickstart test always runs that)."""
     script = str(script or tree / "pretrain_gpt.py")
     flags = with_data_cache(flags)
     if os.environ.get("DYNATRAIN_TEST_LAUNCHER") == "torchrun":
         return [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), script, *flags]
+    servers = os.environ.get("DYNATRAIN_TEST_LAUNCH_SERVERS")
+    if servers:  # the session's preloaded launchers (conftest.py)
+        return [sys.executable, "-m", "dynatrain_megatron.testing.launch_server",
+                "--server-dir", servers, "--owner-pid", str(os.getpid()),
+                "--nproc-per-node", str(nproc), script, *flags]
     return [sys.executable, "-m", "dynatrain_megatron.testing.forked_launch",
             "--nproc-per-node", str(nproc), script, *flags]
 
@@ -515,17 +522,21 @@ def assert_final_checkpoints_identical(runs: dict, n: int) -> dict:
 def job_processes(tree: Path, grace: float = 10.0) -> list[str]:
     """The processes of a Megatron-LM job of `tree` still running (`pid: command line`,
     read from /proc: any whose command line names the tree's pretrain_gpt.py, the ranks and
-    whatever they forked) after up to `grace` seconds for them to end; those are then
+    whatever they forked, but the session's preloaded launch servers) after up to `grace` seconds for them to end; those are then
     killed, so that a failing check leaves nothing behind."""
     import signal
     import time
 
+    from dynatrain_megatron.testing.launch_server import server_pids
+
     script = str(tree / "pretrain_gpt.py").encode()
+    servers = os.environ.get("DYNATRAIN_TEST_LAUNCH_SERVERS")
+    skip = {os.getpid()} | (server_pids(Path(servers)) if servers else set())
 
     def running() -> dict[int, str]:
         out = {}
         for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            if not entry.name.isdigit() or int(entry.name) in skip:
                 continue
             try:
                 cmd = (entry / "cmdline").read_bytes()

@@ -6,7 +6,7 @@ unset, the default release (`patch_tool.default_release()`, the one the whole su
 on). `make test` runs the suite in full on it, then the tests marked `every_release` on the
 other supported releases (docs/releases.md: the test matrix).
 
-A working copy (`copy_tree`) is made by `megatron_lm.checkout.working_copy`: a checkout with
+A working copy (`copy_tree`, one per session and kind) is made by `megatron_lm.checkout.working_copy`: a checkout with
 its own `megatron/core` gets its dataset helper built once (cached) and copied in.
 """
 import os
@@ -43,7 +43,17 @@ def release_name() -> str:
 
 
 def copy_tree(dst: Path, *, patched: bool) -> Path:
-    """A working copy of the snapshot at `dst`, patched with our patch or not."""
+    """A working copy of the snapshot, patched with our patch or not: the session's own
+    (made once, under `DYNATRAIN_TEST_TREES`, conftest.py) where the session keeps them,
+    else a new one at `dst`. The jobs write nothing into their tree (checkpoints, data and
+    logs go where their flags say), so every module's jobs may share one; and jobs of one
+    tree with the same environment share a preloaded launcher (`megatron_lm_runs`)."""
     from dynatrain_megatron.megatron_lm.checkout import working_copy
 
-    return working_copy(require_snapshot(), dst, patched=patched)
+    shared = os.environ.get("DYNATRAIN_TEST_TREES")
+    if not shared:
+        return working_copy(require_snapshot(), dst, patched=patched)
+    tree = Path(shared) / f"{SNAPSHOT.name}-{'patched' if patched else 'unpatched'}"
+    if not tree.is_dir():
+        working_copy(require_snapshot(), tree, patched=patched)
+    return tree

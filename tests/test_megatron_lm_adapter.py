@@ -11,6 +11,7 @@ import pytest
 
 from dynatrain_megatron.megatron_lm import adapter as mlm
 from dynatrain_megatron.megatron_lm import arguments as mla
+from dynatrain_megatron.megatron_lm.support import plans_from_metadata
 from dynatrain_megatron.vps.errors import DynatrainError
 from dynatrain_megatron.vps.layout import Layout
 
@@ -210,10 +211,10 @@ def test_supported_job_has_no_objection():
 
 def test_megatron_lm_defaults_are_refused_with_reasons():
     a = megatron_args(hidden_dropout=0.1, attention_dropout=0.1, use_distributed_optimizer=False,
-                      rampup_batch_size=["16", "16", "1000"], cuda_graph_impl="local",
+                      decrease_batch_size_if_needed=True, cuda_graph_impl="local",
                       optimizer="sgd")
     why = "\n".join(mlm.unsupported_args(a))
-    for s in ("--rampup-batch-size", "--cuda-graph-impl local", "--optimizer sgd"):
+    for s in ("--decrease-batch-size-if-needed", "--cuda-graph-impl local", "--optimizer sgd"):
         assert s in why
     # plain DDP switches: its replicated optimizer state is in the planning layout
     assert "distributed-optimizer" not in why
@@ -242,8 +243,6 @@ def test_options_carried_by_megatron_lm_building_b_are_accepted():
 
 
 @pytest.mark.parametrize("over,needle", [
-    (dict(position_embedding_type="learned_absolute", max_position_embeddings=64),
-     "--max-position-embeddings"),
     (dict(num_experts=8, moe_grouped_gemm=True, transformer_impl="transformer_engine"),
      "--moe-grouped-gemm with --transformer-impl transformer_engine"),
     (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
@@ -548,3 +547,95 @@ def test_expert_bias_is_planned_from_the_live_metadata():
                          moe_router_enable_expert_bias=True)
     assert mlm.unsupported_args(args) == []
     assert plans_from_metadata(args) == ["--moe-router-enable-expert-bias"]
+
+
+@pytest.mark.parametrize("flags,pp,split", [
+    # L + the flags set, over pp stages; one less on the stage holding the embedding / loss
+    (dict(account_for_embedding_in_pipeline_split=True), 2, (1, 0)),  # 3 layers: [1, 2]
+    (dict(account_for_loss_in_pipeline_split=True), 2, (0, 1)),  # [2, 1]
+    (dict(account_for_embedding_in_pipeline_split=True,
+          account_for_loss_in_pipeline_split=True, num_layers=4), 2, (2, 2)),  # [2, 2]
+    (dict(account_for_embedding_in_pipeline_split=True, num_layers=7), 4, (1, 0)),  # [1,2,2,2]
+    (dict(account_for_embedding_in_pipeline_split=True), 1, (0, 0)),  # no split at pp1
+])
+def test_account_for_flags_are_the_layouts_uneven_stages(flags, pp, split):
+    over = dict(num_layers=3, tensor_model_parallel_size=1, pipeline_model_parallel_size=pp)
+    over.update(flags)
+    a = megatron_args(**over)
+    assert mlm.unsupported_args(a) == [] and plans_from_metadata(a) == []
+    spec = mla.spec_from_megatron_args(a)
+    lay = mla.layout_from_megatron_args(a, spec, pp * 2)
+    assert (lay.ppf, lay.ppl) == split
+    # megatron-core's count: (L + flags) // pp per stage, one less where the flag's stage is
+    per = (spec.num_layers + sum(k.startswith("account_for") for k in flags)) // pp
+    counts = [per] * pp
+    if flags.get("account_for_embedding_in_pipeline_split"):
+        counts[0] -= 1
+    if flags.get("account_for_loss_in_pipeline_split"):
+        counts[-1] -= 1
+    assert lay.stage_num_layers(spec.num_layers) == (counts if pp > 1 else [spec.num_layers])
+    # B's args carry the split as ppf/ppl, without the flags (megatron-core refuses both)
+    b = mla.args_for_layout(lay, spec)
+    assert b["account_for_embedding_in_pipeline_split"] is False
+    assert b["account_for_loss_in_pipeline_split"] is False
+    assert (b["decoder_first_pipeline_num_layers"] or 0, b["decoder_last_pipeline_num_layers"]
+            or 0) == split
+
+
+def test_account_for_flags_that_leave_a_stage_empty_are_refused():
+    a = megatron_args(num_layers=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                      account_for_embedding_in_pipeline_split=True)
+    with pytest.raises(DynatrainError, match="leave a stage without a layer"):
+        mla.layout_from_megatron_args(a, mla.spec_from_megatron_args(a), 4)
+
+
+def test_account_for_flags_with_virtual_stages_stay_refused():
+    a = megatron_args(account_for_loss_in_pipeline_split=True, num_layers=7,
+                      num_virtual_stages_per_pipeline_rank=2)
+    why = mlm.unsupported_args(a)
+    assert len(why) == 1 and why[0].startswith(
+        "--account-for-loss-in-pipeline-split with virtual pipeline stages: "), why
+
+
+@pytest.mark.parametrize("over,flags", [
+    (dict(spec=["my_specs", "layer"]), ["--spec"]),
+    (dict(add_qkv_bias=True, add_bias_linear=False), ["--add-qkv-bias"]),
+    # Megatron-LM sets add_qkv_bias with --add-bias-linear: biases everywhere, described
+    (dict(add_qkv_bias=True, add_bias_linear=True), []),
+    (dict(ddp_num_buckets=2), ["--ddp-num-buckets"]),
+    (dict(ddp_num_buckets=2, ddp_pad_buckets_for_high_nccl_busbw=True),
+     ["--ddp-num-buckets", "--ddp-pad-buckets-for-high-nccl-busbw"]),
+])
+def test_what_the_analytic_layout_cannot_place_is_planned_from_the_live_metadata(over, flags):
+    a = megatron_args(**over)
+    assert mlm.unsupported_args(a) == []
+    assert plans_from_metadata(a) == flags
+
+
+@pytest.mark.parametrize("over", [
+    dict(use_precision_aware_optimizer=True), dict(optimizer_cpu_offload=True),
+    dict(num_experts=8, moe_grouped_gemm=True, transformer_impl="transformer_engine"),
+    dict(multi_latent_attention=True, transformer_impl="transformer_engine"),
+    # Megatron-LM's FSDP: NCCL stream options / cuda:<device> buffers (both releases)
+    dict(use_torch_fsdp2=True), dict(use_megatron_fsdp=True),
+])
+def test_cuda_only_options_are_refused_as_hardware(over):
+    from dynatrain_megatron.megatron_lm.support import REFUSALS
+
+    hits = [r for r in REFUSALS if r.test(megatron_args(**over))]
+    assert [r.cls for r in hits] == ["hardware"] and "needs CUDA" in hits[0].why, hits
+
+
+def test_a_learned_position_table_longer_than_the_sequence_is_described():
+    from dynatrain_megatron.vps.analytic import analytic_layout
+
+    a = megatron_args(position_embedding_type="learned_absolute", max_position_embeddings=64)
+    assert mlm.unsupported_args(a) == [] and plans_from_metadata(a) == []
+    spec = mla.spec_from_megatron_args(a)
+    assert spec.max_position_embeddings == 64
+    assert mla.spec_from_megatron_args(megatron_args(
+        position_embedding_type="learned_absolute")).max_position_embeddings is None
+    al = analytic_layout(spec, Layout.parse("tp2pp2dp1", 4), None)
+    rows = {f.box.shape for f in al.fragments(0, ("param",))
+            if f.key == "embedding.position_embeddings.weight"}
+    assert rows == {(64, 64)}, rows

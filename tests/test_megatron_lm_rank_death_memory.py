@@ -13,8 +13,12 @@ The reference is Megatron-LM's own restart, as in test_megatron_lm_train.py:
 * saved: the UNPATCHED tree trains tp1pp1doi2dp2 to K on 2 ranks and saves;
 * resumed: patched, without `--dynatrain`, loads that on 1 rank at tp1pp1dp1 and trains to N.
 
+The model's layers come from a user's `--spec` module (megatron-core's local layer): the
+recovery, a switch with rank 1 unavailable, is planned from the survivor's live metadata.
+Its learned position table has 64 rows for a sequence of 32 (`--max-position-embeddings`).
 The final checkpoints must be equal bit for bit as logical tensors, so must the survivor's
-`--save` of K and the unpatched tree's, and the losses after K the restart's (its 2nd print after `--load` is Megatron-LM's two-iteration mean).
+`--save` of K and the unpatched tree's, and the losses after K the restart's (its 2nd print
+after `--load` is Megatron-LM's two-iteration mean).
 """
 import json
 import re
@@ -40,7 +44,12 @@ def runs(tmp_path_factory):
     w.chmod(0o700)
     patched = copy_tree(w / "patched", patched=True)
     unpatched = copy_tree(w / "unpatched", patched=False)
-    common = CPU_FLAGS + TINY_GPT + layout_flags(1, 1) + ["--train-iters", str(N)]
+    # a user's --spec module (the same layers): the recovery is planned from the live
+    # metadata of the survivor alone
+    common = CPU_FLAGS + TINY_GPT + layout_flags(1, 1) + [
+        "--train-iters", str(N), "--spec", "tests.megatron_lm_user_spec", "gpt_layer",
+        # a learned position table longer than the sequence (64 rows, sequence of 32)
+        "--max-position-embeddings", "64"]
     kill = json.dumps({"fail_rank": 1, "fail_phase": "save", "iteration": K, "kill": True,
                        "exit_code": 1})
     status, switched = run_launched(
@@ -76,6 +85,10 @@ def test_the_survivor_recovers_in_memory_at_the_current_iteration(runs):
     assert exits == {"1": "1", "0": "0"}
     assert "recovered in memory: tp1pp1doi2dp2 -> tp1pp1dp1 on 1 ranks" in text
     assert "loaded Megatron-LM's checkpoint" not in text  # nothing read from disk
+    # planned from the survivor's live metadata (what the analytic layout cannot know)
+    assert "--spec: switches are planned from every rank's live sharded metadata" in text
+    assert re.search(r"rank 0: switch tp1pp1doi2dp2 -> tp1pp1dp1 planned from the live "
+                     r"metadata", text), text[-3000:]
     # first seen inside the --save of K, held until the boundary after K
     assert "fault injection: rank 1 dies in phase save" in text
     assert "a peer died during Megatron-LM's checkpoint_and_decide_exit" in text

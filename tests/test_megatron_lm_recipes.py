@@ -7,8 +7,14 @@ in the background while A trains.
 One group of two jobs on 4 gloo ranks per recipe, each checking several things:
 
 * llama: Llama-3.1-shaped: `--rotary-base 500000 --use-rope-scaling`, GQA, SwiGLU, RMSNorm,
-  untied embeddings, no biases, bf16; the optimizer side `--lr-decay-style WSD` (decay
-  within the run) and `--lr-warmup-init`; a TP *and* PP change, tp2pp1dp2 -> tp1pp2dp2.
+  untied embeddings, bf16, biases on the query/key/value projection only (`--add-qkv-bias`,
+  Qwen2's); the optimizer side `--lr-decay-style WSD` (decay
+  within the run) and `--lr-warmup-init`; a TP *and* PP change, tp2pp1dp2 -> tp1pp2ppf1dp2:
+  three layers with `--account-for-embedding-in-pipeline-split` (at pp2 the first stage
+  holds one layer and the embedding), built from a user's `--spec` module, the distributed
+  optimizer's buffers in `--ddp-num-buckets 2` padded buckets
+  (`--ddp-pad-buckets-for-high-nccl-busbw`, `--overlap-grad-reduce`): planned from the live
+  metadata.
 * deepseek: DeepSeek-shaped attention: `--multi-latent-attention` with low-rank query and
   key-value projections (`--q-lora-rank 32 --kv-lora-rank 16`, split head sizes) and their
   norms (`--qk-layernorm`); aux-loss-free MoE (sigmoid scores, `--moe-router-enable-expert-bias`:
@@ -21,12 +27,18 @@ One group of two jobs on 4 gloo ranks per recipe, each checking several things:
   the fp32 main params and Adam moments of its shard): each of B's four replicas gets all
   of it.
 * qwen_moe: Qwen3-MoE-shaped: `--qk-layernorm`, top-2 routing with the aux loss, a shared
-  expert, `--moe-layer-freq [0,1,1,1]` (a dense first layer), `--rotary-base 1000000`,
+  expert, `--moe-layer-freq [0,1,1]` (a dense first layer), `--rotary-base 1000000`,
   GQA, bf16, `--moe-grouped-gemm` (megatron-core 0.16's GroupedMLP: all local experts of a
   layer in two weights; on the CPU its kernel is `compat.cpu.gmm`, in both jobs); a PP, EP
-  and DP change, tp1pp2ep2dp2 -> tp1pp1ep4dp4. At A the two pipeline
-  stages have different layer patterns (stage 0: dense + MoE, stage 1: MoE + MoE), which a
-  B built with A's pipeline rank would get wrong.
+  and DP change, tp1pp2ep2dp2 -> tp1pp1ep4dp4. Three layers with
+  `--account-for-loss-in-pipeline-split`: at A the two pipeline stages have different layer
+  counts and patterns (stage 0: dense + MoE, stage 1: MoE and the loss; the Layout's ppl1),
+  which a B built with A's pipeline rank would get wrong. Trained by samples
+  (`--train-samples 40`, micro-batches of 1) with `--rampup-batch-size 4 4 16` to a global
+  batch of 8: core_v0.16.1 ramps (iterations 1-4 at 4, 5-7 at 8; the switch after 3 lands
+  inside the ramp, B's DP 4 takes one micro-batch where A's DP 2 took two), and every
+  iteration's global batch is the restart's; core_v0.19.0's Megatron-LM ignores the flag
+  (5 iterations at 8).
 
 Each: the switch lands after iteration K on every rank; the final checkpoints (model, fp32
 main params, both Adam moments, scheduler, optimizer step) are bit-identical to the
@@ -50,15 +62,42 @@ LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--use-
          "--disable-bias-linear", "--bf16", "--ffn-hidden-size", "128",
          # WSD: warm-up 1, stable, then the last 2 iterations decay (after the switch)
          "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "linear",
-         "--lr-wsd-decay-iters", "2", "--lr-warmup-init", "1e-5"]
+         "--lr-wsd-decay-iters", "2", "--lr-warmup-init", "1e-5",
+         # a user's layer-spec module (planned from the live metadata: the analytic layout
+         # cannot know what a user's module builds)
+         "--spec", "tests.megatron_lm_user_spec", "llama_layer",
+         # Qwen2's attention: biases on the query/key/value projection only (planned from
+         # the live metadata: the analytic layout's biases are all or none)
+         "--add-qkv-bias",
+         # three layers, the embedding counted as a layer of the first stage: at pp2 stage 0
+         # holds 1 layer, stage 1 holds 2 (the Layout's ppf1)
+         "--num-layers", "3", "--account-for-embedding-in-pipeline-split",
+         # the distributed optimizer's buffers padded for NCCL's bus bandwidth (to 2**16) and,
+         # with --overlap-grad-reduce, cut into 2 buckets on the first stage (core_v0.16.1:
+         # bucket size = parameters // 2; core_v0.19.0 hands num_buckets to Megatron-FSDP
+         # only): its shards are read from its own bookkeeping
+         "--ddp-num-buckets", "2", "--ddp-pad-buckets-for-high-nccl-busbw",
+         "--overlap-grad-reduce"]
 QWEN_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
             "--moe-aux-loss-coeff", "1e-2", "--moe-shared-expert-intermediate-size", "32",
-            "--moe-layer-freq", "[0,1,1,1]", "--moe-token-dispatcher-type", "alltoall",
+            "--moe-layer-freq", "[0,1,1]", "--moe-token-dispatcher-type", "alltoall",
+            # three layers, the loss counted as a layer of the last stage: at pp2 stage 0
+            # holds 2 (dense + MoE), stage 1 one MoE layer (the Layout's ppl1)
+            "--num-layers", "3", "--account-for-loss-in-pipeline-split",
             "--moe-grouped-gemm",
             "--qk-layernorm", "--position-embedding-type", "rope", "--rotary-base", "1000000",
             "--group-query-attention", "--num-query-groups", "2", "--swiglu",
             "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
-            "--disable-bias-linear", "--bf16", "--ffn-hidden-size", "96"]
+            "--disable-bias-linear", "--bf16", "--ffn-hidden-size", "96",
+            # trained by samples with a batch-size ramp, micro-batches of 1 (so that every
+            # batch of the ramp splits over B's DP 4): core_v0.16.1 ramps 4 -> 8 over the
+            # first 16 samples (iterations 1-4 at 4, 5-7 at 8), core_v0.19.0 ignores the
+            # flag (5 iterations at 8); the switch after 3 lands inside the ramp
+            "--micro-batch-size", "1", "--lr-warmup-iters", "0", "--lr-warmup-samples", "4",
+            "--train-samples", "40", "--rampup-batch-size", "4", "4", "16"]
+# qwen_moe's iterations by release: core_v0.16.1's ramp (4 at 4 samples, 3 at 8) or 40 / 8
+RAMPED = {"core_v0.16.1": {i: 4 if i <= 4 else 8 for i in range(1, 8)}}
+BY_SAMPLES = {"qwen_moe"}
 DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16",
             "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
             "--qk-layernorm", "--position-embedding-type", "rope", "--swiglu",
@@ -74,10 +113,10 @@ DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank",
 # recipes run as plain DDP: without the common --use-distributed-optimizer
 PLAIN_DDP = {"deepseek"}
 RECIPES = {  # name: (recipe flags, flags at A, flags at B, A, B)
-    "llama": (LLAMA, layout_flags(2, 1), layout_flags(1, 2), "tp2pp1dp2", "tp1pp2dp2"),
+    "llama": (LLAMA, layout_flags(2, 1), layout_flags(1, 2), "tp2pp1dp2", "tp1pp2ppf1dp2"),
     "qwen_moe": (QWEN_MOE, layout_flags(1, 2, expert_model_parallel_size=2),
                  layout_flags(1, 1, expert_model_parallel_size=4),
-                 "tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4"),
+                 "tp1pp2ep2etp1ppl1dp2", "tp1pp1ep4etp1dp4"),
     "deepseek": (DEEPSEEK, layout_flags(2, 2), layout_flags(1, 1), "tp2pp2dp1", "tp1pp1dp4"),
 }
 
@@ -90,8 +129,11 @@ RECIPES = {  # name: (recipe flags, flags at A, flags at B, A, B)
 def runs(request, tmp_path_factory):
     require_snapshot()
     recipe, a, b, lay_a, lay_b = RECIPES[request.param]
-    common = (CPU_FLAGS + TINY_MODEL + MOCK_DATA + recipe
-              + ["--eval-interval", "1000", "--train-iters", str(N)])
+    batches = ({} if request.param not in BY_SAMPLES else
+               RAMPED.get(release_name(), {i: 8 for i in range(1, 6)}))
+    n = len(batches) or N
+    common = (CPU_FLAGS + TINY_MODEL + MOCK_DATA + recipe + ["--eval-interval", "1000"]
+              + ([] if batches else ["--train-iters", str(N)]))
     if request.param in PLAIN_DDP:
         common = [f for f in common if f != "--use-distributed-optimizer"]
     # B takes the placement the planner chooses: Megatron-LM's loss line must still print
@@ -99,7 +141,7 @@ def runs(request, tmp_path_factory):
     # the restart resumes the switched run's own --save at K (A's state): two jobs, not three
     out = switch_and_restart(tmp_path_factory.mktemp(f"recipe-{request.param}"), common, a, b,
                              lay_b, K, own_save=True)
-    return dict(out, A=lay_a, B=lay_b, recipe=request.param)
+    return dict(out, A=lay_a, B=lay_b, recipe=request.param, N=n, batches=batches)
 
 
 def _printed_args(text: str) -> dict[str, str]:
@@ -114,6 +156,16 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert (args["rotary_base"], args["use_rope_scaling"]) == ("500000", "True")
         assert (args["lr_decay_style"], args["lr_warmup_init"]) == ("WSD", "1e-05")
         assert args["num_query_groups"] == "2" and args["untie_embeddings_and_output_weights"] == "True"
+        assert args["spec"] == "['tests.megatron_lm_user_spec', 'llama_layer']"
+        assert (args["num_layers"], args["account_for_embedding_in_pipeline_split"]) == ("3", "True")
+        assert (args["ddp_num_buckets"], args["ddp_pad_buckets_for_high_nccl_busbw"],
+                args["overlap_grad_reduce"]) == ("2", "True", "True")
+        # the buffers' buckets are padded to 2**16 elements, in both jobs
+        for run in ("switched", "resumed"):
+            sizes = re.findall(r"Params for bucket \d+ \(\d+ elements, (\d+) padded size", runs[run])
+            assert sizes and all(int(n) % 2**16 == 0 for n in sizes), (run, sizes)
+        assert args["add_qkv_bias"] == "True" and args["add_bias_linear"] == "False"
+        assert "planned from the live metadata" in runs["switched"]
     elif runs["recipe"] == "deepseek":
         assert args["multi_latent_attention"] == "True"
         assert args["use_distributed_optimizer"] == "False"
@@ -125,9 +177,20 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert "planned from the live metadata" in runs["switched"]
     else:
         assert args["rotary_base"] == "1000000" and args["qk_layernorm"] == "True"
-        assert args["moe_layer_freq"] == "[0, 1, 1, 1]"
+        assert args["moe_layer_freq"] == "[0, 1, 1]"
+        assert (args["num_layers"], args["account_for_loss_in_pipeline_split"]) == ("3", "True")
+        # the analytic layout describes the split (ppl1): the switch is planned from it
+        assert "planned from the live metadata" not in runs["switched"]
         assert args["moe_shared_expert_intermediate_size"] == "32"
         assert args["moe_grouped_gemm"] == "True"
+        assert (args["train_samples"], args["rampup_batch_size"]) == ("40", "[4, 4, 16]")
+        # every iteration's global batch as Megatron-LM printed it: the ramp (core_v0.16.1)
+        # continues at B from its position, as after the restart's load
+        batch = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \|.*?global batch size:\s+(\d+) \|")
+        ours = {int(i): int(b) for i, b in batch.findall(runs["switched"])}
+        theirs = {int(i): int(b) for i, b in batch.findall(runs["resumed"])}
+        assert ours == runs["batches"], ours
+        assert theirs == {i: b for i, b in ours.items() if i > K}, theirs
         # megatron-core 0.16 builds GroupedMLP (its deprecation warning), in both jobs;
         # 0.19's local spec builds one module per expert whatever the flag
         legacy = release_name() == "core_v0.16.1"
@@ -140,7 +203,11 @@ def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
 
 
 def test_final_checkpoints_are_bit_identical(runs):
-    ours = assert_final_checkpoints_identical(runs, N)
+    ours = assert_final_checkpoints_identical(runs, runs["N"])
+    if runs["recipe"] == "llama":  # the query/key/value biases, and no other bias
+        biases = {k for k in ours if k.endswith(".bias") and not k.startswith("optimizer.")}
+        assert biases == {"decoder.layers.self_attention.linear_qkv.bias"}, biases
+        assert ours["decoder.layers.self_attention.linear_qkv.bias"].shape[0] == 3  # layers
     if runs["recipe"] == "qwen_moe":  # the dense layer and the experts both came across
         assert any("experts" in k for k in ours) and any("shared_experts" in k for k in ours)
         # layers keyed one by one (they differ): layer 0 is dense, 1..3 have experts
@@ -170,7 +237,7 @@ def test_final_checkpoints_are_bit_identical(runs):
 
 
 def test_losses_match_megatron_lm_restart(runs):
-    assert_losses_as_restart(runs, K, N)
+    assert_losses_as_restart(runs, K, runs["N"])
 
 
 def test_a_refused_option_ends_the_job_when_its_command_line_is_parsed(tmp_path):

@@ -445,3 +445,20 @@ def local_spec_groups_experts() -> bool:
     got = fn(True, *[False] * (len(inspect.signature(fn).parameters) - 1))
     return any(getattr(x, "func", x) is grouped_cls
                for x in (got if isinstance(got, tuple) else (got,)))
+
+
+def live_batch_ramp() -> Optional[tuple[int, int, int]]:
+    """The batch-size ramp (start, increment, ramp samples) megatron-core's global
+    micro-batch calculator runs with, None when it runs none. Read from the calculator
+    itself, not from `--rampup-batch-size`: core_v0.16.1's Megatron-LM builds it with that
+    flag; core_v0.19.0's megatron-core has no ramp calculator (its Megatron-LM parses the
+    flag and ignores it)."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    ramp_cls = getattr(nmc, "RampupBatchsizeNumMicroBatchesCalculator", None)
+    calc = nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    if ramp_cls is None or not isinstance(calc, ramp_cls):
+        return None
+    return (int(calc.start_global_batch_size), int(calc.batch_size_increment),
+            int(calc.ramup_samples))
+

@@ -189,6 +189,7 @@ def validator_options(train: TrainConfig, layout: Layout,
     return dict(transformer_engine=transformer_engine_available(),
                 global_batch_size=train.global_batch_size,
                 micro_batch_size=train.micro_batch_size,
+                ramp_batch_sizes=train.batch_sizes()[:-1],
                 device_memory_bytes=device_memory_bytes,
                 bucket_size=bucket_size_of(train, layout))
 

@@ -26,10 +26,29 @@ class TrainConfig:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     data_seed: int = 0
+    # Megatron-LM's --rampup-batch-size (start, increment, ramp samples), where the job's
+    # release drives its micro-batch calculator with it: the global batch grows with the
+    # consumed samples, to `global_batch_size`
+    rampup_batch_size: Optional[tuple[int, int, int]] = None
 
     def __post_init__(self) -> None:
+        if self.rampup_batch_size is not None:
+            start, inc, samples = self.rampup_batch_size
+            if (start < 1 or inc < 1 or samples < 0 or start > self.global_batch_size
+                    or (self.global_batch_size - start) % inc):
+                raise ValueError(f"rampup_batch_size {self.rampup_batch_size}: start and "
+                                 f"increment must be >= 1 and step from start to the global "
+                                 f"batch {self.global_batch_size}")
         if self.micro_batch_size < 1 or self.global_batch_size < 1:
             raise ValueError("micro/global batch size must be >= 1")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"global_batch_size {self.global_batch_size} % micro_batch_size "
                              f"{self.micro_batch_size} != 0")
+
+    def batch_sizes(self) -> tuple[int, ...]:
+        """Every global batch size the job trains with: the ramp's, then the global one."""
+        if self.rampup_batch_size is None:
+            return (self.global_batch_size,)
+        start, inc, _ = self.rampup_batch_size
+        return tuple(range(start, self.global_batch_size, inc)) + (self.global_batch_size,)
+

@@ -41,17 +41,22 @@ def num_micro_batches(train: TrainConfig, dp: int) -> int:
     return train.global_batch_size // per
 
 
-def set_num_microbatches_calculator(train: TrainConfig, dp: int) -> None:
-    """Keep megatron's global micro-batch calculator in step with the layout's DP."""
+def set_num_microbatches_calculator(train: TrainConfig, dp: int, consumed_samples: int = 0) -> None:
+    """Keep megatron's global micro-batch calculator in step with the layout's DP: with a
+    batch-size ramp, at the ramp's position for `consumed_samples`, as megatron-core's
+    calculator made at this DP and updated to them (a restart at this layout) would be."""
     from megatron.core import num_microbatches_calculator as nmc
 
     rank = dist.get_rank()
+    ramp = list(train.rampup_batch_size) if train.rampup_batch_size is not None else None
     if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
-        nmc.init_num_microbatches_calculator(rank, None, train.global_batch_size,
+        nmc.init_num_microbatches_calculator(rank, ramp, train.global_batch_size,
                                              train.micro_batch_size, dp)
     else:
-        nmc.reconfigure_num_microbatches_calculator(rank, None, train.global_batch_size,
+        nmc.reconfigure_num_microbatches_calculator(rank, ramp, train.global_batch_size,
                                                     train.micro_batch_size, dp)
+    if ramp is not None:
+        nmc.update_num_microbatches(consumed_samples, consistency_check=True)
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -90,7 +95,7 @@ class Trainer:
         self.objs = objs
         L = objs.layout
         self.num_micro = num_micro_batches(self.train, L.dp)
-        set_num_microbatches_calculator(self.train, L.dp)
+        set_num_microbatches_calculator(self.train, L.dp, self.consumed_samples)
         self.forward_backward = get_forward_backward_func(pp_size=L.pp,
                                                           vp_size=L.vpp if L.vpp > 1 else None)
         self.p2p = P2PCommunicator(pp_group=objs.groups.pg_collection.pp, config=objs.config)

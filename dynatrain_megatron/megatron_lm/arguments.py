@@ -127,6 +127,15 @@ def _position_embedding(args: Any) -> str:
     return kind if kind in ("learned_absolute", "none") else "rope"
 
 
+def _position_rows(args: Any) -> Optional[int]:
+    """Rows of the learned position table where they are not the sequence length (None:
+    they are, or there is no table)."""
+    rows = arg_value(args, "max_position_embeddings")
+    if _position_embedding(args) != "learned_absolute" or rows in (None, args.seq_length):
+        return None
+    return int(rows)
+
+
 def params_dtype_of(args: Any) -> str:
     if arg_value(args, "bf16", False):
         return "bf16"
@@ -165,6 +174,7 @@ def spec_from_megatron_args(args: Any, vocab_size: Optional[int] = None,
         # gated linear units double fc1 (SwiGLU, quick-GeGLU)
         swiglu=bool(arg_value(args, "swiglu", False) or arg_value(args, "quick_geglu", False)),
         position_embedding_type=_position_embedding(args),
+        max_position_embeddings=_position_rows(args),
         untie_embeddings_and_output_weights=bool(
             arg_value(args, "untie_embeddings_and_output_weights", False)),
         normalization=arg_value(args, "normalization", "LayerNorm"),
@@ -243,11 +253,33 @@ def layout_from_megatron_args(args: Any, spec: ModelSpec, world_size: int) -> La
                     vpp=arg_value(args, "virtual_pipeline_model_parallel_size") or 1,
                     ep=arg_value(args, "expert_model_parallel_size", 1),
                     etp=arg_value(args, "expert_tensor_parallel_size") or 0,
-                    ppf=arg_value(args, "decoder_first_pipeline_num_layers") or 0,
-                    ppl=arg_value(args, "decoder_last_pipeline_num_layers") or 0,
+                    **_stage_split(args, spec.num_layers, pp),
                     doi=arg_value(args, "num_distributed_optimizer_instances", 1) or 1)
     layout.check_model(spec)
     return layout
+
+
+def _stage_split(args: Any, num_layers: int, pp: int) -> dict[str, int]:
+    """`ppf`/`ppl` of the job's pipeline split: `--decoder-first/last-pipeline-num-layers`,
+    or what `--account-for-embedding/loss-in-pipeline-split` make of it. Those count the
+    embedding (the loss) as one more layer of the first (last) stage: with L layers on pp
+    stages, every stage gets (L + the flags set) / pp, less one on the stage that holds
+    the embedding (the loss), which is the uneven first (last) stage the Layout describes
+    (megatron-core's `get_num_layers_to_build`, without virtual stages: with them the
+    first *virtual* chunk loses the layer, which no ppf/ppl describes; refused in
+    `support.py`)."""
+    emb = bool(arg_value(args, "account_for_embedding_in_pipeline_split", False))
+    loss = bool(arg_value(args, "account_for_loss_in_pipeline_split", False))
+    if not (emb or loss) or pp == 1:
+        return {"ppf": arg_value(args, "decoder_first_pipeline_num_layers") or 0,
+                "ppl": arg_value(args, "decoder_last_pipeline_num_layers") or 0}
+    total = num_layers + emb + loss
+    per = total // pp
+    if total % pp or per < 2:
+        raise DynatrainError(f"--account-for-embedding/loss-in-pipeline-split: {num_layers} "
+                             f"layers + {int(emb) + int(loss)} on pp {pp} stages leave a stage "
+                             f"without a layer or do not split evenly")
+    return {"ppf": per - 1 if emb else 0, "ppl": per - 1 if loss else 0}
 
 
 def args_for_layout(layout: Layout, spec: ModelSpec, *, sequence_parallel: bool = False,
@@ -285,6 +317,10 @@ def _args_for_layout(layout: Layout, spec: ModelSpec, sequence_parallel: bool) -
         "num_distributed_optimizer_instances": layout.doi,
         "decoder_first_pipeline_num_layers": layout.ppf or None,
         "decoder_last_pipeline_num_layers": layout.ppl or None,
+        # the layout's ppf/ppl say where every layer lives (`_stage_split`): megatron-core
+        # refuses them beside these flags, which would split the stages again
+        "account_for_embedding_in_pipeline_split": False,
+        "account_for_loss_in_pipeline_split": False,
         "padded_vocab_size": spec.padded_vocab_size(layout.tp),
         "sequence_parallel": layout.tp > 1 and (sequence_parallel or spec.is_moe),
     }

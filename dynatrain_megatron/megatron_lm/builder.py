@@ -100,6 +100,15 @@ class MegatronLMBuilder(MegatronBuilder):
         out = args_at(self.args, layout, self.spec, self.intents)
         out.world_size = layout.world_size
         out.rank = groups.rank
+        if getattr(out, "train_samples", None):
+            # trained by samples: a restart's scheduler is made from the samples options
+            # (Megatron-LM sets train_iters from them, so the job's own args name both and
+            # would make it iteration-based); B's micro-batch calculator, ramp included, is
+            # set by the switch (`mcore.training.set_num_microbatches_calculator`): without
+            # the ramp here, Megatron-LM's own count of the iterations does not wind the
+            # process-wide calculator, which A uses meanwhile, back to the ramp's start
+            out.train_iters = None
+            out.rampup_batch_size = None
         if not init_weights:
             out.use_cpu_initialization = False  # megatron's CPU initialiser draws whole weights
             out.data_parallel_random_init = False  # no broadcast of weights the switch fills

@@ -4,6 +4,7 @@ and the layout. The step-boundary hook (`adapter.MegatronLMSession`) and the pub
 (`job.elastic_job`) use the same answer."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional
 
@@ -44,8 +45,12 @@ def describe_job(args: Any, world_size: int) -> tuple[ModelSpec, TrainConfig, La
         from ..compat.megatron_lm import local_spec_groups_experts
 
         spec = spec.replace(moe_grouped_gemm=local_spec_groups_experts())
-    return (spec, train_config_from_megatron_args(args),
-            layout_from_megatron_args(args, spec, world_size))
+    from ..compat.megatron_lm import live_batch_ramp
+
+    # the batch-size ramp as the job's calculator runs it (a release may ignore the flag)
+    train = dataclasses.replace(train_config_from_megatron_args(args),
+                                rampup_batch_size=live_batch_ramp())
+    return spec, train, layout_from_megatron_args(args, spec, world_size)
 
 
 __all__ = ("describe_job",)

@@ -59,22 +59,21 @@ def _optimizer(a: Any) -> list[str]:
     return [] if opt == "adam" else [f"--optimizer {opt}"]
 
 
+def _te_layers(a: Any) -> list[str]:
+    out = []
+    te = _v(a, "transformer_impl", "transformer_engine") == "transformer_engine"
+    if te and _set(_v(a, "multi_latent_attention")):
+        out.append("--multi-latent-attention with --transformer-impl transformer_engine")
+    if te and _set(_v(a, "num_experts")) and _set(_v(a, "moe_grouped_gemm")):
+        out.append("--moe-grouped-gemm with --transformer-impl transformer_engine")
+    return out
+
+
 def _layer_pattern(a: Any) -> list[str]:
     out = []
-    if (_set(_v(a, "multi_latent_attention"))
-            and _v(a, "transformer_impl", "transformer_engine") == "transformer_engine"):
-        out.append("--multi-latent-attention with --transformer-impl transformer_engine")
-    if (_set(_v(a, "num_experts")) and _set(_v(a, "moe_grouped_gemm"))
-            and _v(a, "transformer_impl", "transformer_engine") == "transformer_engine"):
-        out.append("--moe-grouped-gemm with --transformer-impl transformer_engine")
-    for n in ("heterogeneous_layers_config_path", "spec", "experimental_attention_variant"):
+    for n in ("heterogeneous_layers_config_path", "experimental_attention_variant"):
         if _v(a, n) is not None:
             out.append("--" + n.replace("_", "-"))
-    if _v(a, "add_qkv_bias", False) and not _v(a, "add_bias_linear", True):
-        out.append("--add-qkv-bias without --add-bias-linear")
-    if (_v(a, "position_embedding_type", "learned_absolute") == "learned_absolute"
-            and _v(a, "max_position_embeddings") not in (None, _v(a, "seq_length"))):
-        out.append("--max-position-embeddings other than --seq-length (learned positions)")
     return out
 
 
@@ -88,9 +87,34 @@ def plans_from_metadata(args: Any) -> list[str]:
     """The options of `args` whose state the analytic layout (`vps/`) does not describe:
     a job with any is planned from every rank's live metadata of A and B
     (`transition.metadata_exchange`) instead of the analytic layout."""
-    return [f for f, n in (("--mtp-num-layers", "mtp_num_layers"),
-                           ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias"))
+    out = [f for f, n in (("--mtp-num-layers", "mtp_num_layers"),
+                           ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias"),
+                           # a user's layer-spec module builds what the analytic layout
+                           # cannot know
+                           ("--spec", "spec"),
+                           # the distributed optimizer's shards follow megatron-core's bucket
+                           # cuts and padding: read from its own bookkeeping (`gbuf_ranges`)
+                           ("--ddp-num-buckets", "ddp_num_buckets"),
+                           ("--ddp-pad-buckets-for-high-nccl-busbw",
+                            "ddp_pad_buckets_for_high_nccl_busbw"))
             if _set(_v(args, n))]
+    # Qwen2's attention biases without the other linear biases (Megatron-LM sets
+    # add_qkv_bias with --add-bias-linear too: biases everywhere, which the analytic
+    # layout describes)
+    if _v(args, "add_qkv_bias", False) and not _v(args, "add_bias_linear", True):
+        out.append("--add-qkv-bias")
+    return out
+
+
+def _pipeline_split(a: Any) -> list[str]:
+    out = _flags("use_tp_pp_dp_mapping", "pipeline_model_parallel_layout",
+                 "hierarchical_context_parallel_sizes", "hybrid_context_parallel")(a)
+    virtual = (_set(_v(a, "num_layers_per_virtual_pipeline_stage"))
+               or _set(_v(a, "num_virtual_stages_per_pipeline_rank")))
+    if virtual:
+        out += [f + " with virtual pipeline stages" for f in _flags(
+            "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")(a)]
+    return out
 
 
 def _hardware(a: Any) -> list[str]:
@@ -105,46 +129,59 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("--use-legacy-models", "restart",
             "the legacy models have no sharded metadata: dist_checkpointing cannot reshard "
             "them", _flags("use_legacy_models")),
-    Refusal("--optimizer sgd / muon / other than adam", "restart",
+    Refusal("--optimizer sgd / muon / other than adam, --use-layer-wise-distributed-optimizer",
+            "restart",
             "Megatron-LM's own --load at another layout fails for SGD (no optimizer state is "
             "created before the load, core_v0.16.1); the Muon "
-            "optimizers are layer-wise, with state the switch does not read", _optimizer),
-    Refusal("--use-torch-fsdp2, --use-megatron-fsdp, --use-custom-fsdp, "
-            "--use-layer-wise-distributed-optimizer, --optimizer-cpu-offload, "
-            "--use-precision-aware-optimizer", "not_yet",
-            "the optimizer state lives elsewhere (FSDP shards, host copies, reduced-precision "
-            "moments) than in the distributed optimizer's buffers the switch reads",
-            _flags("use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp",
-                   "use_layer_wise_distributed_optimizer", "optimizer_cpu_offload",
-                   "use_precision_aware_optimizer")),
+            "optimizers are layer-wise, with state the switch does not read",
+            lambda a: _optimizer(a) + _flags("use_layer_wise_distributed_optimizer")(a)),
+    Refusal("--use-torch-fsdp2, --use-megatron-fsdp, --use-custom-fsdp", "hardware",
+            "Megatron-LM's FSDP needs CUDA and NCCL: with --use-torch-fsdp2 its argument "
+            "validation puts the data-parallel group on a high-priority NCCL stream, which "
+            "fails without NCCL (torch.distributed.ProcessGroupNCCL, both releases); "
+            "Megatron-FSDP places its buffers on cuda:<device>. Their optimizer state lives in "
+            "FSDP's own shards (fsdp_dtensor checkpoints), which the switch does not read "
+            "(unverified)",
+            _flags("use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp")),
     Refusal("--mtp-num-layers with tied embeddings", "restart",
             "Megatron-LM's own --save cannot write multi-token prediction with tied "
             "embeddings at PP > 1 (it asserts, core_v0.16.1), so no restart to such a layout "
             "exists to switch like", _mtp_tied),
-    Refusal("--moe-grouped-gemm or --multi-latent-attention with TE layers, --spec, "
-            "--heterogeneous-layers-config-path, --experimental-attention-variant, ...",
+    Refusal("--moe-grouped-gemm or --multi-latent-attention with TE layers, "
+            "--use-precision-aware-optimizer, --optimizer-cpu-offload", "hardware",
+            "need Transformer Engine, which needs CUDA (unverified): TE's layers are in "
+            "megatron-core's sharded metadata (TEGroupedMLP's weight<i> per expert, TE's "
+            "fused MLA projections) and would be planned from it, but their _extra_state "
+            "(FP8 scaling state, an object) is not carried; the precision-aware optimizer is "
+            "TE's FusedAdam (megatron-core hands it the moments' dtypes, which torch's Adam "
+            "does not take), CPU offload requires it (Megatron-LM's arguments), and the "
+            "switch does not read their reduced-precision moments or host copies",
+            lambda a: _te_layers(a) + _flags("use_precision_aware_optimizer",
+                                             "optimizer_cpu_offload")(a)),
+    Refusal("--heterogeneous-layers-config-path, --experimental-attention-variant",
             "not_yet",
             "the analytic layout (vps/naming.py) does not describe their parameters, and no "
             "switch planned from the live metadata has been checked with them yet",
             _layer_pattern),
     Refusal("--use-tp-pp-dp-mapping, --pipeline-model-parallel-layout, "
-            "--account-for-embedding-in-pipeline-split, --account-for-loss-in-pipeline-split, "
+            "--account-for-embedding/loss-in-pipeline-split with virtual pipeline stages, "
             "--hierarchical-context-parallel-sizes, --hybrid-context-parallel", "not_yet",
-            "a rank order or a pipeline split the switch's Layout does not describe",
-            _flags("use_tp_pp_dp_mapping", "pipeline_model_parallel_layout",
-                   "account_for_embedding_in_pipeline_split",
-                   "account_for_loss_in_pipeline_split",
-                   "hierarchical_context_parallel_sizes", "hybrid_context_parallel")),
-    Refusal("--rampup-batch-size, --decrease-batch-size-if-needed", "not_yet",
-            "the batch-size ramp's position is not carried by a switch",
-            _flags("rampup_batch_size", "decrease_batch_size_if_needed")),
-    Refusal("--ddp-num-buckets, --ddp-pad-buckets-for-high-nccl-busbw", "not_yet",
-            "the planning layout cuts DDP buckets by --ddp-bucket-size, unpadded: it would "
-            "misread where each optimizer shard lives",
-            _flags("ddp_num_buckets", "ddp_pad_buckets_for_high_nccl_busbw")),
+            "a rank order or pipeline split the switch's Layout does not describe: "
+            "--use-tp-pp-dp-mapping orders ranks tp-pp-dp where A's groups are read in "
+            "megatron-core's default order; a --pipeline-model-parallel-layout string fixes "
+            "PP x VPP, so a PP change needs another string (Megatron-LM's restart too: a new "
+            "command line), and one that keeps PP is unchecked; with virtual stages the "
+            "account-for flags shorten the first (last) virtual chunk, which ppf/ppl do not "
+            "describe (without them they are the Layout's ppf/ppl)",
+            _pipeline_split),
+    Refusal("--decrease-batch-size-if-needed", "not_yet",
+            "B's micro-batch calculator is made with the batch-size ramp at its position "
+            "(--rampup-batch-size switches) but without this rounding, which no switch has "
+            "been checked with", _flags("decrease_batch_size_if_needed")),
     Refusal("--fp8-format, --fp4-format, --cuda-graph-impl, --use-sharp", "hardware",
             "needs Hopper/Blackwell kernels, CUDA graphs or a SHARP fabric: B would be built by "
-            "Megatron-LM (TE's FP8 _extra_state is metadata like any other), but no switch "
+            "Megatron-LM, but TE's FP8 scaling state (_extra_state, a sharded object that "
+            "dist_checkpointing loads) is not carried by the switch yet, and no switch "
             "has run there; SHARP is turned on through the environment while megatron-core "
             "makes its own data-parallel groups, which B's, made later, would not get",
             _hardware),
@@ -169,10 +206,16 @@ SUPPORTED: tuple[tuple[str, str], ...] = (
      "LayerNorm or RMSNorm, GQA, SwiGLU, biases or none",
      "tests/test_megatron_lm_train.py"),
     ("Llama-3.1 recipe: --rotary-base 500000 --use-rope-scaling, GQA, SwiGLU, RMSNorm, "
-     "untied, no biases, bf16; --lr-decay-style WSD, --lr-warmup-init",
+     "untied, no biases, bf16; --lr-decay-style WSD, --lr-warmup-init. A user's --spec "
+     "module; --account-for-embedding-in-pipeline-split (the Layout's ppf); "
+     "--add-qkv-bias (Qwen2's attention biases without the others); "
+     "--ddp-num-buckets with --ddp-pad-buckets-for-high-nccl-busbw (the distributed "
+     "optimizer's shards read from its own bookkeeping). Planned from the live metadata",
      "tests/test_megatron_lm_recipes.py::llama"),
     ("MoE: top-k routing with the aux loss, shared experts, --moe-layer-freq dense/MoE "
-     "patterns, --qk-layernorm, --moe-grouped-gemm (local layers), EP and expert-TP changes",
+     "patterns, --qk-layernorm, --moe-grouped-gemm (local layers), EP and expert-TP changes; "
+     "--account-for-loss-in-pipeline-split (the Layout's ppl); --train-samples with "
+     "--rampup-batch-size, switched inside the ramp (core_v0.16.1)",
      "tests/test_megatron_lm_recipes.py::qwen_moe"),
     ("DeepSeek recipe: multi-latent attention (--multi-latent-attention, --q-lora-rank, "
      "--kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim, --qk-layernorm), "

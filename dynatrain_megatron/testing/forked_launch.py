@@ -35,7 +35,9 @@ import importlib.util
 import os
 import runpy
 import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -166,8 +168,30 @@ def run(nproc: int, script: Path, args: Sequence[str], grace_s: float = 10.0) ->
         return _fork_and_wait(nproc, port, script, args, grace_s)
 
 
+def launch_preloaded(nproc: int, script: Path, args: Sequence[str], watch: socket.socket,
+                     grace_s: float = 10.0) -> int:
+    """`run` in a process that has preloaded `script` already (`launch_server`); the
+    workers are killed, and this process ends, when `watch` (the job's client) closes."""
+    if nproc < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {nproc}")
+    with reserved_port() as port:
+        return _fork_and_wait(nproc, port, script, args, grace_s, watch)
+
+
+def _watch_client(conn: socket.socket, pids: dict[int, int]) -> None:
+    """Until the client's socket closes (it was killed): then end the job at once."""
+    try:
+        while conn.recv(64):
+            pass
+    except OSError:
+        pass
+    for p in list(pids):
+        _kill(p, signal.SIGKILL)
+    os._exit(137)
+
+
 def _fork_and_wait(nproc: int, port: int, script: Path, args: Sequence[str],
-                   grace_s: float) -> int:
+                   grace_s: float, watch: Optional[socket.socket] = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     pids: dict[int, int] = {}
@@ -176,6 +200,8 @@ def _fork_and_wait(nproc: int, port: int, script: Path, args: Sequence[str],
         if pid == 0:
             _worker(worker_env(dict(os.environ), rank, nproc, port), script, args)
         pids[pid] = rank
+    if watch is not None:  # started after the forks: no worker inherits the thread
+        threading.Thread(target=_watch_client, args=(watch, dict(pids)), daemon=True).start()
 
     def forward(signum, _frame):
         for p in pids:

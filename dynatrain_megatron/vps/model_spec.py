@@ -37,6 +37,8 @@ class ModelSpec:
     make_vocab_size_divisible_by: int = 128
     swiglu: bool = True
     position_embedding_type: str = "rope"
+    # rows of the learned position table (`--max-position-embeddings`); None: seq_length
+    max_position_embeddings: Optional[int] = None
     untie_embeddings_and_output_weights: bool = True
     normalization: str = "RMSNorm"
     add_bias_linear: bool = False
@@ -97,6 +99,9 @@ class ModelSpec:
                 f"divisible by num_query_groups {self.num_query_groups}")
         if self.params_dtype not in _DTYPES:
             raise ModelSpecError(f"model {self.name!r}: params_dtype must be one of {_DTYPES}")
+        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
+            raise ModelSpecError(f"model {self.name!r}: max_position_embeddings "
+                                 f"{self.max_position_embeddings} < 1")
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ModelSpecError(
                 f"model {self.name!r}: unknown position_embedding_type "

@@ -47,7 +47,8 @@ Documented exception: the padded vocab rows `[V, V')` (V' = ceil(V/(m*TP))*m*TP,
 number changes with TP) are not part of the VPS; a rank may even hold only padding rows.
 With tied embeddings and PP > 1 the last stage's `output_layer.weight` is a *copy* of
 `embedding.word_embeddings.weight` (same key, `tied_copy=True`); with PP = 1 it does not
-exist. Position embeddings (learned_absolute) have `seq_length` rows. All parameters are
+exist. Position embeddings (learned_absolute) have `max_position_embeddings` rows
+(`seq_length` when unset). All parameters are
 assumed to have `spec.params_dtype` (Megatron-LM's Float16Module casts every parameter).
 """
 from __future__ import annotations
@@ -316,7 +317,7 @@ def chunk_param_specs(spec: ModelSpec, layout: Layout, pp_rank: int,
               (s.vocab_size, h), "vocab", shared_embedding=tied_pp)
         if s.position_embedding_type == "learned_absolute":
             b.add("embedding.position_embeddings.weight", "embedding.position_embeddings.weight",
-                  (s.seq_length, h), "rep")
+                  (s.max_position_embeddings or s.seq_length, h), "rep")
     te = s.transformer_engine
     for j, L in enumerate(layout.stage_layers(s.num_layers, pp_rank, chunk)):
         lp, kp = f"decoder.layers.{j}.", f"decoder.layers.{L}."

@@ -23,14 +23,14 @@ data-parallel groups), are megatron-core 0.16.1's own:
   buffer, sharded over the dense DPxCP group, so etp must divide tp;
 * the interleaved schedule (vpp > 1) runs micro-batches in groups of pp: their number
   must be a multiple of pp (`forward_backward_pipelining_with_interleaving`);
-* the global batch splits into micro-batches over DP;
+* the global batch (and each of a batch-size ramp's) splits into micro-batches over DP;
 * the layout's training state fits the device (when a device size is given).
 
 Pure: no torch.distributed, no megatron import, so it runs anywhere at any scale.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from .errors import LayoutError
 from .layout import Layout
@@ -40,7 +40,8 @@ from .model_spec import ModelSpec
 def layout_errors(spec: ModelSpec, layout: Layout, *, transformer_engine: bool = False,
                   device_memory_bytes: Optional[int] = None, headroom_bytes: int = 0,
                   bucket_size: Optional[int] = None, global_batch_size: Optional[int] = None,
-                  micro_batch_size: Optional[int] = None) -> list[str]:
+                  micro_batch_size: Optional[int] = None,
+                  ramp_batch_sizes: Sequence[int] = ()) -> list[str]:
     """Every reason `layout` cannot hold `spec` (empty: it can).
 
     `transformer_engine`: whether megatron-core may use Transformer Engine layers (CP > 1
@@ -48,10 +49,16 @@ def layout_errors(spec: ModelSpec, layout: Layout, *, transformer_engine: bool =
     training state plus `headroom_bytes` must fit it. `global_batch_size` and
     `micro_batch_size`: when given, the batch must split over DP (and, with vpp, into
     groups of pp micro-batches).
+    `ramp_batch_sizes`: the global batch sizes of a batch-size ramp (`--rampup-batch-size`),
+    each of which must split over DP too (megatron-core's calculator checks it every step).
     """
     errs = layout.model_errors(spec)
     errs += _axis_errors(spec, layout, transformer_engine)
     errs += _batch_errors(layout, global_batch_size, micro_batch_size)
+    if micro_batch_size is not None:
+        errs += [f"the batch-size ramp's global batch {b} is not divisible by micro batch "
+                 f"{micro_batch_size} * dp {layout.dp}" for b in ramp_batch_sizes
+                 if b % (micro_batch_size * layout.dp)]
     if errs or device_memory_bytes is None:
         return errs
     from .memory import estimate_state_memory
