@@ -394,12 +394,20 @@ def _without_args(x):
 
 
 def run_launched(tree: Path, nproc: int, flags: list[str], log: Path, *, env: dict,
-                 timeout: float = 900) -> tuple[int, str]:
-    """Run pretrain_gpt.py of `tree` on `nproc` gloo ranks under `dynatrain launch` (a
-    worker that dies does not stop the others); returns (the launcher's status, the log)."""
+                 timeout: float = 900, forked: bool = True) -> tuple[int, str]:
+    """Run pretrain_gpt.py of `tree` on `nproc` gloo ranks supervised as under `dynatrain
+    launch` (a worker that dies does not stop the others); returns (the launcher's status,
+    the log). `forked`: the workers are forked after one import (`forked_launch
+    --survivors`, the same supervision, `loop.launch.supervise`); else `dynatrain launch`
+    itself starts an interpreter per rank."""
     full = job_env(tree, extra=env)
-    cmd = [sys.executable, "-m", "dynatrain_megatron.cli", "launch", "--nproc-per-node", str(nproc),
-           str(tree / "pretrain_gpt.py"), *with_data_cache(flags)]
+    if forked:
+        cmd = [sys.executable, "-m", "dynatrain_megatron.testing.forked_launch", "--survivors",
+               "--nproc-per-node", str(nproc)]
+    else:
+        cmd = [sys.executable, "-m", "dynatrain_megatron.cli", "launch", "--nproc-per-node",
+               str(nproc)]
+    cmd += [str(tree / "pretrain_gpt.py"), *with_data_cache(flags)]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=tree, env=full, stdout=f, stderr=subprocess.STDOUT,
                               timeout=timeout)

@@ -5,6 +5,7 @@ others and is the job's status. The same through the session's preloaded launch 
 only, and ends a job whose client is killed."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -140,3 +141,25 @@ def test_a_killed_client_ends_its_jobs_workers(shared, tmp_path):
     while any(_alive(p) for p in pids):
         assert time.monotonic() < deadline, f"workers {pids} outlived their killed client"
         time.sleep(0.1)
+
+
+def test_with_survivors_a_failure_ends_no_other_worker(tmp_path):
+    """`--survivors`: supervised as under `dynatrain launch` (rank death tests): rank 1's
+    failure leaves rank 0 running to its end, each exit is logged, and the status is the
+    first failure's (no worker reported that it completed training)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent('''
+        import os, sys, time
+        if os.environ["RANK"] == "1":
+            sys.exit(3)
+        time.sleep(2)
+        open(sys.argv[1] + "/r0.done", "w").close()
+    '''))
+    proc = subprocess.run([sys.executable, "-m", "dynatrain_megatron.testing.forked_launch",
+                           "--survivors", "--nproc-per-node", "2", str(script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert (tmp_path / "r0.done").exists()  # rank 0 was not ended by rank 1's failure
+    exits = sorted(set(re.findall(r"\[launch\] worker (\d) exited with (-?\d+) after",
+                                  proc.stderr)))
+    assert exits == [("0", "0"), ("1", "3")], proc.stderr[-3000:]

@@ -172,6 +172,29 @@ def test_optimizer_step_read_and_written_where_the_optimizer_keeps_it(style):
         assert read_optimizer_step(b) == 4.0  # bias correction continues, not from 1
 
 
+def test_a_loaded_torch_adams_stale_group_step_is_not_its_count():
+    # a torch Adam loaded from a Megatron-LM checkpoint of iteration 2 carries
+    # group['step'] = 2, which it never advances: after 4 more steps the count is 6
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    inner = torch.optim.Adam(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    inner.step()
+    inner.step()
+    sd = inner.state_dict()
+    for g in sd["param_groups"]:
+        g["step"] = 2  # as in Megatron-LM's checkpoint
+    loaded = torch.optim.Adam(params, lr=0.1)
+    loaded.load_state_dict(sd)
+    for _ in range(4):
+        loaded.step()
+    assert all(g["step"] == 2 for g in loaded.param_groups)  # stale
+    assert read_optimizer_step(_chain(loaded)) == 6.0
+    write_optimizer_step(_chain(loaded), 7.0)
+    assert all(g["step"] == 7 for g in loaded.param_groups)
+    assert all(float(loaded.state[p]["step"]) == 7.0 for p in params)
+
+
 # ----------------------------------------------------------------- the preparation thread
 class _FakeCuda:
     """torch.cuda as far as the preparation thread uses it, recording per thread."""

@@ -59,6 +59,11 @@ def test_job_status_rules():
     # a worker that finished training, then failed (its final save): not a success
     assert job_status([WorkerExit(2, 9, 1.0), WorkerExit(0, 3, 2.0), WorkerExit(1, 0, 4.0)],
                       completed={0, 1}) == 9
+    # ... unless the survivors finished the job after that failure and said so again
+    assert job_status([WorkerExit(2, 9, 1.0), WorkerExit(0, 3, 2.0), WorkerExit(1, 0, 4.0)],
+                      completed={0: 0.5, 1: 3.0}) == 0
+    assert job_status([WorkerExit(2, 9, 1.0), WorkerExit(0, 3, 2.0), WorkerExit(1, 0, 4.0)],
+                      completed={0: 0.5, 1: 1.5}) == 9  # its report came before the failure
     assert job_status([WorkerExit(1, -9, 1.0)]) == 1  # killed by a signal
     with pytest.raises(ValueError, match="--nproc"):
         launch(0, ["true"])

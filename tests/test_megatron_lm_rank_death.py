@@ -90,11 +90,12 @@ def test_a_death_seen_after_the_step_is_held_until_the_boundary(monkeypatch):
     from dynatrain_megatron.megatron_lm import seam
 
     dead, bug, calls, faults = RuntimeError("Connection closed by peer"), ValueError("bug"), [], []
+    models = []
 
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                      report_memory_flag, *rest, **kw):
         calls.append(("log", iteration))
-        if iteration == 4:
+        if iteration in (4, 5):
             raise dead
         if iteration == 9:
             raise bug
@@ -103,6 +104,7 @@ def test_a_death_seen_after_the_step_is_held_until_the_boundary(monkeypatch):
     def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration,
                                    *rest, **kw):
         calls.append(("eval", iteration))
+        models.append((model, data_iterator))
 
     def save_checkpoint_and_time(iteration, model, optimizer, *rest, **kw):
         calls.append(("save", iteration))
@@ -123,38 +125,65 @@ def test_a_death_seen_after_the_step_is_held_until_the_boundary(monkeypatch):
     monkeypatch.setattr(seam, "_fault_after_step", lambda phase, it: faults.append((phase, it)))
     monkeypatch.setattr(rank_death, "failure_of", lambda e: (_ for _ in ()).throw(e)
                         if e is bug else "dead peer")
+    # in memory at the iteration (4), or from an older checkpoint (5 -> 3)
     monkeypatch.setattr(rank_death, "recover_at_boundary",
                         lambda args, it, failure, ctx: calls.append(("recover", it, failure))
-                        or mlm.LoopObjects([], None, None, None, None, None, iteration=it))
+                        or mlm.LoopObjects(["m2"], None, None, None, "v2", None,
+                                           iteration=it if it == 4 else it - 2))
 
     import torch.distributed as dist
 
     barriers = []
-    monkeypatch.setattr(dist, "barrier", lambda group=None: barriers.append(group))
-    loop = seam.LoopSeam(SimpleNamespace(), None, training_module=module)
+
+    class Timer:  # megatron-core's Timer: start/stop(barrier=...)
+        def __init__(self, group):
+            self.group = group
+
+        def start(self, barrier=False):
+            if barrier:
+                barriers.append(self.group)
+
+        def stop(self, barrier=False):
+            if barrier:
+                barriers.append(-self.group)
+
+    own_timer = dict(vars(Timer))
+    torch_barrier = dist.barrier
+    loop = seam.LoopSeam(SimpleNamespace(), None, training_module=module, timer_class=Timer)
     assert all(vars(module)[n] is not f for n, f in own.items())  # wrapped for the loop
+    # torch's barrier is not replaced: our own (background threads, votes) stay torch's
+    assert dist.barrier is torch_barrier
 
     def iteration(i):  # the calls of one iteration after train_step, as train() makes them
         flag = module.training_log({}, {}, 1e-3, i, 1.0, True, 0, None, None, None, None)
         module.evaluate_and_print_results(f"iteration {i}", None, None, [], i)
-        dist.barrier(group=i)  # the loop's timers after an evaluation
+        Timer(i).start(barrier=True)  # the loop's interval timer after an evaluation
+        Timer(i).stop(barrier=True)
         flops = module.post_training_step_callbacks([], None, None, i, None, 123.0)
         return flag, flops, module.checkpoint_and_decide_exit([], None, None, i, 0.0, {}, None)
 
     assert iteration(3) == (False, 0, True) and loop.post_step.pending is None
     assert iteration(4) == (True, 123.0, False)  # as when idle: no exit decided on it
     assert calls[-1] == ("log", 4) and loop.post_step.pending == "dead peer"
-    assert barriers == [3]  # skipped on the broken world while the failure is held
+    assert barriers == [3, -3]  # skipped on the broken world while the failure is held
     v = (4, 0.0, [], None, None, None, None, None, None, 1, None)
     assert loop.at_step_end(False, *v).iteration == 4
-    assert calls[-1] == ("recover", 4, "dead peer") and loop.post_step.pending is None
-    assert faults == [("log", 3), ("eval", 3), ("save", 3), ("log", 4)]
+    assert loop.post_step.pending is None
+    # in memory at 4: its evaluation and its save + exit checks run again, with the
+    # survivors' objects (the exit they decide ends the loop)
+    assert calls[-4:] == [("recover", 4, "dead peer"), ("eval", 4), ("exit?", 4), ("save", 4)]
+    assert models[-1] == (["m2"], "v2") and loop.stop
+    assert faults == [("log", 3), ("eval", 3), ("save", 3), ("log", 4), ("save", 4)]
+    loop.stop = False
+    iteration(5)
+    loop.at_step_end(False, 5, *v[1:])
+    assert calls[-1] == ("recover", 5, "dead peer")  # from a checkpoint: nothing again
+    assert not loop.stop
     with pytest.raises(ValueError, match="bug"):  # anything else: Megatron-LM's own error
         iteration(9)
     seam.finish([], None, None, None, None, None, None)
     assert vars(module) == own  # Megatron-LM's own functions again after train()
-    dist.barrier(group=10)
-    assert barriers == [3, 10]
+    assert dict(vars(Timer)) == own_timer and dist.barrier is torch_barrier
 
 
 def test_a_failed_step_leaves_timers_and_rerun_mode_as_at_the_boundary(monkeypatch):
@@ -229,7 +258,7 @@ def run(tmp_path_factory):
             "--eval-interval", "3",
             "--distributed-timeout-minutes", "3",
             "--dynatrain", "--dynatrain-rendezvous-dir", str(w / "rdv")],
-        w / "job.log", env={"DYNATRAIN_FAULTS": faults})
+        w / "job.log", env={"DYNATRAIN_FAULTS": faults}, forked=False)  # dynatrain launch
     return dict(w=w, status=status, text=text, left=job_processes(tree))
 
 
@@ -291,3 +320,158 @@ def test_checkpoints_after_the_recovery_describe_the_new_world(run):
         # the work of the iteration lost with the dead rank (3) is not counted twice
         flops = common[i]["num_floating_point_operations_so_far"]
         assert flops == common[2]["num_floating_point_operations_so_far"] * i / 2
+
+
+def test_the_first_train_step_begins_the_session_at_the_loops_start(monkeypatch):
+    # a peer that dies inside the loop's first step (before any step boundary) is recovered
+    # from the state the loop started with: the session begins before that step runs, on
+    # the objects train_step is given, at the loop's starting iteration (once)
+    from dynatrain_megatron.megatron_lm import seam
+
+    begun = []
+
+    def begin_session(args, iteration, model, optimizer, scheduler, config):
+        begun.append((iteration, model, optimizer, scheduler, config))
+        monkeypatch.setattr(mlm, "_SESSION", "session")
+
+    monkeypatch.setattr(mlm, "_SESSION", None)
+    monkeypatch.setattr(mlm, "begin_session", begin_session)
+
+    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                   config, forward_backward_func, iteration=None):
+        return (mlm.current_session(),)
+
+    loop = seam.LoopSeam(SimpleNamespace(), None)
+    assert loop.guard(train_step)("f", "it", ["m"], "o", "s", "c", "fb", iteration=4) == (
+        "session",)  # begun before the step ran
+    assert loop.guard(train_step)("f", "it", ["m2"], "o", "s", "c", "fb", iteration=5)
+    assert begun == [(4, ["m"], "o", "s", "c")]
+
+
+def test_survivors_resume_from_the_save_else_the_load_the_job_started_from(monkeypatch):
+    # with no replica, the survivors load the last checkpoint: this job's --save, or before
+    # its first save the --load it started from (a death in its first steps), never a
+    # --load it took only in part; with none, one line naming both
+    import sys
+    import types
+
+    from dynatrain_megatron.vps.errors import DynatrainError
+
+    present = set()
+    fake = types.ModuleType("megatron.training.checkpointing")
+    fake.checkpoint_exists = lambda d: d in present
+    monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", fake)
+
+    def args(**kw):
+        return SimpleNamespace(**dict(dict(save="/s", load="/l", finetune=False,
+                                           no_load_optim=False, no_load_rng=False), **kw))
+
+    present |= {"/s", "/l"}
+    assert rank_death._last_checkpoint(args()) == "save"
+    present.discard("/s")
+    assert rank_death._last_checkpoint(args()) == "load"
+    with pytest.raises(DynatrainError, match=r"loaded only in part \(--no-load-optim\)"):
+        rank_death._last_checkpoint(args(no_load_optim=True))
+    present.clear()
+    with pytest.raises(DynatrainError) as e:
+        rank_death._last_checkpoint(args())
+    assert "nothing yet in --save /s, nor --load /l" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_death_after_train_is_recovered_and_the_call_runs_again(monkeypatch):
+    # pretrain()'s final save / validation / test after train(): a dead peer's failure is
+    # recovered from the final state, the failed call runs again with the survivors'
+    # objects and so do the later calls; no replica: one line and status 1; a survivor
+    # kept on standby leaves with 0; anything else is Megatron-LM's own error
+    from dynatrain_megatron.megatron_lm.after_train import AfterTrain
+    from dynatrain_megatron.vps.errors import DynatrainError
+
+    calls, faults, dead = [], [], RuntimeError("Connection closed by peer")
+
+    def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
+                                 num_floating_point_operations_so_far, checkpointing_context,
+                                 non_persistent_ckpt=False, train_data_iterator=None):
+        calls.append(("save", iteration, model, optimizer, train_data_iterator))
+        if model == "m":
+            raise dead
+
+    def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration,
+                                   process_non_loss_data_func, config, verbose=False):
+        calls.append((prefix, data_iterator, model, config))
+
+    module = SimpleNamespace(save_checkpoint_and_time=save_checkpoint_and_time,
+                             evaluate_and_print_results=evaluate_and_print_results)
+    own = dict(vars(module))
+    survivors = mlm.LoopObjects(["m2"], "o2", "s2", "t2", "v2", "c2", "test2")
+    recovered = []
+
+    def recover(iteration, failure, context):
+        recovered.append((iteration, failure, context))
+        return survivors
+
+    def failure_of(error):
+        if error is not dead:
+            raise error
+        return "dead peer"
+
+    after = AfterTrain(recover, failure_of, lambda phase, it: faults.append((phase, it)))
+    after.install(module)
+    module.save_checkpoint_and_time(6, "m", "o", "s", 1.0, {"ctx": 1}, train_data_iterator="t")
+    assert recovered == [(6, "dead peer", {"ctx": 1})]
+    assert calls == [("save", 6, "m", "o", "t"), ("save", 6, ["m2"], "o2", "t2")]
+    module.evaluate_and_print_results("iteration 6 on validation set", None, "v", "m", 6, None,
+                                      "c")
+    module.evaluate_and_print_results("iteration 6 on test set", None, "x", "m", 6, None, "c")
+    assert calls[2:] == [("iteration 6 on validation set", "v2", ["m2"], "c2"),
+                         ("iteration 6 on test set", "test2", ["m2"], "c2")]
+    assert faults == [("save", 6), ("eval", 6), ("eval", 6)]
+    after.remove()
+    assert vars(module) == own
+
+    def ends(outcome):  # a second job's final save, recovered to `outcome`
+        after = AfterTrain(outcome, failure_of, lambda *a: None)
+        after.install(module)
+        try:
+            with pytest.raises(SystemExit) as e:
+                module.save_checkpoint_and_time(6, "m", "o", "s", 1.0, {})
+            return e.value.code
+        finally:
+            after.remove()
+
+    def no_replica(*a):
+        raise DynatrainError("no replica: the job ends")
+
+    assert ends(no_replica) == 1
+    assert ends(lambda *a: mlm.LoopObjects([], None, None, None, None, None, stop=True)) == 0
+    bug = ValueError("a bug")
+    after = AfterTrain(recover, failure_of, lambda *a: None)
+    after.install(SimpleNamespace(save_checkpoint_and_time=lambda *a, **k: (_ for _ in ()).throw(bug)))
+    with pytest.raises(ValueError, match="a bug"):
+        after._module.save_checkpoint_and_time(6)
+
+
+def test_a_death_in_megatron_lms_start_up_ends_each_survivor_in_one_line(monkeypatch, capsys):
+    # between start() and the loop (no training state yet): the uncaught dead-peer error is
+    # one line on stderr (status 1 as for any uncaught error); anything else as before; the
+    # loop's start removes the hook (from there on deaths are recovered)
+    import sys
+
+    from dynatrain_megatron.megatron_lm import seam
+    from dynatrain_megatron.megatron_lm.startup_death import StartupDeath
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda *a: seen.append(a[1]))
+    StartupDeath.install()
+    dead = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234\nmore")
+    sys.excepthook(RuntimeError, dead, None)
+    err = capsys.readouterr().err
+    assert err == ("dynatrain: a peer died during Megatron-LM's start-up, before the training "
+                   "loop ([pair.cc:553] Connection closed by peer [127.0.0.1]:1234): there is "
+                   "no training state to recover yet; the job ends: restart it\n")
+    bug = ValueError("a bug")
+    sys.excepthook(ValueError, bug, None)
+    assert seen == [bug]
+    seam.LoopSeam(SimpleNamespace(), None, training_module=SimpleNamespace(),
+                  timer_class=type("T", (), {}))
+    assert sys.excepthook is not StartupDeath.hook and StartupDeath.previous is None

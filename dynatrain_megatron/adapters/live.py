@@ -138,9 +138,14 @@ def steps_in_param_groups(inner: torch.optim.Optimizer) -> bool:
     """Where an Adam keeps its step count: torch's Adam/AdamW in every parameter's state
     (`state[p]['step']`, a tensor), the fused Adams of Transformer Engine and apex (class
     `FusedAdam`, what megatron-core picks when either is installed) in each param group
-    (`group['step']`, an int, created at their first step)."""
-    return (type(inner).__name__ == "FusedAdam"
-            or any("step" in g for g in inner.param_groups))
+    (`group['step']`, an int, created at their first step). A torch Adam loaded from a
+    Megatron-LM checkpoint also carries a `group['step']` (the checkpoint's param groups
+    hold one), which it never advances: its parameters' own steps are the count."""
+    if type(inner).__name__ == "FusedAdam":
+        return True
+    if any("step" in st for st in inner.state.values()):
+        return False
+    return any("step" in g for g in inner.param_groups)
 
 
 def read_optimizer_step(optimizer) -> Optional[float]:
@@ -172,6 +177,9 @@ def write_optimizer_step(optimizer, step: float) -> None:
         for st in inner.state.values():
             if "step" in st:
                 st["step"] = torch.tensor(step, dtype=torch.float32)
+        for g in inner.param_groups:  # a loaded checkpoint's, kept in step (doc above)
+            if "step" in g:
+                g["step"] = int(step)
 
 
 def ensure_optimizer_state(optimizer) -> None:

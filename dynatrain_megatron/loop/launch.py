@@ -14,7 +14,10 @@ The job succeeded when every worker exited 0, or, where some failed, when it *co
 a worker said it finished training (`report_completed`, called at the end of the training
 loop on every rank that holds training state; through a pipe whose descriptor is in
 `DYNATRAIN_LAUNCH_REPORT_FD`), every worker that said so exited 0, and so did every worker
-that ended after the last failure. Workers that died earlier were replaced by the recovery;
+that ended after the last failure; or, where a worker that had said so failed afterwards
+(a death in the final save after training), when workers that ended after that failure
+exited 0 and one of them said so again after it (the survivors recovered and finished the
+job's remaining work: `megatron_lm/after_train.py`). Workers that died earlier were replaced by the recovery;
 a survivor the new layout did not need leaves with status 0, and that alone is no success:
 a job whose survivors all crashed or left before the end fails with the first failure's
 status.
@@ -29,7 +32,8 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Collection, Iterator, Optional, Sequence
+from typing import (Callable, Collection, Iterator, Mapping, Optional, Protocol, Sequence,
+                    Union)
 
 from .. import process_env
 
@@ -93,8 +97,10 @@ def report_completed() -> None:
         log.warning("could not tell the launcher that training completed: %s", e)
 
 
-def _read_reports(fd: int, completed: set[int], pending: bytearray) -> None:
-    """Add the ranks that reported completion (non-blocking read of the report pipe)."""
+def _read_reports(fd: int, completed: dict[int, float], pending: bytearray,
+                  now: float) -> None:
+    """Note the ranks that reported completion, at `now` (seconds after the launch; the
+    last report of each rank counts; non-blocking read of the report pipe)."""
     while True:
         try:
             chunk = os.read(fd, 4096)
@@ -108,7 +114,20 @@ def _read_reports(fd: int, completed: set[int], pending: bytearray) -> None:
         for line in lines:
             word, _, rank = line.decode(errors="replace").partition(" ")
             if word == "completed" and rank.isdigit():
-                completed.add(int(rank))
+                completed[int(rank)] = now
+
+
+class Worker(Protocol):
+    """A started worker as `supervise` watches it (`subprocess.Popen` is one)."""
+
+    def poll(self) -> Optional[int]: ...
+
+    def send_signal(self, signum: int) -> None: ...
+
+
+# start(rank, env, report_fd) -> the worker of `rank`, running with `env` and the report
+# pipe's write end `report_fd` open in it
+Starter = Callable[[int, dict, int], Worker]
 
 
 def launch(nproc: int, command: Sequence[str], env: Optional[dict] = None,
@@ -119,8 +138,22 @@ def launch(nproc: int, command: Sequence[str], env: Optional[dict] = None,
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     if not command:
         raise ValueError("no command to launch")
+
+    def start(_rank: int, worker: dict, report_fd: int) -> Worker:
+        return subprocess.Popen(list(command), env=worker, pass_fds=(report_fd,))
+
+    return supervise(nproc, start, env, poll_seconds)
+
+
+def supervise(nproc: int, start: Starter, env: Optional[dict] = None,
+              poll_seconds: float = 0.2) -> tuple[int, list[WorkerExit]]:
+    """Start `nproc` workers with `start` in torchrun's environment and watch them until all
+    ended (a failure ends none of the others); (exit status, exits in the order the workers
+    ended). `launch` starts processes; the tests' forked launcher forks them."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
     with reserved_port() as port:  # held until every worker ended
-        exits, completed = _run_workers(nproc, command, env, poll_seconds, port)
+        exits, completed = _run_workers(nproc, start, env, poll_seconds, port)
     status = job_status(exits, completed)
     if status and exits and not completed and any(e.code == 0 for e in exits):
         log.error("no worker finished training: the job did not complete (workers that "
@@ -128,8 +161,9 @@ def launch(nproc: int, command: Sequence[str], env: Optional[dict] = None,
     return status, exits
 
 
-def _run_workers(nproc: int, command: Sequence[str], env: Optional[dict],
-                 poll_seconds: float, port: int) -> tuple[list[WorkerExit], set[int]]:
+def _run_workers(nproc: int, start: Starter, env: Optional[dict],
+                 poll_seconds: float, port: int
+                 ) -> tuple[list[WorkerExit], dict[int, float]]:
     """Start the workers with the store at `port`, wait for all; (exits in the order the
     workers ended, the ranks that reported completion)."""
     base = dict(os.environ if env is None else env)
@@ -138,13 +172,11 @@ def _run_workers(nproc: int, command: Sequence[str], env: Optional[dict],
     base[REPORT_FD] = str(write_fd)
     t0 = time.monotonic()
     try:
-        procs = {r: subprocess.Popen(list(command), env=worker_env(base, r, nproc, port),
-                                     pass_fds=(write_fd,))
-                 for r in range(nproc)}
+        procs = {r: start(r, worker_env(base, r, nproc, port), write_fd) for r in range(nproc)}
     finally:
         os.close(write_fd)
     exits: list[WorkerExit] = []
-    completed: set[int] = set()
+    completed: dict[int, float] = {}
     pending = bytearray()
 
     def forward(signum, _frame):  # Ctrl-C / SIGTERM: pass it on, then wait as usual
@@ -160,15 +192,17 @@ def _run_workers(nproc: int, command: Sequence[str], env: Optional[dict],
                 code = p.poll()
                 if code is None:
                     continue
-                _read_reports(read_fd, completed, pending)  # before its exit is counted
+                # before its exit is counted
+                _read_reports(read_fd, completed, pending, time.monotonic() - t0)
                 del running[r]
                 exits.append(WorkerExit(r, code, time.monotonic() - t0))
                 if code != 0 and running:
                     log.warning("worker %d exited with %d after %.1f s; %d workers keep "
                                 "running (they recover through the rendezvous directory)",
                                 r, code, exits[-1].seconds, len(running))
+            _read_reports(read_fd, completed, pending, time.monotonic() - t0)
             time.sleep(poll_seconds)
-        _read_reports(read_fd, completed, pending)
+        _read_reports(read_fd, completed, pending, time.monotonic() - t0)
     finally:
         os.close(read_fd)
         for s, h in old.items():
@@ -176,19 +210,27 @@ def _run_workers(nproc: int, command: Sequence[str], env: Optional[dict],
     return exits, completed
 
 
-def job_status(exits: Sequence[WorkerExit], completed: Collection[int] = ()) -> int:
+def job_status(exits: Sequence[WorkerExit],
+               completed: Union[Mapping[int, float], Collection[int]] = ()) -> int:
     """0 when every worker exited 0; or, after failures, when the job completed: some
-    worker reported the end of training (`completed`: their ranks), each of those exited 0,
-    and so did every worker that ended after the last failure. Else the first failure's
-    code (1 for a signal). Module doc."""
+    worker reported the end of training (`completed`: their ranks, with when each last
+    reported, in seconds after the launch), each of those exited 0, and so did every worker
+    that ended after the last failure; or every worker that ended after the last failure
+    exited 0 and one of them reported after it (a completed worker failed, the survivors
+    finished the job). Else the first failure's code (1 for a signal). Module doc."""
+    reported = (dict(completed) if isinstance(completed, Mapping)
+                else {r: 0.0 for r in completed})
     failures = [e for e in exits if e.code != 0]
     if not failures:
         return 0
     code = failures[0].code if failures[0].code > 0 else 1
     last_failure = max(e.seconds for e in failures)
     after = [e for e in exits if e.seconds > last_failure]
-    finished = [e for e in exits if e.rank in completed]
-    if after and all(e.code == 0 for e in after) and finished \
-            and all(e.code == 0 for e in finished):
+    if not after or any(e.code != 0 for e in after):
+        return code
+    finished = [e for e in exits if e.rank in reported]
+    if finished and all(e.code == 0 for e in finished):
+        return 0
+    if any(reported.get(e.rank, -1.0) > last_failure for e in after):
         return 0
     return code

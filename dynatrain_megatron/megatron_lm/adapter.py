@@ -331,11 +331,24 @@ class MegatronLMSession:
         self.test_data_iterator: Any = None
         self.latest: Optional[LoopObjects] = None
         self.launch_layout = layout  # Megatron-LM's log line does not show a later one
+        # the final iteration, once a peer died after train() (rank_death.recover_after_train)
+        self.after_train: Optional[int] = None
         # what a rank death inside a train_step leaves behind, and its fault points
         self.guard = StepGuard(self.hook.fault_plans, vote=self.hook.rendezvous_dir is not None,
                                generation=lambda: self.hook.generation)
         log.info("dynatrain: wrapping Megatron-LM's %s job (%s); switches are polled every %d "
                  "iteration(s)", layout, self.spec.name, args.dynatrain_poll_interval)
+
+    def begin(self, iteration: int) -> None:
+        """Before the loop's first `train_step`, on every rank: the state Megatron-LM
+        starts the loop with (iteration `iteration`: 0, or the loaded checkpoint's) is the
+        first step boundary, so a peer that dies in the first step is recovered from it as
+        from any later boundary (`begin_session`)."""
+        t = self.trainer
+        t.iteration = iteration
+        t.consumed_samples = arg_value(self.args, "consumed_train_samples", t.consumed_samples)
+        self.hook.start(t, t.objs.layout, t.objs.groups.placement)  # collective
+        self.guard.at_boundary(iteration, t.objs)
 
     def step(self, iteration: int, loop: LoopObjects, ending: bool = False) -> LoopObjects:
         import torch.distributed as dist
@@ -511,6 +524,20 @@ def dynatrain_step(args: Any, iteration: int, model: list, optimizer: Any,
     return _SESSION.step(iteration, loop, ending)
 
 
+def begin_session(args: Any, iteration: int, model: list, optimizer: Any,
+                  opt_param_scheduler: Any, config: Any) -> "MegatronLMSession":
+    """The patched loop's first `train_step` call, on every rank, before the step runs:
+    start the session on the objects Megatron-LM built (or loaded), at `iteration`, so
+    that a death inside the first step (before any `dynatrain_step`) is recovered like
+    one in a later step (`MegatronLMSession.begin`). Later calls return the session."""
+    global _SESSION
+    if _SESSION is None:
+        session = MegatronLMSession(args, model, optimizer, opt_param_scheduler, config)
+        _SESSION = session
+        session.begin(iteration)
+    return _SESSION
+
+
 def finish_training(model: list, optimizer: Any, opt_param_scheduler: Any,
                     train_data_iterator: Any, valid_data_iterator: Any,
                     test_data_iterator: Any, config: Any) -> tuple:
@@ -563,7 +590,7 @@ def reset_session() -> None:
 
 
 __all__: Iterable[str] = (
-    "LoopObjects", "MegatronLMSession", "check_live_state", "check_switchable", "current_session",
+    "LoopObjects", "MegatronLMSession", "begin_session", "check_live_state", "check_switchable", "current_session",
     "dynatrain_step", "finish_training", "left_out", "register_dataset_provider", "reset_session",
     "wrap_megatron_groups",
 )

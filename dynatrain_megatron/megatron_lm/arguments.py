@@ -79,6 +79,9 @@ def refuse_when_parsed(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                 parser.error = full_error  # type: ignore[method-assign]
             ns = out[0] if isinstance(out, tuple) else out
             if getattr(ns, "dynatrain", False):
+                from .startup_death import StartupDeath
+
+                StartupDeath.install()  # a death before the loop: one line (module doc)
                 problems = unsupported_args(ns)
                 if problems:
                     if os.environ.get("RANK", "0") == "0":

@@ -49,10 +49,18 @@ A death first seen after the step, in the rest of the iteration (its log line's 
 an evaluation, a `--save`), is held until the step boundary and recovered there from that
 step's state (`post_step.py`, `recover_at_boundary`).
 
-Not covered: a death before the first step boundary (no session yet) or after `train()`
-(the final save, validation and test) ends the survivors with Megatron-LM's own error, like
-without dynatrain; a recovery from the last `--save` loads Megatron-LM's latest complete
-checkpoint (its tracker file is written last).
+A death inside the loop's first step is recovered like one in any later step: the session
+begins before that step (`seam.LoopSeam.guard`), on the state the loop starts from. Where
+the survivors resume from a checkpoint and this job has saved none yet, they load the one
+it started from (`--load`, `_last_checkpoint`); with neither, every survivor ends with a
+one-line error. A recovery from a checkpoint loads Megatron-LM's latest complete one (its
+tracker file is written last).
+
+Not covered: a death during Megatron-LM's start-up (before `train()`'s loop: the model,
+optimizer and data are still being built, there is no state to recover) ends every
+survivor, in one line (`startup_death.py`). A death after `train()` (the final save,
+validation, test) is recovered in memory where the state allows (`after_train.py`,
+`recover_after_train`), else ends every survivor with one line.
 """
 from __future__ import annotations
 
@@ -162,6 +170,30 @@ def recover_at_boundary(args: Any, iteration: int, failure: str,
     return recover(args, iteration, failure, checkpointing_context)
 
 
+def recover_after_train(args: Any, iteration: int, failure: str,
+                        checkpointing_context: Optional[dict] = None) -> LoopObjects:
+    """`recover` after a failure in `pretrain()`'s calls after `train()` returned
+    (`after_train.py`): every step completed on every survivor, so the recovery starts from
+    the final state (iteration `iteration`), in memory only (the training since the last
+    `--save` cannot be redone outside `train()`: DynatrainError, one line). The ranks of
+    the new layout then release the survivors it keeps on standby (`end_job`), whose
+    objects come back with `stop`."""
+    s = current_session()
+    if s is None or s.trainer is None:
+        raise DynatrainError(f"a peer died after train() at iteration {iteration}, on a "
+                             f"process holding no training state: {failure}")
+    s.after_train = iteration
+    s.trainer.iteration = iteration
+    s.trainer.consumed_samples = arg_value(args, "consumed_train_samples",
+                                           s.trainer.consumed_samples)
+    s.guard.step_completed()
+    loop = recover(args, iteration, failure, checkpointing_context)
+    if not loop.stop:  # with the survivors on standby (a real-world collective): they leave
+        with stand_in_world.real_world():
+            s.hook.end_job(s.trainer)
+    return loop
+
+
 def _follow_world(args: Any) -> None:
     """Megatron-LM's `args` that describe the world (its checkpoint code compares them)."""
     import torch.distributed as dist
@@ -238,34 +270,70 @@ def _stop_data_loader_workers() -> int:
     return n
 
 
+def _last_checkpoint(args: Any) -> str:
+    """Which of Megatron-LM's checkpoint arguments holds the job's last checkpoint: `save`
+    (what this job wrote), or, before its first save, `load` (what it started from: a
+    death in the first steps after a restart), unless the job did not start from all of
+    it (`--finetune`, `--no-load-optim`, `--no-load-rng`). DynatrainError (one line) when
+    there is none."""
+    from megatron.training.checkpointing import checkpoint_exists
+
+    save, load = arg_value(args, "save"), arg_value(args, "load")
+    if save and checkpoint_exists(save):
+        return "save"
+    partial = [f for f in ("finetune", "no_load_optim", "no_load_rng") if arg_value(args, f)]
+    if load and checkpoint_exists(load) and not partial:
+        return "load"
+    why = (f"--load {load} was loaded only in part (--{', --'.join(partial)})".replace("_", "-")
+           if load and partial else f"nor --load {load}" if load else "and no --load")
+    raise DynatrainError(
+        "a rank died and its optimizer state had no replica (one distributed-optimizer "
+        f"instance, or a death inside the optimizer update), and there is no Megatron-LM "
+        f"checkpoint to resume from (nothing yet in --save {save}, {why}): the job ends; "
+        f"restart it (--num-distributed-optimizer-instances 2 keeps a replica of every "
+        f"shard)")
+
+
 def _resume_from_save(s: MegatronLMSession, dst: Layout, box: dict):
     """`HostLoop.resume`: build `dst` on the re-formed world and load Megatron-LM's last
-    checkpoint (`--save`) into it with Megatron-LM's own `load_checkpoint`."""
+    checkpoint (`--save`, else the `--load` the job started from: `_last_checkpoint`) into
+    it with Megatron-LM's own `load_checkpoint`."""
     import torch.distributed as dist
-    from megatron.training.checkpointing import checkpoint_exists, load_checkpoint
+    from megatron.training.checkpointing import load_checkpoint
 
     from ..mcore.session import start_job
     from ..mcore.training import Trainer
 
     args = s.args
-    save = arg_value(args, "save")
-    if not save or not checkpoint_exists(save):
+    if s.after_train is not None:
         raise DynatrainError(
-            "a rank died and its optimizer state had no replica (one distributed-optimizer "
-            f"instance), and there is no Megatron-LM checkpoint to resume from (--save "
-            f"{save}): the job ends; restart it (--num-distributed-optimizer-instances 2 "
-            f"keeps a replica of every shard)")
+            f"a rank died after train() returned (Megatron-LM's final save, validation or "
+            f"test) and its optimizer state had no replica: the final state of iteration "
+            f"{s.after_train} is lost and the training since the "
+            f"last checkpoint cannot be redone here; the job ends: restart it from the last "
+            f"complete checkpoint (--save {arg_value(args, 'save')}; an interrupted save is "
+            f"never loaded)")
+    which = _last_checkpoint(args)
     s.set_args_for(dst)  # what load_checkpoint compares the checkpoint's args with
     _follow_world(args)
     new = start_job(s.spec, dst, s.train, builder=s.hook.builder)
     o = new.objs
-    iteration, flops = load_checkpoint(o.model, o.optimizer, o.scheduler, load_arg="save")
+    # Megatron-LM reads --ckpt-step (the iteration of --load to start from) for any
+    # directory: this job's own --save resumes from its latest
+    ckpt_step = getattr(args, "ckpt_step", None)
+    if which == "save" and ckpt_step is not None:
+        args.ckpt_step = None
+    try:
+        iteration, flops = load_checkpoint(o.model, o.optimizer, o.scheduler, load_arg=which)
+    finally:
+        if which == "save" and ckpt_step is not None:
+            args.ckpt_step = ckpt_step
     box["flops"] = flops
     consumed = arg_value(args, "consumed_train_samples", 0)
     log.warning("dynatrain: loaded Megatron-LM's checkpoint of iteration %d (%d samples "
-                "consumed) from %s at %s on %d ranks", iteration, consumed, save, dst,
-                dist.get_world_size())
+                "consumed) from %s at %s on %d ranks (its --%s)", iteration, consumed,
+                arg_value(args, which), dst, dist.get_world_size(), which)
     return Trainer(s.spec, s.train, o, iteration, consumed)
 
 
-__all__ = ("failure_of", "recover", "recover_at_boundary")
+__all__ = ("failure_of", "recover", "recover_after_train", "recover_at_boundary")

@@ -36,6 +36,7 @@ from typing import Any, Callable, NamedTuple, Optional
 from ..vps.errors import DynatrainError
 from . import adapter
 from .adapter import LoopObjects
+from .startup_death import StartupDeath
 
 log = logging.getLogger("dynatrain")
 
@@ -69,6 +70,21 @@ def start(provider: Callable) -> None:
         raise DynatrainError("--dynatrain cannot switch this Megatron-LM job: "
                              + "; ".join(problems))
     adapter.register_dataset_provider(provider, args)
+    StartupDeath.install()
+    _fault_at_startup()
+
+
+def _fault_at_startup() -> None:
+    """The fault point "startup" (`DYNATRAIN_FAULTS`, world generation 0)."""
+    from ..transition.faults import FaultPlan
+
+    plans = [p for p in FaultPlan.plans_from_env()
+             if p.fail_phase == "startup" and p.generation == 0]
+    if plans:
+        import torch.distributed as dist
+
+        for plan in plans:
+            plan.fail(dist.get_rank(), "startup")
 
 
 class LoopSeam:
@@ -76,9 +92,11 @@ class LoopSeam:
 
     def __init__(self, args: Any, checkpointing_context: Optional[dict], *,
                  pg_collection: Any = None, p2p_communicator: Any = None,
-                 training_module: Optional[ModuleType] = None) -> None:
+                 training_module: Optional[ModuleType] = None,
+                 timer_class: Optional[type] = None) -> None:
         """`training_module`: the module whose `train()` runs this loop (default
-        Megatron-LM's `megatron.training.training`, when imported: it is the caller)."""
+        Megatron-LM's `megatron.training.training`, when imported: it is the caller);
+        `timer_class`: its timers' class (default megatron-core's `Timer`)."""
         if pg_collection is not None or p2p_communicator is not None:
             raise DynatrainError("--dynatrain: pretrain() was given its own process-group "
                                  "collection or P2P communicator; a switch rebuilds the "
@@ -86,8 +104,11 @@ class LoopSeam:
         from . import rank_death
         from .post_step import PostStepGuard
 
+        StartupDeath.remove()  # from here on, deaths are recovered
         self.args = args
         self.checkpointing_context = checkpointing_context
+        global _CONTEXT
+        _CONTEXT = checkpointing_context  # pretrain()'s own: its final save uses it too
         self.stop = False  # leave the loop (on standby when the job ended)
         self.recovered: Optional[LoopObjects] = None
         self._results = 0  # how many values train_step returns (seen on its first success)
@@ -98,7 +119,7 @@ class LoopSeam:
         _POST_STEP = self.post_step = PostStepGuard(_fault_after_step, rank_death.failure_of)
         module = training_module or sys.modules.get("megatron.training.training")
         if module is not None:
-            self.post_step.install(module)
+            self.post_step.install(module, timer_class)
 
     # ------------------------------------------------------------------ train_step
     def guard(self, train_step: Callable) -> Callable:
@@ -111,6 +132,8 @@ class LoopSeam:
         def guarded(*a: Any, **k: Any) -> Any:
             self.recovered = None
             iteration = k.get("iteration", getattr(self.args, "curr_iteration", 0))
+            if adapter.current_session() is None:  # the loop's start: its first boundary
+                self._begin(train_step, iteration, a, k)
             try:
                 out = train_step(*a, **k)
             except Exception as error:  # noqa: BLE001 - handed on or re-raised
@@ -126,6 +149,20 @@ class LoopSeam:
 
         guarded.__wrapped__ = train_step  # type: ignore[attr-defined]
         return guarded
+
+    def _begin(self, train_step: Callable, iteration: int, a: tuple, k: dict) -> None:
+        """The session starts on the objects the first `train_step` is given (its
+        arguments by name: `model`, `optimizer`, `opt_param_scheduler`, `config`; a call
+        without them starts none: the first `dynatrain_step` does)."""
+        import inspect
+
+        try:
+            bound = inspect.signature(train_step).bind_partial(*a, **k).arguments
+        except (TypeError, ValueError):
+            return
+        names = ("model", "optimizer", "opt_param_scheduler", "config")
+        if all(n in bound for n in names):
+            adapter.begin_session(self.args, iteration, *(bound[n] for n in names))
 
     def after_recovery(self, *values: Any) -> LoopValues:
         """After `guard` recovered: what the loop continues with."""
@@ -144,9 +181,13 @@ class LoopSeam:
         v = LoopValues(*values)
         failure = self.post_step.take()
         if failure is not None:  # seen after train_step: its step completed everywhere
+            replays = self.post_step.replays(v.iteration)
             dt = rank_death.recover_at_boundary(self.args, v.iteration, failure,
                                                 self.checkpointing_context)
-            return self._rebind(dt, v)
+            out = self._rebind(dt, v)
+            if not dt.stop and dt.iteration == v.iteration:  # in memory, at the iteration
+                self._replay(replays, dt)
+            return out
         try:
             dt = adapter.dynatrain_step(self.args, v.iteration, v.model, v.optimizer,
                                         v.opt_param_scheduler, v.train_data_iterator,
@@ -159,6 +200,20 @@ class LoopSeam:
             # the cached save strategy holds the old layout's data-parallel group
             self.checkpointing_context.pop("save_strategy", None)
         return self._rebind(dt, v)
+
+    def _replay(self, replays: list, dt: LoopObjects) -> None:
+        """The iteration's evaluation and `checkpoint_and_decide_exit`, failed or skipped
+        on the broken world, made again at the survivors' layout with their objects
+        (`post_step.py`); an exit it decides ends the loop (`stop`)."""
+        from .call_objects import substitute
+
+        for name, inner, bound in replays:
+            substitute(bound, dt)
+            log.warning("dynatrain: running iteration %d's %s again at the survivors' layout",
+                        dt.iteration, name)
+            out = inner(*bound.args, **bound.kwargs)
+            if name == "checkpoint_and_decide_exit" and out:
+                self.stop = True  # Megatron-LM decided to exit after this iteration
 
     def _rebind(self, dt: LoopObjects, v: LoopValues) -> LoopValues:
         if dt.stop:  # this rank was on standby (outside the layout) when the job ended
@@ -211,13 +266,32 @@ def finish(model: list, optimizer: Any, opt_param_scheduler: Any, train_data_ite
            valid_data_iterator: Any, test_data_iterator: Any, config: Any) -> tuple:
     """`pretrain()`, right after `train()`: the objects the loop ended with (`pretrain()`'s
     own point at a layout a switch released) and the switch summary. Megatron-LM's calls
-    after the step are its own again (`post_step.py`)."""
-    global _POST_STEP
+    after the step are its own again (`post_step.py`); a peer's death in its final save,
+    validation or test is recovered from (`after_train.py`)."""
+    global _POST_STEP, _AFTER_TRAIN
     if _POST_STEP is not None:
         _POST_STEP.remove()
         _POST_STEP = None
-    return adapter.finish_training(model, optimizer, opt_param_scheduler, train_data_iterator,
-                                   valid_data_iterator, test_data_iterator, config)
+    out = adapter.finish_training(model, optimizer, opt_param_scheduler, train_data_iterator,
+                                  valid_data_iterator, test_data_iterator, config)
+    module = sys.modules.get("megatron.training.training")
+    if module is not None and not adapter.left_out():
+        from . import rank_death
+        from .after_train import AfterTrain
+
+        if _AFTER_TRAIN is not None:
+            _AFTER_TRAIN.remove()
+        args = adapter.current_session().args if adapter.current_session() else None
+        _AFTER_TRAIN = AfterTrain(
+            lambda iteration, failure, context: rank_death.recover_after_train(
+                args, iteration, failure, context if context is not None else _CONTEXT),
+            rank_death.failure_of, _fault_after_step)
+        _AFTER_TRAIN.install(module)
+    return out
+
+
+_AFTER_TRAIN = None  # pretrain()'s calls after train() (after_train.py)
+_CONTEXT: Optional[dict] = None  # the checkpointing context train() was given
 
 
 def left_out() -> bool:

@@ -15,6 +15,11 @@ thread and no process group exists yet in the parent.
 
     python -m dynatrain_megatron.testing.forked_launch --nproc-per-node N script.py [args]
 
+With `--survivors` it watches the workers as `dynatrain launch` does (`loop.launch.supervise`:
+a worker that dies ends none of the others, the status is the job's completion, each exit
+is logged as `[launch] worker R exited with S after T s`): the tests' rank-death jobs get the
+same supervision without starting an interpreter per rank.
+
 Not for GPUs (a CUDA context must not cross a fork) and not a user-facing launcher:
 `torchrun` and `dynatrain launch` are those. The README's own commands still run torchrun.
 """
@@ -34,7 +39,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -62,13 +66,14 @@ def preload(script: Path, args: Sequence[str] = ()) -> None:
     collector's generations (`gc.freeze`, kept across `fork`): the workers' collections
     then scan what they made, not the ~400k objects every worker starts with."""
     sys.path.insert(0, str(script.parent))  # as `python script.py` would have it
+    later: list[str] = []
     if importlib.util.find_spec("megatron") and importlib.util.find_spec("megatron.training"):
         from ..compat.megatron_lm import prepare_megatron_lm
 
         prepare_megatron_lm()
-    later = list(LATER_IMPORTS)
-    if "--num-experts" in args:
-        later.append("torch._inductor.compile_fx")
+        later = list(LATER_IMPORTS)  # a Megatron-LM job's (another script: only its own)
+        if "--num-experts" in args:
+            later.append("torch._inductor.compile_fx")
     for name in script_imports(script) + later:
         try:
             importlib.import_module(name)
@@ -126,12 +131,14 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker(rank: int, nproc: int, port: int, script: Path, args: Sequence[str]) -> None:
-    """In the forked child: become worker `rank` and run the script; never returns."""
+def _worker(env: dict, script: Path, args: Sequence[str]) -> None:
+    """In the forked child: become the worker of environment `env` (torchrun's, its rank's)
+    and run the script; never returns."""
     _die_with_parent()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.environ.update(worker_env(dict(os.environ), rank, nproc, port))
+    os.environ.clear()
+    os.environ.update(env)
     sys.argv = [str(script), *args]
     code = 0
     try:
@@ -140,8 +147,8 @@ def _worker(rank: int, nproc: int, port: int, script: Path, args: Sequence[str])
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - reported as a worker's traceback would be
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - reported as a worker's interpreter would
+        sys.excepthook(*sys.exc_info())  # (a hook the script installed included)
         code = 1
     try:
         atexit._run_exitfuncs()  # what a worker's own interpreter would run at its exit
@@ -191,7 +198,7 @@ def _fork_and_wait(nproc: int, port: int, script: Path, args: Sequence[str],
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            _worker(rank, nproc, port, script, args)
+            _worker(worker_env(dict(os.environ), rank, nproc, port), script, args)
         pids[pid] = rank
     if watch is not None:  # started after the forks: no worker inherits the thread
         threading.Thread(target=_watch_client, args=(watch, dict(pids)), daemon=True).start()
@@ -214,6 +221,51 @@ def _fork_and_wait(nproc: int, port: int, script: Path, args: Sequence[str],
             print(f"forked_launch: worker {pid} exited {code}; ending the others",
                   file=sys.stderr, flush=True)
             _end(pids, grace_s)
+    return status
+
+
+class _Forked:
+    """A forked worker as `loop.launch.supervise` watches it (Popen's poll/send_signal)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.code: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.code is None:
+            pid, raw = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.code = os.waitstatus_to_exitcode(raw)
+        return self.code
+
+    def send_signal(self, signum: int) -> None:
+        _kill(self.pid, signum)
+
+
+def run_survivors(nproc: int, script: Path, args: Sequence[str]) -> int:
+    """Fork `nproc` workers of `script` after preloading it and supervise them as
+    `dynatrain launch` does (module doc); the job's status."""
+    import logging
+
+    from ..loop.launch import supervise
+
+    logging.basicConfig(level=logging.INFO, format="[launch] %(message)s", stream=sys.stderr)
+    log = logging.getLogger("dynatrain.launch")
+    preload(script, args)
+
+    def start(_rank: int, env: dict, _report_fd: int) -> _Forked:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            for handler in logging.root.handlers[:]:  # the launcher's, not the worker's
+                logging.root.removeHandler(handler)
+            _worker(env, script, args)
+        return _Forked(pid)
+
+    status, exits = supervise(nproc, start)
+    for e in exits:
+        log.info("worker %d exited with %d after %.1f s", e.rank, e.code, e.seconds)
     return status
 
 
@@ -244,9 +296,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc-per-node", type=int, required=True, metavar="N",
                    help="workers (ranks) to fork on this machine")
+    p.add_argument("--survivors", action="store_true",
+                   help="a worker's failure ends none of the others (as `dynatrain launch`)")
     p.add_argument("script", type=Path, help="the training script (pretrain_gpt.py)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     a = p.parse_args(argv)
+    if a.survivors:
+        return run_survivors(a.nproc_per_node, a.script.resolve(), a.args)
     return run(a.nproc_per_node, a.script.resolve(), a.args)
 
 
