@@ -45,8 +45,13 @@ def megatron_args(**over) -> argparse.Namespace:
 
 def test_module_imports_without_megatron_lm(monkeypatch):
     # `import megatron.training` fails as on a machine with megatron-core only
+    import dynatrain_megatron.megatron_lm as package
+
     monkeypatch.setitem(sys.modules, "megatron.training", None)
     monkeypatch.delitem(sys.modules, "dynatrain_megatron.megatron_lm.adapter")
+    # the import below rebinds the package's attribute too: restored at teardown, so later
+    # tests' `from . import adapter` finds the module they patch, not this fresh copy
+    monkeypatch.setattr(package, "adapter", package.adapter)
     mod = importlib.import_module("dynatrain_megatron.megatron_lm.adapter")
     assert callable(mod.dynatrain_step) and callable(mla.chain_extra_args_providers)
     assert sys.modules["megatron.training"] is None  # nothing tried to replace it
