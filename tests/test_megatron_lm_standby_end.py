@@ -6,7 +6,7 @@ ends with a switch still being prepared: one job on 4 gloo ranks, tp1pp2dp2.
   (`megatron_lm_short_timeout/sitecustomize.py`; the layout's ranks keep theirs:
   Megatron-LM's `--distributed-timeout-minutes` counts whole minutes). After a request for
   tp1pp2dp1 on 2 ranks, ranks 2 and 3 wait on standby while the 2 layout ranks run an
-  evaluation (`--eval-iters 100`) and a `--save` (every 4 iterations), longer than that
+  evaluation (`--eval-iters 300`) and a `--save` (every 4 iterations), longer than that
   timeout (measured from Megatron-LM's own time stamps). Before the standby channel
   (`elastic/standby_channel.py`) the standby ranks waited on the default group and failed
   there (`Timed out waiting ... for recv`), and the job with them.
@@ -47,7 +47,7 @@ def run(tmp_path_factory):
     slow = json.dumps({"delay_rank": 0, "delay_seconds": 60.0, "delay_phase": "prepare",
                        "dst_layout": "tp1pp2dp2"})
     flags = CPU_FLAGS + TINY_GPT + layout_flags(1, 2) + [
-        "--train-iters", str(N), "--eval-interval", "4", "--eval-iters", "100",
+        "--train-iters", str(N), "--eval-interval", "4", "--eval-iters", "300",
         "--save", str(w / "ckpt"), "--save-interval", "4",
         "--dynatrain", "--dynatrain-signal-file", str(signal)]
     text = run_operated(tree, 4, flags, w / "job.log", signal, REQUESTS, site=SITE,

@@ -149,12 +149,12 @@ REFUSALS: tuple[Refusal, ...] = (
             "exists to switch like", _mtp_tied),
     Refusal("--moe-grouped-gemm or --multi-latent-attention with TE layers, "
             "--use-precision-aware-optimizer, --optimizer-cpu-offload", "hardware",
-            "need Transformer Engine, which needs CUDA (unverified): TE's layers are in "
+            "need Transformer Engine, which needs CUDA (unverified). TE's layers are in "
             "megatron-core's sharded metadata (TEGroupedMLP's weight<i> per expert, TE's "
             "fused MLA projections) and would be planned from it, but their _extra_state "
-            "(FP8 scaling state, an object) is not carried; the precision-aware optimizer is "
+            "(FP8 scaling state, an object) is not carried. The precision-aware optimizer is "
             "TE's FusedAdam (megatron-core hands it the moments' dtypes, which torch's Adam "
-            "does not take), CPU offload requires it (Megatron-LM's arguments), and the "
+            "does not take). CPU offload requires it (Megatron-LM's arguments), and the "
             "switch does not read their reduced-precision moments or host copies",
             lambda a: _te_layers(a) + _flags("use_precision_aware_optimizer",
                                              "optimizer_cpu_offload")(a)),
@@ -166,11 +166,11 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("--use-tp-pp-dp-mapping, --pipeline-model-parallel-layout, "
             "--account-for-embedding/loss-in-pipeline-split with virtual pipeline stages, "
             "--hierarchical-context-parallel-sizes, --hybrid-context-parallel", "not_yet",
-            "a rank order or pipeline split the switch's Layout does not describe: "
+            "a rank order or pipeline split the switch's Layout does not describe. "
             "--use-tp-pp-dp-mapping orders ranks tp-pp-dp where A's groups are read in "
-            "megatron-core's default order; a --pipeline-model-parallel-layout string fixes "
+            "megatron-core's default order. A --pipeline-model-parallel-layout string fixes "
             "PP x VPP, so a PP change needs another string (Megatron-LM's restart too: a new "
-            "command line), and one that keeps PP is unchecked; with virtual stages the "
+            "command line), and one that keeps PP is unchecked. With virtual stages the "
             "account-for flags shorten the first (last) virtual chunk, which ppf/ppl do not "
             "describe (without them they are the Layout's ppf/ppl)",
             _pipeline_split),
@@ -179,10 +179,10 @@ REFUSALS: tuple[Refusal, ...] = (
             "(--rampup-batch-size switches) but without this rounding, which no switch has "
             "been checked with", _flags("decrease_batch_size_if_needed")),
     Refusal("--fp8-format, --fp4-format, --cuda-graph-impl, --use-sharp", "hardware",
-            "needs Hopper/Blackwell kernels, CUDA graphs or a SHARP fabric: B would be built by "
+            "needs Hopper/Blackwell kernels, CUDA graphs or a SHARP fabric. B would be built by "
             "Megatron-LM, but TE's FP8 scaling state (_extra_state, a sharded object that "
             "dist_checkpointing loads) is not carried by the switch yet, and no switch "
-            "has run there; SHARP is turned on through the environment while megatron-core "
+            "has run there. SHARP is turned on through the environment while megatron-core "
             "makes its own data-parallel groups, which B's, made later, would not get",
             _hardware),
     Refusal("--perform-rl-step", "not_yet",
