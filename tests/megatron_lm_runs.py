@@ -522,8 +522,9 @@ def assert_final_checkpoints_identical(runs: dict, n: int) -> dict:
 def job_processes(tree: Path, grace: float = 10.0) -> list[str]:
     """The processes of a Megatron-LM job of `tree` still running (`pid: command line`,
     read from /proc: any whose command line names the tree's pretrain_gpt.py, the ranks and
-    whatever they forked, but the session's preloaded launch servers) after up to `grace` seconds for them to end; those are then
-    killed, so that a failing check leaves nothing behind."""
+    whatever they forked, but the session's preloaded launch servers) after up to `grace`
+    seconds for them to end; those are then killed, so that a failing check leaves nothing
+    behind."""
     import signal
     import time
 

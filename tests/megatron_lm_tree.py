@@ -6,8 +6,9 @@ unset, the default release (`patch_tool.default_release()`, the one the whole su
 on). `make test` runs the suite in full on it, then the tests marked `every_release` on the
 other supported releases (docs/releases.md: the test matrix).
 
-A working copy (`copy_tree`, one per session and kind) is made by `megatron_lm.checkout.working_copy`: a checkout with
-its own `megatron/core` gets its dataset helper built once (cached) and copied in.
+A working copy (`copy_tree`, one per session and kind) is made by
+`megatron_lm.checkout.working_copy`: a checkout with its own `megatron/core` gets its
+dataset helper built once (cached) and copied in.
 """
 import os
 from pathlib import Path

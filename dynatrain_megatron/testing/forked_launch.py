@@ -164,17 +164,17 @@ def run(nproc: int, script: Path, args: Sequence[str], grace_s: float = 10.0) ->
     if nproc < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {nproc}")
     preload(script, args)
-    with reserved_port() as port:  # held until the workers ended (`loop.launch`)
-        return _fork_and_wait(nproc, port, script, args, grace_s)
+    return launch_preloaded(nproc, script, args, grace_s=grace_s)
 
 
-def launch_preloaded(nproc: int, script: Path, args: Sequence[str], watch: socket.socket,
-                     grace_s: float = 10.0) -> int:
-    """`run` in a process that has preloaded `script` already (`launch_server`); the
-    workers are killed, and this process ends, when `watch` (the job's client) closes."""
+def launch_preloaded(nproc: int, script: Path, args: Sequence[str],
+                     watch: Optional[socket.socket] = None, grace_s: float = 10.0) -> int:
+    """`run` in a process that has preloaded `script` already (`run` itself, or
+    `launch_server`'s launcher); with `watch` (a job's client), the workers are killed, and
+    this process ends, when it closes."""
     if nproc < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {nproc}")
-    with reserved_port() as port:
+    with reserved_port() as port:  # held until the workers ended (`loop.launch`)
         return _fork_and_wait(nproc, port, script, args, grace_s, watch)
 
 

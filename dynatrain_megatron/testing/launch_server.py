@@ -167,13 +167,16 @@ def _start_server(server_dir: Path, key: str, script: Path, moe: bool, owner: in
     server_dir.mkdir(parents=True, exist_ok=True)
     sock_path.unlink(missing_ok=True)
     with open(server_dir / f"{key}.log", "ab") as log:
-        subprocess.Popen([sys.executable, "-m", "dynatrain_megatron.testing.launch_server",
-                          "--serve", str(sock_path), "--owner-pid", str(owner),
-                          *(["--moe"] if moe else []), str(script)],
-                         stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                         start_new_session=True)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "dynatrain_megatron.testing.launch_server", "--serve",
+             str(sock_path), "--owner-pid", str(owner), *(["--moe"] if moe else []),
+             str(script)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     deadline = time.monotonic() + 600
     while not sock_path.exists():
+        if server.poll() is not None:  # it failed in its preload: say so now, not in 600 s
+            raise RuntimeError(f"launch server for {script} exited {server.returncode} "
+                               f"before it listened; see {log.name}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"launch server {sock_path} did not start: {log.name}")
         time.sleep(0.05)
