@@ -39,13 +39,16 @@ def check_live_matches_analytic(live: Iterable[LiveFragment], analytic: Iterable
 
 
 def check_live_matches_analytic_where_both(live: Iterable[LiveFragment],
-                                           analytic: Iterable[Fragment], rank: int) -> int:
+                                           analytic: Iterable[Fragment], rank: int,
+                                           unlike: tuple[str, ...] = ()) -> int:
     """For a model the analytic layout describes only in part (a switch planned from the
     live metadata): the weights' fragments of every logical tensor both place on this rank
     must agree (what the analytic layout leaves out, and the optimizer's owned ranges,
-    which the parameters it does not know shift, are not compared). Returns how many tensors were
+    which the parameters it does not know shift, are not compared). `unlike`: key prefixes
+    of tensors the analytic layout names but the model shapes otherwise (a heterogeneous
+    model's per-layer blocks), not compared either. Returns how many tensors were
     compared; raises FragmentMismatchError as `check_live_matches_analytic`."""
-    live = [f for f in live if f.kind == "param"]
+    live = [f for f in live if f.kind == "param" and not f.key.startswith(unlike)]
     analytic = [f for f in analytic if f.kind == "param"]
     both = {f.key for f in live} & {f.key for f in analytic}
     check_live_matches_analytic([f for f in live if f.key in both],

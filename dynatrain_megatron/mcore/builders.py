@@ -332,18 +332,24 @@ class MegatronBuilder:
     builders itself; Megatron-LM users can supply a wrapper of `setup_model_and_optimizer`.
     `plan_from`: how switches with it are planned, from the analytic layout or from every
     rank's live metadata ("metadata", for models the analytic layout does not describe:
-    `transition.metadata_exchange`).
+    `transition.metadata_exchange`). `unlike_analytic`: key prefixes of tensors the analytic
+    layout names but the models shape otherwise (a heterogeneous model's layers), left out
+    of the check of live against analytic fragments; only with plans from the metadata.
     """
 
     spec: ModelSpec
     train: TrainConfig
     config_factory: Optional[ConfigFactory] = None  # see build_training_objects
     plan_from: str = "analytic"
+    unlike_analytic: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.plan_from not in ("analytic", "metadata"):
             raise ValueError(f"plan_from must be 'analytic' or 'metadata', got "
                              f"{self.plan_from!r}")
+        if self.unlike_analytic and self.plan_from != "metadata":
+            raise ValueError(f"unlike_analytic {self.unlike_analytic} needs plans from the "
+                             f"live metadata (plan_from='metadata')")
 
     def bucket_size(self, layout: Layout) -> Optional[int]:
         return bucket_size_of(self.train, layout)

@@ -77,7 +77,7 @@ from .arguments import (arg_value, args_for_layout, params_dtype_of, performance
 from .description import describe_job
 from .data_ahead import DataAhead, retire_in_background
 from .step_guard import StepGuard
-from .support import plans_from_metadata
+from .support import plans_from_metadata, unlike_analytic
 from .transformer_config import JobIntents, settings_at
 from ..compat import stand_in_world
 from ..compat.megatron_lm import set_last_rank
@@ -219,10 +219,12 @@ def megatron_first_groups() -> list:
     return out
 
 
-def check_live_state(spec: ModelSpec, train: TrainConfig, objs, metadata: bool = False) -> None:
+def check_live_state(spec: ModelSpec, train: TrainConfig, objs, metadata: bool = False,
+                     unlike: tuple[str, ...] = ()) -> None:
     """The switch's own pre-flight check, run once up front: the live model/optimizer state
     must be exactly what the analytic layout says, or we refuse before training goes on
-    (`metadata`: planned from the live metadata; the tensors both describe must agree)."""
+    (`metadata`: planned from the live metadata; the tensors both describe must agree, but
+    those under the key prefixes `unlike`, `support.unlike_analytic`)."""
     from ..adapters.live import LiveState
     from ..adapters.verify import check_live_matches_analytic, check_live_matches_analytic_where_both
     from ..vps.analytic import analytic_layout
@@ -232,9 +234,12 @@ def check_live_state(spec: ModelSpec, train: TrainConfig, objs, metadata: bool =
     vr = objs.groups.virtual_rank
     live = LiveState(objs.model, objs.optimizer, vr, spec.vocab_size)
     expected = analytic_layout(spec, objs.layout, bucket_size_of(train, objs.layout))
-    check = check_live_matches_analytic_where_both if metadata else check_live_matches_analytic
     kinds = KINDS if metadata else OPT_KINDS
-    check(live.fragments(kinds), expected.fragments(vr, kinds), vr)
+    if metadata:
+        check_live_matches_analytic_where_both(live.fragments(kinds),
+                                               expected.fragments(vr, kinds), vr, unlike)
+    else:
+        check_live_matches_analytic(live.fragments(kinds), expected.fragments(vr, kinds), vr)
 
 
 def _prepare_config(args: Any, model: list, optimizer: Any, config: Any, old_config: Any) -> None:
@@ -311,7 +316,7 @@ class MegatronLMSession:
         if metadata:
             log.info("dynatrain: %s: switches are planned from every rank's live sharded "
                      "metadata", ", ".join(metadata))
-        check_live_state(self.spec, self.train, objs, bool(metadata))
+        check_live_state(self.spec, self.train, objs, bool(metadata), unlike_analytic(args))
         self.trainer = Trainer(self.spec, self.train, objs,
                                consumed_samples=arg_value(args, "consumed_train_samples", 0))
         # B is built by Megatron-LM itself, from a copy of these args set to B (builder.py)
@@ -324,7 +329,8 @@ class MegatronLMSession:
             builder=MegatronLMBuilder(self.spec, self.train, args=copy.copy(args),
                                       intents=self.intents, model_provider=_model_provider(),
                                       data_ahead=self.data_ahead,
-                                      plan_from="metadata" if metadata else "analytic"))
+                                      plan_from="metadata" if metadata else "analytic",
+                                      unlike_analytic=unlike_analytic(args)))
         from .metrics import attach
 
         attach(self.hook)  # its TensorBoard/W&B writers and iteration timer (metrics.py)

@@ -46,7 +46,7 @@ def elastic_job(model: list, optimizer: Any, scheduler: Any, config: Any, *,
     from ..mcore.builders import TrainingObjects
     from .adapter import check_live_state, check_switchable, wrap_megatron_groups
     from .builder import MegatronLMBuilder, script_model_provider
-    from .support import plans_from_metadata
+    from .support import plans_from_metadata, unlike_analytic
     from .transformer_config import JobIntents
 
     if not model or optimizer is None or scheduler is None:
@@ -68,10 +68,12 @@ def elastic_job(model: list, optimizer: Any, scheduler: Any, config: Any, *,
     metadata = bool(plans_from_metadata(args))  # what the analytic layout does not describe
     check_live_state(spec, train, TrainingObjects(layout=layout, groups=groups, config=config,
                                                   model=list(model), optimizer=optimizer,
-                                                  scheduler=scheduler), metadata)
+                                                  scheduler=scheduler), metadata,
+                     unlike_analytic(args))
     builder = MegatronLMBuilder(spec, train, args=copy.copy(args),
                                 intents=JobIntents.from_args(args), model_provider=provider,
-                                plan_from="metadata" if metadata else "analytic")
+                                plan_from="metadata" if metadata else "analytic",
+                                unlike_analytic=unlike_analytic(args))
     return ElasticJob(model, optimizer, scheduler, config=config, groups=groups,
                       builder=builder, options=options)
 

@@ -71,7 +71,7 @@ def _te_layers(a: Any) -> list[str]:
 
 def _layer_pattern(a: Any) -> list[str]:
     out = []
-    for n in ("heterogeneous_layers_config_path", "experimental_attention_variant"):
+    for n in ("experimental_attention_variant",):
         if _v(a, n) is not None:
             out.append("--" + n.replace("_", "-"))
     return out
@@ -89,6 +89,9 @@ def plans_from_metadata(args: Any) -> list[str]:
     (`transition.metadata_exchange`) instead of the analytic layout."""
     out = [f for f, n in (("--mtp-num-layers", "mtp_num_layers"),
                            ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias"),
+                           # per-layer attention and MLP shapes, no-op or linear blocks
+                           ("--heterogeneous-layers-config-path",
+                            "heterogeneous_layers_config_path"),
                            # a user's layer-spec module builds what the analytic layout
                            # cannot know
                            ("--spec", "spec"),
@@ -104,6 +107,16 @@ def plans_from_metadata(args: Any) -> list[str]:
     if _v(args, "add_qkv_bias", False) and not _v(args, "add_bias_linear", True):
         out.append("--add-qkv-bias")
     return out
+
+
+def unlike_analytic(args: Any) -> tuple[str, ...]:
+    """Key prefixes of the model tensors the analytic layout names but the job of `args`
+    shapes otherwise: a heterogeneous model's layers (`--heterogeneous-layers-config-path`:
+    per-layer query groups and MLP sizes, no-op or linear blocks), where the analytic layout
+    repeats one layer. Its switches are planned from the live metadata
+    (`plans_from_metadata`); these tensors are left out of the check against the analytic
+    layout, the embedding, final norm and output layer are still checked."""
+    return ("decoder.layers.",) if _v(args, "heterogeneous_layers_config_path") else ()
 
 
 def _pipeline_split(a: Any) -> list[str]:
@@ -252,4 +265,4 @@ def support_markdown() -> str:
 
 
 __all__ = ("CLASSES", "REFUSALS", "Refusal", "plans_from_metadata", "support_markdown",
-           "support_matrix", "unsupported_args")
+           "support_matrix", "unlike_analytic", "unsupported_args")

@@ -40,6 +40,16 @@ def plans_from_metadata(builder: Any) -> bool:
     return how == "metadata"
 
 
+def unlike_analytic(builder: Any) -> tuple[str, ...]:
+    """Key prefixes of tensors the analytic layout names but `builder`'s models shape
+    otherwise (its `unlike_analytic`; none by default): left out of the check of live
+    against analytic fragments, which only a plan from the live metadata allows."""
+    prefixes = tuple(getattr(builder, "unlike_analytic", ()))
+    if prefixes and not plans_from_metadata(builder):
+        raise ValueError(f"builder.unlike_analytic {prefixes} needs plan_from='metadata'")
+    return prefixes
+
+
 def _flat_lo(shape: Sequence[int], offsets: Sequence[int]) -> int:
     return sum(o * math.prod(shape[i + 1:]) for i, o in enumerate(offsets))
 
@@ -160,4 +170,4 @@ def plan_from_metadata(meta: GatheredMetadata, *, src_layout, dst_layout,
 
 
 __all__ = ["GatheredMetadata", "PLAN_SOURCES", "gather_metadata",
-           "plan_from_metadata", "plans_from_metadata"]
+           "plan_from_metadata", "plans_from_metadata", "unlike_analytic"]

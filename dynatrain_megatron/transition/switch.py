@@ -47,7 +47,8 @@ from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from ..vps.naming import DTYPE_BYTES
-from .metadata_exchange import gather_metadata, plan_from_metadata, plans_from_metadata
+from .metadata_exchange import (gather_metadata, plan_from_metadata, plans_from_metadata,
+                                unlike_analytic)
 from .vocab_padding import carry_vocab_padding, padding_plan
 from .executor import PACK_ALIGN, Executor
 from .faults import FaultPlan
@@ -152,7 +153,8 @@ def _check_analytic(live: LiveState, spec: ModelSpec, builder: Builder, layout: 
     al = analytic_layout(spec, layout, builder.bucket_size(layout))
     if metadata:  # the weights' fragments, whatever the switch moves
         check_live_matches_analytic_where_both(live.fragments(("param",)),
-                                               al.fragments(vr, ("param",)), vr)
+                                               al.fragments(vr, ("param",)), vr,
+                                               unlike_analytic(builder))
     else:
         check_live_matches_analytic(live.fragments(kinds), al.fragments(vr, kinds), vr)
 
