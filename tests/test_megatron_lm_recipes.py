@@ -39,12 +39,22 @@ One group of two jobs on 4 gloo ranks per recipe, each checking several things:
   inside the ramp, B's DP 4 takes one micro-batch where A's DP 2 took two), and every
   iteration's global batch is the restart's; core_v0.19.0's Megatron-LM ignores the flag
   (5 iterations at 8).
+* nemotron_nas: a Llama-Nemotron-NAS-shaped model (`--heterogeneous-layers-config-path
+  megatron_lm_heterogeneous.json`, core_v0.19.0's heterogeneous layers, local spec): every
+  layer its own, layer 0 GQA attention with an MLP of 128, layer 1 no attention (no-op) and
+  an MLP of 96, layer 2 attention and MLP each replaced by one linear layer, layer 3
+  attention and no MLP; bf16, no biases, `--rotary-base 500000 --use-rope-scaling`.
+  Planned from every rank's live metadata (the analytic layout repeats one layer). A TP,
+  PP and DP change, tp2pp2dp1 -> tp1pp1dp4, with `--decrease-batch-size-if-needed`: the
+  global batch of 12 in micro-batches of 2 trains whole at A's DP 1 and is rounded down
+  to 8 at B's DP 4, every iteration's batch the restart's.
 
 Each: the switch lands after iteration K on every rank; the final checkpoints (model, fp32
 main params, both Adam moments, scheduler, optimizer step) are bit-identical to the
 restart's as logical tensors; every loss after K is the restart's.
 """
 import re
+from pathlib import Path
 
 import pytest
 
@@ -98,6 +108,19 @@ QWEN_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-si
 # qwen_moe's iterations by release: core_v0.16.1's ramp (4 at 4 samples, 3 at 8) or 40 / 8
 RAMPED = {"core_v0.16.1": {i: 4 if i <= 4 else 8 for i in range(1, 8)}}
 BY_SAMPLES = {"qwen_moe"}
+HETEROGENEOUS_CONFIG = Path(__file__).with_name("megatron_lm_heterogeneous.json")
+NEMOTRON_NAS = ["--heterogeneous-layers-config-path", str(HETEROGENEOUS_CONFIG),
+                # what Megatron-LM checks against the config (its own validation)
+                "--position-embedding-type", "rope", "--use-rotary-position-embeddings",
+                "--rotary-base", "500000", "--use-rope-scaling", "--group-query-attention",
+                "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
+                "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16",
+                # 12 samples a step: 6 micro-batches at DP 1, rounded down to 8 at DP 4
+                # (evaluation's batch must split over DP 4 as it is)
+                "--global-batch-size", "12", "--decrease-batch-size-if-needed",
+                "--eval-global-batch-size", "8"]
+# nemotron_nas's global batch by iteration: whole at A (DP 1), rounded down at B (DP 4)
+DECREASED = {i: 12 if i <= K else 8 for i in range(1, N + 1)}
 DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16",
             "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
             "--qk-layernorm", "--position-embedding-type", "rope", "--swiglu",
@@ -118,6 +141,8 @@ RECIPES = {  # name: (recipe flags, flags at A, flags at B, A, B)
                  layout_flags(1, 1, expert_model_parallel_size=4),
                  "tp1pp2ep2etp1ppl1dp2", "tp1pp1ep4etp1dp4"),
     "deepseek": (DEEPSEEK, layout_flags(2, 2), layout_flags(1, 1), "tp2pp2dp1", "tp1pp1dp4"),
+    "nemotron_nas": (NEMOTRON_NAS, layout_flags(2, 2), layout_flags(1, 1), "tp2pp2dp1",
+                     "tp1pp1dp4"),
 }
 
 
@@ -127,13 +152,18 @@ RECIPES = {  # name: (recipe flags, flags at A, flags at B, A, B)
     pytest.param(n, marks=pytest.mark.every_release) if n == "qwen_moe" else n
     for n in sorted(RECIPES)])
 def runs(request, tmp_path_factory):
-    require_snapshot()
+    snapshot = require_snapshot()
+    if request.param == "nemotron_nas" and not (
+            snapshot / "megatron/core/transformer/heterogeneous").is_dir():
+        pytest.skip("this release's megatron-core has no heterogeneous layers")
     recipe, a, b, lay_a, lay_b = RECIPES[request.param]
     batches = ({} if request.param not in BY_SAMPLES else
                RAMPED.get(release_name(), {i: 8 for i in range(1, 6)}))
+    if request.param == "nemotron_nas":
+        batches = DECREASED
     n = len(batches) or N
     common = (CPU_FLAGS + TINY_MODEL + MOCK_DATA + recipe + ["--eval-interval", "1000"]
-              + ([] if batches else ["--train-iters", str(N)]))
+              + ([] if request.param in BY_SAMPLES else ["--train-iters", str(N)]))
     if request.param in PLAIN_DDP:
         common = [f for f in common if f != "--use-distributed-optimizer"]
     # B takes the placement the planner chooses: Megatron-LM's loss line must still print
@@ -175,6 +205,12 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert args["moe_router_score_function"] == "sigmoid"
         # the switch was planned from the live metadata, gathered in the background
         assert "planned from the live metadata" in runs["switched"]
+    elif runs["recipe"] == "nemotron_nas":
+        assert args["heterogeneous_layers_config_path"] == str(HETEROGENEOUS_CONFIG)
+        assert (args["rotary_base"], args["use_rope_scaling"]) == ("500000", "True")
+        assert (args["global_batch_size"], args["decrease_batch_size_if_needed"]) == (
+            "12", "True")
+        assert "planned from the live metadata" in runs["switched"]
     else:
         assert args["rotary_base"] == "1000000" and args["qk_layernorm"] == "True"
         assert args["moe_layer_freq"] == "[0, 1, 1]"
@@ -184,18 +220,20 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert args["moe_shared_expert_intermediate_size"] == "32"
         assert args["moe_grouped_gemm"] == "True"
         assert (args["train_samples"], args["rampup_batch_size"]) == ("40", "[4, 4, 16]")
-        # every iteration's global batch as Megatron-LM printed it: the ramp (core_v0.16.1)
-        # continues at B from its position, as after the restart's load
-        batch = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \|.*?global batch size:\s+(\d+) \|")
-        ours = {int(i): int(b) for i, b in batch.findall(runs["switched"])}
-        theirs = {int(i): int(b) for i, b in batch.findall(runs["resumed"])}
-        assert ours == runs["batches"], ours
-        assert theirs == {i: b for i, b in ours.items() if i > K}, theirs
         # megatron-core 0.16 builds GroupedMLP (its deprecation warning), in both jobs;
         # 0.19's local spec builds one module per expert whatever the flag
         legacy = release_name() == "core_v0.16.1"
         for run in ("switched", "resumed"):
             assert ("The legacy GroupedMLP will be deprecated" in runs[run]) == legacy, run
+    if runs["batches"]:
+        # every iteration's global batch as Megatron-LM printed it: the ramp (qwen_moe,
+        # core_v0.16.1) continues at B from its position, the batch is rounded down at B's
+        # DP (nemotron_nas), as after the restart's load
+        batch = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \|.*?global batch size:\s+(\d+) \|")
+        ours = {int(i): int(b) for i, b in batch.findall(runs["switched"])}
+        theirs = {int(i): int(b) for i, b in batch.findall(runs["resumed"])}
+        assert ours == runs["batches"], ours
+        assert theirs == {i: b for i, b in ours.items() if i > K}, theirs
 
 
 def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
@@ -223,6 +261,18 @@ def test_final_checkpoints_are_bit_identical(runs):
         # away from its zero start before the switch: a B that kept zeros would differ
         bias = [k for k in ours if k.endswith("router.expert_bias")]
         assert bias and all(ours[k].abs().max() > 0 for k in bias), bias
+    if runs["recipe"] == "nemotron_nas":  # each layer as the config makes it
+        layers = {k.split(".")[2]: k for k in ours if k.startswith("decoder.layers.")}
+        assert sorted(layers) == ["0", "1", "2", "3"], layers
+        fc1 = "decoder.layers.{}.mlp.linear_fc1.weight"
+        # SwiGLU's two halves of each layer's own MLP size
+        assert [ours[fc1.format(i)].shape[0] for i in (0, 1)] == [2 * 128, 2 * 96]
+        assert not any(k.startswith("decoder.layers.1.self_attention") for k in ours)
+        assert ours["decoder.layers.2.self_attention.weight"].shape == (64, 64)  # a linear
+        assert ours["decoder.layers.2.mlp.weight"].shape == (64, 64)
+        assert not any(k.startswith("decoder.layers.3.mlp") for k in ours)
+        # layer 3's attention: 4 query heads, 2 key-value groups of 16
+        assert ours["decoder.layers.3.self_attention.linear_qkv.weight"].shape == (128, 64)
     if runs["recipe"] in PLAIN_DDP:
         # a plain optimizer's state: every weight's fp32 main copy and moments, whole; its
         # step (one for all parameters) in the common state

@@ -190,6 +190,7 @@ def validator_options(train: TrainConfig, layout: Layout,
                 global_batch_size=train.global_batch_size,
                 micro_batch_size=train.micro_batch_size,
                 ramp_batch_sizes=train.batch_sizes()[:-1],
+                decrease_batch_size_if_needed=train.decrease_batch_size_if_needed,
                 device_memory_bytes=device_memory_bytes,
                 bucket_size=bucket_size_of(train, layout))
 

@@ -30,6 +30,10 @@ class TrainConfig:
     # release drives its micro-batch calculator with it: the global batch grows with the
     # consumed samples, to `global_batch_size`
     rampup_batch_size: Optional[tuple[int, int, int]] = None
+    # Megatron-LM's --decrease-batch-size-if-needed: at each layout the global batch (each
+    # of the ramp's too) is rounded down to a multiple of micro batch * DP, as megatron-core's
+    # calculator made at that DP (a restart there) rounds it
+    decrease_batch_size_if_needed: bool = False
 
     def __post_init__(self) -> None:
         if self.rampup_batch_size is not None:
@@ -44,6 +48,14 @@ class TrainConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"global_batch_size {self.global_batch_size} % micro_batch_size "
                              f"{self.micro_batch_size} != 0")
+
+    def running_batch_size(self, batch: int, dp: int) -> int:
+        """The global batch `batch` as trained at `dp`: rounded down to a multiple of micro
+        batch * DP with `decrease_batch_size_if_needed`, else itself."""
+        if not self.decrease_batch_size_if_needed:
+            return batch
+        per = self.micro_batch_size * dp
+        return batch // per * per
 
     def batch_sizes(self) -> tuple[int, ...]:
         """Every global batch size the job trains with: the ramp's, then the global one."""

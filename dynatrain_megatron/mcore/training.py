@@ -34,27 +34,33 @@ class StepResult:
 
 
 def num_micro_batches(train: TrainConfig, dp: int) -> int:
+    """Micro-batches per step at `dp` (of the batch rounded down to a multiple of micro batch
+    * DP with `train.decrease_batch_size_if_needed`)."""
     per = train.micro_batch_size * dp
-    if train.global_batch_size % per:
+    batch = train.running_batch_size(train.global_batch_size, dp)
+    if batch % per or batch < per:
         raise ValueError(f"global_batch_size {train.global_batch_size} not divisible by "
                          f"micro_batch_size*dp = {train.micro_batch_size}*{dp}")
-    return train.global_batch_size // per
+    return batch // per
 
 
 def set_num_microbatches_calculator(train: TrainConfig, dp: int, consumed_samples: int = 0) -> None:
     """Keep megatron's global micro-batch calculator in step with the layout's DP: with a
     batch-size ramp, at the ramp's position for `consumed_samples`, as megatron-core's
-    calculator made at this DP and updated to them (a restart at this layout) would be."""
+    calculator made at this DP and updated to them (a restart at this layout) would be,
+    rounding the batch down where the job does (`decrease_batch_size_if_needed`)."""
     from megatron.core import num_microbatches_calculator as nmc
 
     rank = dist.get_rank()
     ramp = list(train.rampup_batch_size) if train.rampup_batch_size is not None else None
     if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
         nmc.init_num_microbatches_calculator(rank, ramp, train.global_batch_size,
-                                             train.micro_batch_size, dp)
+                                             train.micro_batch_size, dp,
+                                             train.decrease_batch_size_if_needed)
     else:
         nmc.reconfigure_num_microbatches_calculator(rank, ramp, train.global_batch_size,
-                                                    train.micro_batch_size, dp)
+                                                    train.micro_batch_size, dp,
+                                                    train.decrease_batch_size_if_needed)
     if ramp is not None:
         nmc.update_num_microbatches(consumed_samples, consistency_check=True)
 
@@ -135,9 +141,10 @@ class Trainer:
         ok, grad_norm, _ = o.optimizer.step()
         if not ok:
             raise RuntimeError(f"optimizer step failed at iteration {self.iteration}")
-        o.scheduler.step(increment=self.train.global_batch_size)
+        batch = self.train.running_batch_size(self.train.global_batch_size, L.dp)
+        o.scheduler.step(increment=batch)
         self.iteration += 1
-        self.consumed_samples += self.train.global_batch_size
+        self.consumed_samples += batch
         loss = self._global_loss(losses)
         lr = o.optimizer.param_groups[0]["lr"]
         return StepResult(self.iteration, loss, float(grad_norm or 0.0), lr,

@@ -238,6 +238,8 @@ def train_config_from_megatron_args(args: Any) -> TrainConfig:
         ddp_bucket_size=arg_value(args, "ddp_bucket_size"),
         overlap_grad_reduce=bool(arg_value(args, "overlap_grad_reduce", False)),
         overlap_param_gather=bool(arg_value(args, "overlap_param_gather", False)),
+        decrease_batch_size_if_needed=bool(arg_value(args, "decrease_batch_size_if_needed",
+                                                     False)),
     )
 
 

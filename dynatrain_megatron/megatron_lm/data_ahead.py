@@ -156,7 +156,11 @@ class DataAhead:
             return note.consumed_train, ""
         if at < note.iteration:
             return -1, f"the switch iteration {at} is behind the loop ({note.iteration})"
-        gbs = int(arg_value(self.args, "global_batch_size"))
+        from megatron.core.num_microbatches_calculator import (
+            get_current_running_global_batch_size)
+
+        # A's batch as its calculator trains it (--decrease-batch-size-if-needed rounds it)
+        gbs = int(get_current_running_global_batch_size())
         return note.consumed_train + (at - note.iteration) * gbs, ""
 
     def build(self, layout: Layout, groups: Any, num_chunks: int) -> None:

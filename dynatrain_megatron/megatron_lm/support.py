@@ -187,10 +187,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "account-for flags shorten the first (last) virtual chunk, which ppf/ppl do not "
             "describe (without them they are the Layout's ppf/ppl)",
             _pipeline_split),
-    Refusal("--decrease-batch-size-if-needed", "not_yet",
-            "B's micro-batch calculator is made with the batch-size ramp at its position "
-            "(--rampup-batch-size switches) but without this rounding, which no switch has "
-            "been checked with", _flags("decrease_batch_size_if_needed")),
     Refusal("--fp8-format, --fp4-format, --cuda-graph-impl, --use-sharp", "hardware",
             "needs Hopper/Blackwell kernels, CUDA graphs or a SHARP fabric. B would be built by "
             "Megatron-LM, but TE's FP8 scaling state (_extra_state, a sharded object that "
@@ -238,6 +234,11 @@ SUPPORTED: tuple[tuple[str, str], ...] = (
      "copy). These two are planned from every rank's live sharded metadata. No "
      "--use-distributed-optimizer (plain DDP: each piece moved from one DP replica)",
      "tests/test_megatron_lm_recipes.py::deepseek"),
+    ("Llama-Nemotron-NAS-shaped heterogeneous layers (--heterogeneous-layers-config-path, "
+     "core_v0.19.0, local layers): per-layer MLP sizes, no-op attention or MLP, attention "
+     "and MLP replaced by linear layers; planned from the live metadata. "
+     "--decrease-batch-size-if-needed: B's batch rounded down at its DP, as the restart's",
+     "tests/test_megatron_lm_recipes.py::nemotron_nas"),
     ("any option that changes no state shape (activations, dropout, fusions, recompute, "
      "attention backend, loss options, rotary variants): carried by B, built by Megatron-LM",
      "megatron_lm/builder.py"),

@@ -41,7 +41,8 @@ def layout_errors(spec: ModelSpec, layout: Layout, *, transformer_engine: bool =
                   device_memory_bytes: Optional[int] = None, headroom_bytes: int = 0,
                   bucket_size: Optional[int] = None, global_batch_size: Optional[int] = None,
                   micro_batch_size: Optional[int] = None,
-                  ramp_batch_sizes: Sequence[int] = ()) -> list[str]:
+                  ramp_batch_sizes: Sequence[int] = (),
+                  decrease_batch_size_if_needed: bool = False) -> list[str]:
     """Every reason `layout` cannot hold `spec` (empty: it can).
 
     `transformer_engine`: whether megatron-core may use Transformer Engine layers (CP > 1
@@ -51,14 +52,20 @@ def layout_errors(spec: ModelSpec, layout: Layout, *, transformer_engine: bool =
     groups of pp micro-batches).
     `ramp_batch_sizes`: the global batch sizes of a batch-size ramp (`--rampup-batch-size`),
     each of which must split over DP too (megatron-core's calculator checks it every step).
+    `decrease_batch_size_if_needed` (Megatron-LM's flag): every batch is rounded down to a
+    multiple of micro batch * DP instead, which must leave at least one micro-batch.
     """
     errs = layout.model_errors(spec)
     errs += _axis_errors(spec, layout, transformer_engine)
-    errs += _batch_errors(layout, global_batch_size, micro_batch_size)
+    errs += _batch_errors(layout, global_batch_size, micro_batch_size,
+                          decrease_batch_size_if_needed)
     if micro_batch_size is not None:
+        per = micro_batch_size * layout.dp
         errs += [f"the batch-size ramp's global batch {b} is not divisible by micro batch "
-                 f"{micro_batch_size} * dp {layout.dp}" for b in ramp_batch_sizes
-                 if b % (micro_batch_size * layout.dp)]
+                 f"{micro_batch_size} * dp {layout.dp}"
+                 + (" (it rounds down to none)" if decrease_batch_size_if_needed else "")
+                 for b in ramp_batch_sizes
+                 if (b < per if decrease_batch_size_if_needed else b % per)]
     if errs or device_memory_bytes is None:
         return errs
     from .memory import estimate_state_memory
@@ -89,10 +96,14 @@ def _axis_errors(spec: ModelSpec, layout: Layout, transformer_engine: bool) -> l
     return e
 
 
-def _batch_errors(layout: Layout, gbs: Optional[int], mbs: Optional[int]) -> list[str]:
+def _batch_errors(layout: Layout, gbs: Optional[int], mbs: Optional[int],
+                  decrease: bool) -> list[str]:
     if gbs is None or mbs is None:
         return []
-    if gbs % (mbs * layout.dp):
+    if decrease and gbs < mbs * layout.dp:
+        return [f"global batch {gbs} rounds down to no micro batch {mbs} * dp {layout.dp} "
+                f"(--decrease-batch-size-if-needed)"]
+    if not decrease and gbs % (mbs * layout.dp):
         return [f"global batch {gbs} is not divisible by micro batch {mbs} * dp {layout.dp}"]
     n = gbs // (mbs * layout.dp)
     if layout.vpp > 1 and n % layout.pp:
