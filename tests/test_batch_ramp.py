@@ -1,12 +1,14 @@
 """A batch-size ramp (`--rampup-batch-size`) across a switch: B's micro-batch calculator is
 megatron-core's own, made at B's DP and at the ramp's position for the samples consumed,
 which is what Megatron-LM's restart at B makes (its calculator at B's DP, updated to the
-checkpoint's consumed samples); B's layout must split every batch of the ramp over DP."""
+checkpoint's consumed samples); B's layout must split every batch of the ramp over DP.
+With `--decrease-batch-size-if-needed` B's calculator rounds the batch down at B's DP, as
+the restart's does, and a layout is refused only where that leaves no micro-batch."""
 import pytest
 import torch.distributed as dist
 
 from dynatrain_megatron.mcore.train_config import TrainConfig
-from dynatrain_megatron.mcore.training import set_num_microbatches_calculator
+from dynatrain_megatron.mcore.training import num_micro_batches, set_num_microbatches_calculator
 from dynatrain_megatron.vps.layout import Layout
 from dynatrain_megatron.vps.model_spec import ModelSpec
 from dynatrain_megatron.vps.validate import layout_errors
@@ -60,3 +62,43 @@ def test_a_layout_that_cannot_split_a_ramp_batch_is_refused():
     assert errs == ["the batch-size ramp's global batch 4 is not divisible by micro batch 2 "
                     "* dp 4", "the batch-size ramp's global batch 12 is not divisible by "
                     "micro batch 2 * dp 4"]
+
+
+DECREASE = TrainConfig(micro_batch_size=2, global_batch_size=12,
+                       decrease_batch_size_if_needed=True)
+
+
+def test_b_rounds_the_batch_down_at_its_dp_as_a_restart_at_b(calculator):
+    nmc = calculator
+    set_num_microbatches_calculator(DECREASE, 1)  # A: dp1, 6 micro-batches of 2
+    assert (nmc.get_current_running_global_batch_size(), nmc.get_num_microbatches()) == (12, 6)
+    set_num_microbatches_calculator(DECREASE, 4)  # the switch to dp4
+    ours = (nmc.get_current_global_batch_size(), nmc.get_current_running_global_batch_size(),
+            nmc.get_num_microbatches())
+    nmc.unset_num_microbatches_calculator()
+    nmc.init_num_microbatches_calculator(0, None, 12, 2, 4, True)  # the restart at dp4
+    restart = (nmc.get_current_global_batch_size(),
+               nmc.get_current_running_global_batch_size(), nmc.get_num_microbatches())
+    assert ours == restart == (12, 8, 1)
+    assert [num_micro_batches(DECREASE, dp) for dp in (1, 2, 4)] == [6, 3, 1]
+    assert DECREASE.running_batch_size(12, 4) == 8
+    with pytest.raises(ValueError, match="not divisible by micro_batch_size"):
+        num_micro_batches(DECREASE, 8)  # rounds down to nothing
+
+
+def test_a_decreased_batch_is_refused_only_where_it_leaves_no_micro_batch():
+    spec = ModelSpec(name="t", num_layers=2, hidden_size=64, num_attention_heads=4,
+                     ffn_hidden_size=128, vocab_size=1000, seq_length=32)
+    kw = dict(global_batch_size=12, micro_batch_size=2)
+    dp4, dp8 = Layout.parse("tp1pp1dp4", 4), Layout.parse("tp1pp1dp8", 8)
+    assert layout_errors(spec, dp4, **kw) == [
+        "global batch 12 is not divisible by micro batch 2 * dp 4"]
+    assert layout_errors(spec, dp4, **kw, decrease_batch_size_if_needed=True) == []
+    assert layout_errors(spec, dp8, **kw, decrease_batch_size_if_needed=True) == [
+        "global batch 12 rounds down to no micro batch 2 * dp 8 "
+        "(--decrease-batch-size-if-needed)"]
+    # a ramp's batch that rounds down to none at B's DP
+    assert layout_errors(spec, dp4, **kw, ramp_batch_sizes=(4, 8),
+                         decrease_batch_size_if_needed=True) == [
+        "the batch-size ramp's global batch 4 is not divisible by micro batch 2 * dp 4 "
+        "(it rounds down to none)"]

@@ -217,10 +217,12 @@ def test_supported_job_has_no_objection():
 def test_megatron_lm_defaults_are_refused_with_reasons():
     a = megatron_args(hidden_dropout=0.1, attention_dropout=0.1, use_distributed_optimizer=False,
                       decrease_batch_size_if_needed=True, cuda_graph_impl="local",
-                      optimizer="sgd")
+                      optimizer="sgd", perform_rl_step=True)
     why = "\n".join(mlm.unsupported_args(a))
-    for s in ("--decrease-batch-size-if-needed", "--cuda-graph-impl local", "--optimizer sgd"):
+    for s in ("--perform-rl-step", "--cuda-graph-impl local", "--optimizer sgd"):
         assert s in why
+    # B's micro-batch calculator rounds the batch at B's DP as a restart's does
+    assert "decrease-batch-size" not in why
     # plain DDP switches: its replicated optimizer state is in the planning layout
     assert "distributed-optimizer" not in why
     assert mla.spec_from_megatron_args(a).distributed_optimizer is False
@@ -552,6 +554,23 @@ def test_expert_bias_is_planned_from_the_live_metadata():
                          moe_router_enable_expert_bias=True)
     assert mlm.unsupported_args(args) == []
     assert plans_from_metadata(args) == ["--moe-router-enable-expert-bias"]
+
+
+def test_heterogeneous_layers_switch_and_attention_variants_and_rl_need_cuda():
+    from dynatrain_megatron.megatron_lm.support import plans_from_metadata, unlike_analytic
+
+    hetero = megatron_args(heterogeneous_layers_config_path="nas.json")
+    assert mlm.unsupported_args(hetero) == []
+    assert plans_from_metadata(hetero) == ["--heterogeneous-layers-config-path"]
+    assert unlike_analytic(hetero) == ("decoder.layers.",)
+    assert unlike_analytic(megatron_args()) == ()
+    for over, flag in ((dict(experimental_attention_variant="gated_delta_net"),
+                        "--experimental-attention-variant gated_delta_net: Megatron-LM builds "
+                        "these layers only with Transformer Engine"),
+                       (dict(perform_rl_step=True), "--perform-rl-step: Megatron-LM's RL loop "
+                        "generates with megatron-core's dynamic inference engine")):
+        why = mlm.unsupported_args(megatron_args(**over))
+        assert len(why) == 1 and why[0].startswith(flag), why
 
 
 @pytest.mark.parametrize("flags,pp,split", [

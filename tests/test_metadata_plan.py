@@ -169,3 +169,42 @@ def test_live_weights_are_checked_where_the_analytic_layout_describes_them_too()
                          tuple(o + 1 for o in f.local_offsets), f.main)
     with pytest.raises(FragmentMismatchError, match=f.key.replace(".", r"\.")):
         check_live_matches_analytic_where_both([moved] + live[1:], expected, rank)
+
+
+def test_layers_a_heterogeneous_model_shapes_otherwise_are_left_out_of_the_check():
+    """`--heterogeneous-layers-config-path`: each layer its own MLP size (the analytic layout
+    repeats one layer). The builder names the layers' prefix (`unlike_analytic`), which
+    only a plan from the live metadata allows; the other tensors are still checked."""
+    from dynatrain_megatron.adapters.live import LiveFragment
+    from dynatrain_megatron.adapters.verify import check_live_matches_analytic_where_both
+    from dynatrain_megatron.mcore.builders import MegatronBuilder
+    from dynatrain_megatron.mcore.train_config import TrainConfig
+    from dynatrain_megatron.transition.metadata_exchange import unlike_analytic
+    from dynatrain_megatron.vps.errors import FragmentMismatchError
+
+    s, A = spec("tiny-gpt"), lay("tp2pp2", 8)
+    rank = 7
+    expected = analytic_layout(s, A).fragments(rank, ("param",))
+    live = []
+    for f in expected:  # layer 3's fc1 with an MLP of its own size: half the rows
+        box = f.box
+        if f.key == "decoder.layers.3.mlp.linear_fc1.weight":
+            box = Box(box.offsets, (box.shape[0] // 2,) + box.shape[1:])
+        live.append(LiveFragment(f.key, f.kind, box, f.rank, f.chunk, f.local_name,
+                                 f.local_offsets, f.replica == 0))
+    with pytest.raises(FragmentMismatchError, match=r"decoder\.layers\.3\.mlp\.linear_fc1"):
+        check_live_matches_analytic_where_both(live, expected, rank)
+    # the embedding's, norm's and output layer's fragments still compared
+    assert check_live_matches_analytic_where_both(live, expected, rank,
+                                                  ("decoder.layers.",)) == 2
+    moved = [LiveFragment(f.key, f.kind, f.box, f.rank, f.chunk, f.local_name,
+                          tuple(o + 1 for o in f.local_offsets), f.main)
+             if f.key == "output_layer.weight" else f for f in live]
+    with pytest.raises(FragmentMismatchError, match=r"output_layer\.weight"):
+        check_live_matches_analytic_where_both(moved, expected, rank, ("decoder.layers.",))
+    train = TrainConfig()
+    builder = MegatronBuilder(s, train, plan_from="metadata",
+                              unlike_analytic=("decoder.layers.",))
+    assert unlike_analytic(builder) == ("decoder.layers.",)
+    with pytest.raises(ValueError, match="needs plans from the live metadata"):
+        MegatronBuilder(s, train, unlike_analytic=("decoder.layers.",))

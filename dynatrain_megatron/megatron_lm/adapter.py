@@ -224,7 +224,7 @@ def check_live_state(spec: ModelSpec, train: TrainConfig, objs, metadata: bool =
     """The switch's own pre-flight check, run once up front: the live model/optimizer state
     must be exactly what the analytic layout says, or we refuse before training goes on
     (`metadata`: planned from the live metadata; the tensors both describe must agree, but
-    those under the key prefixes `unlike`, `support.unlike_analytic`)."""
+    those under the key prefixes `unlike`)."""
     from ..adapters.live import LiveState
     from ..adapters.verify import check_live_matches_analytic, check_live_matches_analytic_where_both
     from ..vps.analytic import analytic_layout
@@ -235,11 +235,9 @@ def check_live_state(spec: ModelSpec, train: TrainConfig, objs, metadata: bool =
     live = LiveState(objs.model, objs.optimizer, vr, spec.vocab_size)
     expected = analytic_layout(spec, objs.layout, bucket_size_of(train, objs.layout))
     kinds = KINDS if metadata else OPT_KINDS
-    if metadata:
-        check_live_matches_analytic_where_both(live.fragments(kinds),
-                                               expected.fragments(vr, kinds), vr, unlike)
-    else:
-        check_live_matches_analytic(live.fragments(kinds), expected.fragments(vr, kinds), vr)
+    sides = (live.fragments(kinds), expected.fragments(vr, kinds), vr)
+    (check_live_matches_analytic_where_both(*sides, unlike) if metadata
+     else check_live_matches_analytic(*sides))
 
 
 def _prepare_config(args: Any, model: list, optimizer: Any, config: Any, old_config: Any) -> None:

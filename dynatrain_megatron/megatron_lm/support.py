@@ -69,12 +69,9 @@ def _te_layers(a: Any) -> list[str]:
     return out
 
 
-def _layer_pattern(a: Any) -> list[str]:
-    out = []
-    for n in ("experimental_attention_variant",):
-        if _v(a, n) is not None:
-            out.append("--" + n.replace("_", "-"))
-    return out
+def _attention_variant(a: Any) -> list[str]:
+    variant = _v(a, "experimental_attention_variant")
+    return [] if variant is None else [f"--experimental-attention-variant {variant}"]
 
 
 def _mtp_tied(a: Any) -> list[str]:
@@ -171,11 +168,13 @@ REFUSALS: tuple[Refusal, ...] = (
             "switch does not read their reduced-precision moments or host copies",
             lambda a: _te_layers(a) + _flags("use_precision_aware_optimizer",
                                              "optimizer_cpu_offload")(a)),
-    Refusal("--heterogeneous-layers-config-path, --experimental-attention-variant",
-            "not_yet",
-            "the analytic layout (vps/naming.py) does not describe their parameters, and no "
-            "switch planned from the live metadata has been checked with them yet",
-            _layer_pattern),
+    Refusal("--experimental-attention-variant (gated_delta_net, dsa)", "hardware",
+            "Megatron-LM builds these layers only with Transformer Engine, which needs CUDA: "
+            "on the CPU its own job fails with either variant, asserting with "
+            "--transformer-impl local and missing TE's spec provider otherwise (checked, "
+            "core_v0.16.1 and core_v0.19.0); gated_delta_net also needs "
+            "flash-linear-attention's triton kernels. Their state would be planned from the "
+            "live metadata (unverified)", _attention_variant),
     Refusal("--use-tp-pp-dp-mapping, --pipeline-model-parallel-layout, "
             "--account-for-embedding/loss-in-pipeline-split with virtual pipeline stages, "
             "--hierarchical-context-parallel-sizes, --hybrid-context-parallel", "not_yet",
@@ -194,8 +193,12 @@ REFUSALS: tuple[Refusal, ...] = (
             "has run there. SHARP is turned on through the environment while megatron-core "
             "makes its own data-parallel groups, which B's, made later, would not get",
             _hardware),
-    Refusal("--perform-rl-step", "not_yet",
-            "the RL loop holds the first layout's inference objects", _flags("perform_rl_step")),
+    Refusal("--perform-rl-step", "hardware",
+            "Megatron-LM's RL loop generates with megatron-core's dynamic inference engine, "
+            "which needs CUDA: its attention asserts FlashAttention 2.7.3 or later for dynamic "
+            "batching (checked on the CPU, core_v0.16.1 and core_v0.19.0), and core_v0.19.0's "
+            "context pins host memory. The loop also holds the first layout's inference engine, "
+            "which a switch would have to rebuild at B (unverified)", _flags("perform_rl_step")),
 )
 
 
