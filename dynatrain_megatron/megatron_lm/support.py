@@ -141,9 +141,12 @@ REFUSALS: tuple[Refusal, ...] = (
             "them", _flags("use_legacy_models")),
     Refusal("--optimizer sgd / muon / other than adam, --use-layer-wise-distributed-optimizer",
             "restart",
-            "Megatron-LM's own --load at another layout fails for SGD (no optimizer state is "
-            "created before the load, core_v0.16.1); the Muon "
-            "optimizers are layer-wise, with state the switch does not read",
+            "Megatron-LM's own --load cannot resume an SGD job, even at the layout that "
+            "saved it: it calls the optimizer's state initialiser, which megatron-core "
+            "defines for Adam but not SGD (TypeError). Its distributed optimizer "
+            "refuses SGD when built (both checked on the CPU, core_v0.16.1 and "
+            "core_v0.19.0). The Muon optimizers are layer-wise, with state the switch does "
+            "not read",
             lambda a: _optimizer(a) + _flags("use_layer_wise_distributed_optimizer")(a)),
     Refusal("--use-torch-fsdp2, --use-megatron-fsdp, --use-custom-fsdp", "hardware",
             "Megatron-LM's FSDP needs CUDA and NCCL: with --use-torch-fsdp2 its argument "
