@@ -25,8 +25,9 @@ def world(tmp_path):
 
 
 def _ahead(decision, built, train="train", **args):
-    args = argparse.Namespace(consumed_train_samples=24, consumed_valid_samples=8,
-                              global_batch_size=8, do_train=0, micro_batch_size=2, **args)
+    args = argparse.Namespace(**{**dict(consumed_train_samples=24, consumed_valid_samples=8,
+                                        global_batch_size=8, do_train=0, micro_batch_size=2),
+                                 **args})
     ahead = DataAhead(args, spec=None, sequence_parallel=False, decision=lambda: decision,
                       rebuild=None)
 
@@ -71,6 +72,13 @@ def test_built_ahead_at_the_scheduled_switch_count_and_taken_only_when_it_fits(w
     # for other groups (a recovery re-formed the world): not taken (counters still agreed)
     _in_thread(ahead.build, lay, world, 1)
     assert _take(ahead, SimpleNamespace(background=None), 56, 8) is None
+    # --decrease-batch-size-if-needed: A trains 12 rounded down to 8 at its DP of 4
+    built.clear()
+    ahead = _ahead(SimpleNamespace(at=7), built, global_batch_size=12, data_parallel_size=4,
+                   decrease_batch_size_if_needed=True)
+    ahead.note_step(3)
+    _in_thread(ahead.build, lay, world, 1)
+    assert built == [24 + 4 * 8]
 
 
 def test_a_requested_switch_builds_at_the_count_now_and_advances_to_where_it_lands(world):

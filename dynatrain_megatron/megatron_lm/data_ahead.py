@@ -156,11 +156,9 @@ class DataAhead:
             return note.consumed_train, ""
         if at < note.iteration:
             return -1, f"the switch iteration {at} is behind the loop ({note.iteration})"
-        from megatron.core.num_microbatches_calculator import (
-            get_current_running_global_batch_size)
-
-        # A's batch as its calculator trains it (--decrease-batch-size-if-needed rounds it)
-        gbs = int(get_current_running_global_batch_size())
+        gbs = int(arg_value(self.args, "global_batch_size"))
+        if arg_value(self.args, "decrease_batch_size_if_needed", False):  # rounded at A's DP
+            gbs -= gbs % (int(self.args.micro_batch_size) * int(self.args.data_parallel_size))
         return note.consumed_train + (at - note.iteration) * gbs, ""
 
     def build(self, layout: Layout, groups: Any, num_chunks: int) -> None:
