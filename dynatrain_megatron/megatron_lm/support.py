@@ -106,16 +106,6 @@ def plans_from_metadata(args: Any) -> list[str]:
     return out
 
 
-def unlike_analytic(args: Any) -> tuple[str, ...]:
-    """Key prefixes of the model tensors the analytic layout names but the job of `args`
-    shapes otherwise: a heterogeneous model's layers (`--heterogeneous-layers-config-path`:
-    per-layer query groups and MLP sizes, no-op or linear blocks), where the analytic layout
-    repeats one layer. Its switches are planned from the live metadata
-    (`plans_from_metadata`); these tensors are left out of the check against the analytic
-    layout, the embedding, final norm and output layer are still checked."""
-    return ("decoder.layers.",) if _v(args, "heterogeneous_layers_config_path") else ()
-
-
 def _pipeline_split(a: Any) -> list[str]:
     out = _flags("use_tp_pp_dp_mapping", "pipeline_model_parallel_layout",
                  "hierarchical_context_parallel_sizes", "hybrid_context_parallel")(a)
@@ -212,6 +202,16 @@ def unsupported_args(args: Any) -> list[str]:
         for flag in r.test(args):
             out.append(f"{flag}: {r.why}")
     return out
+
+
+def unlike_analytic(args: Any) -> tuple[str, ...]:
+    """Key prefixes of the model tensors the analytic layout names but the job of `args`
+    shapes otherwise: a heterogeneous model's layers (`--heterogeneous-layers-config-path`:
+    per-layer query groups and MLP sizes, no-op or linear blocks), where the analytic layout
+    repeats one layer. Its switches are planned from the live metadata
+    (`plans_from_metadata`); these tensors are left out of the check against the analytic
+    layout, the embedding, final norm and output layer are still checked."""
+    return ("decoder.layers.",) if _v(args, "heterogeneous_layers_config_path") else ()
 
 
 # what the switch is checked to carry inside real Megatron-LM (tests named), beside what it
