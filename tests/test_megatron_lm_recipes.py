@@ -41,13 +41,14 @@ One group of two jobs on 4 gloo ranks per recipe, each checking several things:
   (5 iterations at 8).
 * nemotron_nas: a Llama-Nemotron-NAS-shaped model (`--heterogeneous-layers-config-path
   megatron_lm_heterogeneous.json`, core_v0.19.0's heterogeneous layers, local spec): every
-  layer its own, layer 0 GQA attention with an MLP of 128, layer 1 no attention (no-op) and
+  layer its own, layer 0 attention with an MLP of 128, layer 1 no attention (no-op) and
   an MLP of 96, layer 2 attention and MLP each replaced by one linear layer, layer 3
   attention and no MLP; bf16, no biases, `--rotary-base 500000 --use-rope-scaling`.
   Planned from every rank's live metadata (the analytic layout repeats one layer). A TP,
-  PP and DP change, tp2pp2dp1 -> tp1pp1dp4, with `--decrease-batch-size-if-needed`: the
-  global batch of 12 in micro-batches of 2 trains whole at A's DP 1 and is rounded down
-  to 8 at B's DP 4, every iteration's batch the restart's.
+  PP and DP change, tp4pp1dp1 -> tp1pp2dp2: B's stages build layers 0-1 and 2-3 from the
+  config by B's pipeline rank (A has none but 0). With `--decrease-batch-size-if-needed`:
+  the global batch of 10 in micro-batches of 2 trains whole at A's DP 1 and is rounded
+  down to 8 at B's DP 2, every iteration's batch the restart's.
 
 Each: the switch lands after iteration K on every rank; the final checkpoints (model, fp32
 main params, both Adam moments, scheduler, optimizer step) are bit-identical to the
@@ -113,14 +114,15 @@ NEMOTRON_NAS = ["--heterogeneous-layers-config-path", str(HETEROGENEOUS_CONFIG),
                 # what Megatron-LM checks against the config (its own validation)
                 "--position-embedding-type", "rope", "--use-rotary-position-embeddings",
                 "--rotary-base", "500000", "--use-rope-scaling", "--group-query-attention",
-                "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
+                # one head per group (n_heads_in_group 1): 4 groups split over A's TP 4
+                "--num-query-groups", "4", "--swiglu", "--normalization", "RMSNorm",
                 "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16",
-                # 12 samples a step: 6 micro-batches at DP 1, rounded down to 8 at DP 4
-                # (evaluation's batch must split over DP 4 as it is)
-                "--global-batch-size", "12", "--decrease-batch-size-if-needed",
+                # 10 samples a step: 5 micro-batches at DP 1, rounded down to 8 at DP 2
+                # (evaluation's batch must split over DP 2 as it is)
+                "--global-batch-size", "10", "--decrease-batch-size-if-needed",
                 "--eval-global-batch-size", "8"]
-# nemotron_nas's global batch by iteration: whole at A (DP 1), rounded down at B (DP 4)
-DECREASED = {i: 12 if i <= K else 8 for i in range(1, N + 1)}
+# nemotron_nas's global batch by iteration: whole at A (DP 1), rounded down at B (DP 2)
+DECREASED = {i: 10 if i <= K else 8 for i in range(1, N + 1)}
 DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16",
             "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
             "--qk-layernorm", "--position-embedding-type", "rope", "--swiglu",
@@ -141,8 +143,8 @@ RECIPES = {  # name: (recipe flags, flags at A, flags at B, A, B)
                  layout_flags(1, 1, expert_model_parallel_size=4),
                  "tp1pp2ep2etp1ppl1dp2", "tp1pp1ep4etp1dp4"),
     "deepseek": (DEEPSEEK, layout_flags(2, 2), layout_flags(1, 1), "tp2pp2dp1", "tp1pp1dp4"),
-    "nemotron_nas": (NEMOTRON_NAS, layout_flags(2, 2), layout_flags(1, 1), "tp2pp2dp1",
-                     "tp1pp1dp4"),
+    "nemotron_nas": (NEMOTRON_NAS, layout_flags(4, 1), layout_flags(1, 2), "tp4pp1dp1",
+                     "tp1pp2dp2"),
 }
 
 
@@ -209,7 +211,7 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert args["heterogeneous_layers_config_path"] == str(HETEROGENEOUS_CONFIG)
         assert (args["rotary_base"], args["use_rope_scaling"]) == ("500000", "True")
         assert (args["global_batch_size"], args["decrease_batch_size_if_needed"]) == (
-            "12", "True")
+            "10", "True")
         assert "planned from the live metadata" in runs["switched"]
     else:
         assert args["rotary_base"] == "1000000" and args["qk_layernorm"] == "True"
@@ -271,8 +273,8 @@ def test_final_checkpoints_are_bit_identical(runs):
         assert ours["decoder.layers.2.self_attention.weight"].shape == (64, 64)  # a linear
         assert ours["decoder.layers.2.mlp.weight"].shape == (64, 64)
         assert not any(k.startswith("decoder.layers.3.mlp") for k in ours)
-        # layer 3's attention: 4 query heads, 2 key-value groups of 16
-        assert ours["decoder.layers.3.self_attention.linear_qkv.weight"].shape == (128, 64)
+        # layer 3's attention: 4 query heads and 4 key-value groups, of 16
+        assert ours["decoder.layers.3.self_attention.linear_qkv.weight"].shape == (192, 64)
     if runs["recipe"] in PLAIN_DDP:
         # a plain optimizer's state: every weight's fp32 main copy and moments, whole; its
         # step (one for all parameters) in the common state
