@@ -11,7 +11,8 @@ One group of two jobs on 4 gloo ranks per recipe, each checking several things:
   Qwen2's); the optimizer side `--lr-decay-style WSD` (decay
   within the run) and `--lr-warmup-init`; a TP *and* PP change, tp2pp1dp2 -> tp1pp2ppf1dp2:
   three layers with `--account-for-embedding-in-pipeline-split` (at pp2 the first stage
-  holds one layer and the embedding), built from a user's `--spec` module, the distributed
+  holds one layer and the embedding), built from a user's `--spec` module (its input norms
+  keep an extra state that changes every step: a ShardedObject, carried), the distributed
   optimizer's buffers in `--ddp-num-buckets 2` padded buckets
   (`--ddp-pad-buckets-for-high-nccl-busbw`, `--overlap-grad-reduce`): planned from the live
   metadata.
@@ -64,8 +65,9 @@ LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--use-
          "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "linear",
          "--lr-wsd-decay-iters", "2", "--lr-warmup-init", "1e-5",
          # a user's layer-spec module (planned from the live metadata: the analytic layout
-         # cannot know what a user's module builds)
-         "--spec", "tests.megatron_lm_user_spec", "llama_layer",
+         # cannot know what a user's module builds), whose input norms keep an extra state
+         # (a ShardedObject, as Transformer Engine's FP8 state is)
+         "--spec", "tests.megatron_lm_user_spec", "llama_layer_counting",
          # Qwen2's attention: biases on the query/key/value projection only (planned from
          # the live metadata: the analytic layout's biases are all or none)
          "--add-qkv-bias",
@@ -156,7 +158,7 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert (args["rotary_base"], args["use_rope_scaling"]) == ("500000", "True")
         assert (args["lr_decay_style"], args["lr_warmup_init"]) == ("WSD", "1e-05")
         assert args["num_query_groups"] == "2" and args["untie_embeddings_and_output_weights"] == "True"
-        assert args["spec"] == "['tests.megatron_lm_user_spec', 'llama_layer']"
+        assert args["spec"] == "['tests.megatron_lm_user_spec', 'llama_layer_counting']"
         assert (args["num_layers"], args["account_for_embedding_in_pipeline_split"]) == ("3", "True")
         assert (args["ddp_num_buckets"], args["ddp_pad_buckets_for_high_nccl_busbw"],
                 args["overlap_grad_reduce"]) == ("2", "True", "True")
@@ -208,6 +210,17 @@ def test_final_checkpoints_are_bit_identical(runs):
         biases = {k for k in ours if k.endswith(".bias") and not k.startswith("optimizer.")}
         assert biases == {"decoder.layers.self_attention.linear_qkv.bias"}, biases
         assert ours["decoder.layers.self_attention.linear_qkv.bias"].shape[0] == 3  # layers
+        # the input norms' extra state, one object per layer (compared above with the
+        # restart's; keyed as TE's fused norm, the local spec's keys map): it counts every
+        # forward since iteration 1, so B's main replica went on from A's, as the restart's
+        # load sets it (a B that kept its own would count from the switch on)
+        objs = {k: v for k, v in ours.items() if "linear_qkv.layer_norm__extra_state/" in k}
+        assert len(objs) == 3, sorted(objs)
+        args = _printed_args(runs["switched"])
+        per_step = int(args["global_batch_size"]) // (int(args["micro_batch_size"]) * 2)  # DP 2
+        for k, v in objs.items():
+            state = v[0] if isinstance(v, list) else v
+            assert state["calls"] == runs["N"] * per_step and state["amax"] > 0, (k, state)
     if runs["recipe"] == "qwen_moe":  # the dense layer and the experts both came across
         assert any("experts" in k for k in ours) and any("shared_experts" in k for k in ours)
         # layers keyed one by one (they differ): layer 0 is dense, 1..3 have experts

@@ -48,6 +48,7 @@ from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from ..vps.naming import DTYPE_BYTES
 from .metadata_exchange import gather_metadata, plan_from_metadata, plans_from_metadata
+from .object_carry import ObjectCarryStats, carry_objects, gather_object_plan, plan_objects
 from .vocab_padding import carry_vocab_padding, padding_plan
 from .executor import PACK_ALIGN, Executor
 from .faults import FaultPlan
@@ -63,7 +64,8 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
                    dst: Layout, groups: LayoutGroups, options: SwitchOptions = SwitchOptions(),
                    *, unavailable: Sequence[int] = (), background: bool = False,
                    faults: Optional[FaultPlan] = None, src_objs: Any = None,
-                   src_state: Optional[LiveState] = None) -> Prepared:
+                   src_state: Optional[LiveState] = None,
+                   src_model: Optional[Sequence[Any]] = None) -> Prepared:
     """B's side of a switch (module doc, steps 4-6): never raises, a failure is recorded
     in `error`. `groups` are B's (their placement is B's placement). With
     `options.verify`, B's live fragments are checked against the analytic layout and
@@ -75,7 +77,12 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
 
     Planned from the live metadata (`plans_from_metadata(builder)`), this is collective
     over the world (B's transfer group): every rank binds what it holds at A (`src_objs`,
-    or `src_state` already bound) and at B, and all gather it before planning."""
+    or `src_state` already bound) and at B, and all gather it before planning.
+
+    Always collective over the world (B's transfer group) for the sharded objects' keys at
+    A and B (`object_carry`): A's are read from `src_state`, A's binding, `src_objs` or
+    `src_model` (A's model chunks, given for that alone). A key of B that A lacks fails the
+    preparation, as it fails dist_checkpointing's load."""
     t = time.perf_counter
     me = dist.get_rank()
     dst_placement = groups.placement
@@ -85,7 +92,9 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
                     background=background)
     vr_b = dst_placement.virtual_rank(me)
     metadata = plans_from_metadata(builder)
-    gathered = [False]  # a metadata plan's gather: every rank joins it, even after a failure
+    # the metadata plan's gather and the objects' gather: every rank joins each, even after
+    # a failure, in that order
+    gathered = [False, False]
     try:
         t0 = t()
         prep.objs = builder.build_detached(dst, groups) if vr_b is not None else None
@@ -109,6 +118,11 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
                                                 builder.bucket_size(dst)),
                                    unavailable=unavailable)
         prep.rounds = schedule(prep.plan, options.memory_budget, align=PACK_ALIGN)
+        prep.object_plan = plan_objects(
+            prep.src_placement.virtual_rank(me) is not None and me not in prep.unavailable,
+            src_state if src_state is not None else prep.src_live,
+            src_objs.model if src_objs is not None else src_model, prep.live,
+            groups.transfer, prep.unavailable, gathered, f"{src} -> {dst}")
         prep.phases["plan"] = t() - t0
         t0 = t()
         mine = prep.plan.pieces_for(me)
@@ -141,6 +155,11 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
             try:
                 gather_metadata(None, None, kinds, groups.transfer, error=prep.error)
             except Exception:  # noqa: BLE001 - it raises every rank's errors, ours included
+                pass
+        if not gathered[1]:  # and in the objects' gather
+            try:
+                gather_object_plan(None, None, groups.transfer, error=prep.error)
+            except Exception:  # noqa: BLE001 - as above
                 pass
     return prep
 
@@ -443,7 +462,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         prepared = prepare_switch(spec, builder, src, src_placement, dst, groups, options,
                                   unavailable=unavailable, faults=faults,
                                   src_objs=old_objs if metadata else None,
-                                  src_state=src_state if metadata else None)
+                                  src_state=src_state if metadata else None,
+                                  src_model=old_objs.model if old_objs is not None else None)
     else:
         prepared.check_for(src, src_placement, dst, kinds, tuple(unavailable))
     (background if prepared.background else phases).update(prepared.phases)
@@ -506,6 +526,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                   device=collective_device(xfer_group), tag=attempt, timeout=options.timeout,
                   checksums=options.checksums, faults=faults)
     errors = list(ex.run(prepared.local_pieces, prepared.round_pieces))
+    obj_stats = ObjectCarryStats()
     try:
         # only the holders of A's padding rows and the needers of B's exchange (pure plan,
         # the same on every rank); after a death any surviving replica serves
@@ -516,10 +537,17 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         _, pad_errors = carry_vocab_padding(pad_plan, me, old_live, new_live, transport,
                                             tag=attempt, timeout=options.timeout)
         errors += pad_errors
+        # the sharded objects, read now (after A's last step) and set on B's modules
+        t7 = t()
+        obj_stats, obj_errors = carry_objects(prepared.object_plan, me, old_live, new_live,
+                                              transport, device=collective_device(xfer_group),
+                                              tag=attempt, timeout=options.timeout)
+        errors += obj_errors
+        phases["objects"] = t() - t7
         faults.fail(me, "commit", dst=str(dst))
     except Exception as e:  # noqa: BLE001
         errors.append(f"rank {me}: commit: {type(e).__name__}: {e}")
-    phases["transfer"] = t() - t5
+    phases["transfer"] = t() - t5 - phases.get("objects", 0.0)
     # -- commit vote: every rank of the world agrees that everything arrived and checked
     t6 = t()
     errors = _agree(errors, deadline)
@@ -554,5 +582,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                           sent_bytes=ex.stats.sent_bytes, recv_bytes=ex.stats.recv_bytes,
                           zero_copy_bytes=ex.stats.zero_copy_bytes,
                           checksummed_messages=ex.stats.checksummed_messages,
-                          source_bound_early=bound_early, phases=phases, background=background)
+                          source_bound_early=bound_early, objects_sent=obj_stats.sent,
+                          object_bytes=obj_stats.sent_bytes + obj_stats.recv_bytes,
+                          phases=phases, background=background)
     return SwitchResult(new_objs, dst, dst_placement, groups, scalars, report)
