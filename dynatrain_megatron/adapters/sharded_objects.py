@@ -40,12 +40,14 @@ class ObjectCarryError(DynatrainError, ValueError):
 class ObjectSlot:
     """One `ShardedObject` of a rank's model chunk: `unique_key` (megatron-core's
     `ShardedObject.unique_key`), the `local_key` the chunk's state dict holds it under
-    (where `load_state_dict` puts it), and whether this rank holds its main replica."""
+    (where `load_state_dict` puts it), whether this rank holds its main replica, and
+    whether it held a value (not None) when read."""
 
     unique_key: str
     chunk: int
     local_key: str
     main: bool
+    holds_state: bool = True
 
     def __post_init__(self) -> None:
         if "/shard_" not in self.unique_key or not self.local_key or self.chunk < 0:
@@ -70,7 +72,8 @@ def object_slots(chunk_index: int, sd: Mapping[str, Any]) -> list[ObjectSlot]:
     `load_state_dict` is that dict, keyed by state-dict keys."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
 
-    return sorted(ObjectSlot(v.unique_key, chunk_index, k, bool(is_main_replica(v.replica_id)))
+    return sorted(ObjectSlot(v.unique_key, chunk_index, k, bool(is_main_replica(v.replica_id)),
+                             v.data is not None)
                   for k, v in sd.items() if isinstance(v, ShardedObject))
 
 

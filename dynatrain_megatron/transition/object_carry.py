@@ -4,11 +4,14 @@ A `ShardedObject` cannot be resharded (`adapters.sharded_objects`): a save at A 
 main replica's value under its unique key, and a load at B gives each rank asking for a
 unique key that value, or fails when the checkpoint does not hold the key. A switch does
 the same, in two halves:
-  - in the preparation (background, while A trains): every rank's unique keys at A (which
-    it holds as the main replica) and at B are gathered on B's transfer group, and the
-    object plan (`object_plan`: for each B rank and key, the A rank that sends it) is made,
-    the same on every rank. A key of B that A does not hold is the load's failure: the
-    preparation fails, and the switch is refused at its first vote, before anything moved;
+  - in the preparation (background, while A trains): every rank's unique keys at A (with
+    which it holds as the main replica) and at B are gathered, and the object plan
+    (`object_plan`: for each B rank and key, the A rank that sends it) is made, the same on
+    every rank: with the records of a plan made from the live metadata, or, for a plan
+    from the analytic layout, on B's transfer group where some rank's objects hold state
+    (`plan_objects`: one 4-byte agreement otherwise). A key of B that A does not hold is
+    the load's failure: the preparation fails, and the switch is refused at its first
+    vote, before anything moved;
   - in the pause, after A's last step (the values change with training): each source
     reads and serialises its objects once (`LiveState.read_objects`), sends every
     destination its objects in one message, after one of their sizes (batched
@@ -137,7 +140,7 @@ def gather_object_plan(src_slots: Optional[Sequence[ObjectSlot]],
     me = dist.get_rank()
     # A's other replicas only matter when a main one may be dead
     mine: Any = error if error is not None else (
-        [(s.unique_key, s.main) for s in src_slots or () if s.main or unavailable],
+        me, [(s.unique_key, s.main) for s in src_slots or () if s.main or unavailable],
         sorted({s.unique_key for s in dst_slots or ()}))
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
@@ -145,38 +148,60 @@ def gather_object_plan(src_slots: Optional[Sequence[ObjectSlot]],
     if failed:  # each failed rank reports its own reason at the vote
         raise ObjectPlanFailed("gathering the sharded objects' keys failed: "
                                + "; ".join(failed[:4]), reported_here=error is not None)
-    ranks = dist.get_process_group_ranks(group) if group is not None else \
-        list(range(len(everyone)))
-    src = [(k, dev, main) for dev, (a, _) in zip(ranks, everyone) for k, main in a]
-    dst = [(k, dev) for dev, (_, b) in zip(ranks, everyone) for k in b]
+    src = [(k, dev, main) for dev, a, _ in everyone for k, main in a]
+    dst = [(k, dev) for dev, _, b in everyone for k in b]
     try:
         plan = object_plan(src, dst, unavailable)
     except ObjectCarryError as e:  # the same on every rank: the group's first reports it
-        raise ObjectPlanFailed(str(e), reported_here=me == min(ranks)) from e
+        raise ObjectPlanFailed(str(e), reported_here=me == min(d for d, _, _ in everyone)) from e
     log.debug("rank %d: %d sharded object route(s) (%d B of keys gathered)", me,
               len(plan.routes), len(pickle.dumps(mine)))
     return plan
 
 
+def plan_once(src: Sequence[tuple[str, int, bool]], dst: Sequence[tuple[str, int]],
+              unavailable: Sequence[int], reporter: bool, switch: str) -> Optional[ObjectPlan]:
+    """`object_plan` of records every rank holds alike: where it cannot be made, the
+    `reporter` rank raises and the others return None (the reporter's vote refuses the
+    switch, and its reason reads as one line, not one per rank)."""
+    try:
+        return object_plan(src, dst, unavailable)
+    except ObjectCarryError as e:
+        if reporter:
+            raise
+        log.info("rank %d: the switch %s will be refused: %s", dist.get_rank(), switch, e)
+        return None
+
+
+# the flag of `plan_objects`: no rank's objects hold state / some do / a preparation failed
+_NONE, _SOME, _FAILED = 0, 1, 2
+
+
 def plan_objects(holds_a: bool, bound: Optional[LiveState], model: Optional[Sequence[Any]],
                  dst_live: Optional[LiveState], group: Any, unavailable: Sequence[int],
-                 gathered: list, switch: str) -> Optional[ObjectPlan]:
-    """A switch's preparation of the objects (collective over the world): this rank's keys
-    at A (`holds_a`: from A's binding `bound`, else read from A's `model` chunks) and at B
-    (`dst_live`), gathered into the plan. `gathered[1]` is set once this rank joined the
-    gather (a failed preparation joins it later otherwise). Where the plan cannot be
-    made, the rank that reports why raises and the others return None (the vote refuses)."""
+                 joined: list, switch: str, device: torch.device) -> Optional[ObjectPlan]:
+    """The objects' plan of a switch planned from the analytic layout (collective over
+    `group`, the world): one 4-byte all-reduce says whether any rank's objects at B (or
+    at A, where bound: `bound`) hold state (a value, not None). Only then are the keys
+    gathered (`gather_object_plan`; A's from `bound`, else read from A's `model` chunks
+    where this rank `holds_a`), so that a job without such objects pays no collective
+    that grows with the world. Objects whose value is None everywhere stay as built (a
+    load would hand them None). `joined[0]` is set once this rank joined the flag (a
+    failed preparation joins it with `join_failed` otherwise)."""
+    slots = list(dst_live.objects if dst_live is not None else ()) + list(
+        bound.objects if bound is not None else ())
+    joined[0] = True
+    if _agree_flag(_SOME if any(s.holds_state for s in slots) else _NONE, group,
+                   device) != _SOME:
+        return None
     me = dist.get_rank()
-    held = None
     try:
-        if holds_a:
-            held = bound.objects if bound is not None else (
-                slots_of_model(model) if model is not None else None)
+        held = (bound.objects if bound is not None else slots_of_model(model or ())
+                ) if holds_a else None
     except Exception as e:  # noqa: BLE001 - joins the gather failed
-        gathered[1] = True
         gather_object_plan(None, None, group, error=f"rank {me}: reading A's sharded "
                                                     f"objects: {type(e).__name__}: {e}")
-    gathered[1] = True
+        raise
     try:
         return gather_object_plan(held, dst_live.objects if dst_live is not None else None,
                                   group, unavailable)
@@ -185,6 +210,18 @@ def plan_objects(holds_a: bool, bound: Optional[LiveState], model: Optional[Sequ
             raise
         log.info("rank %d: the switch %s will be refused: %s", me, switch, e)
         return None
+
+
+def join_failed(group: Any, device: torch.device) -> None:
+    """A rank whose preparation failed before `plan_objects` joins its flag (the others
+    then gather nothing: this rank's vote refuses the switch)."""
+    _agree_flag(_FAILED, group, device)
+
+
+def _agree_flag(mine: int, group: Any, device: torch.device) -> int:
+    flag = torch.tensor([mine], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item())
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,4 +309,5 @@ def carry_objects(plan: Optional[ObjectPlan], me: int, src_live: Optional[LiveSt
 
 
 __all__ = ["ObjectCarryStats", "ObjectPlan", "ObjectPlanFailed", "ObjectRoute", "carry_objects",
-           "gather_object_plan", "object_plan", "plan_objects", "slots_of_model"]
+           "gather_object_plan", "join_failed", "object_plan", "plan_objects", "plan_once",
+           "slots_of_model"]

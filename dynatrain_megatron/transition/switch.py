@@ -48,7 +48,7 @@ from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from ..vps.naming import DTYPE_BYTES
 from .metadata_exchange import gather_metadata, plan_from_metadata, plans_from_metadata
-from .object_carry import ObjectCarryStats, carry_objects, gather_object_plan, plan_objects
+from .object_carry import ObjectCarryStats, carry_objects, join_failed, plan_objects, plan_once
 from .vocab_padding import carry_vocab_padding, padding_plan
 from .executor import PACK_ALIGN, Executor
 from .faults import FaultPlan
@@ -79,10 +79,11 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
     over the world (B's transfer group): every rank binds what it holds at A (`src_objs`,
     or `src_state` already bound) and at B, and all gather it before planning.
 
-    Always collective over the world (B's transfer group) for the sharded objects' keys at
-    A and B (`object_carry`): A's are read from `src_state`, A's binding, `src_objs` or
-    `src_model` (A's model chunks, given for that alone). A key of B that A lacks fails the
-    preparation, as it fails dist_checkpointing's load."""
+    The sharded objects' plan (`object_carry`) comes with a metadata plan's records, or,
+    planned from the analytic layout, from a collective over the world (B's transfer
+    group) of its own; A's keys are then read from `src_state`, A's binding, `src_objs`
+    or `src_model` (A's model chunks, given for that alone). A key of B that A lacks
+    fails the preparation, as it fails dist_checkpointing's load."""
     t = time.perf_counter
     me = dist.get_rank()
     dst_placement = groups.placement
@@ -92,9 +93,10 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
                     background=background)
     vr_b = dst_placement.virtual_rank(me)
     metadata = plans_from_metadata(builder)
-    # the metadata plan's gather and the objects' gather: every rank joins each, even after
-    # a failure, in that order
-    gathered = [False, False]
+    # a metadata plan's gather, or an analytic plan's agreement on the objects: every rank
+    # joins it, even after a failure
+    gathered = [False]
+    flagged = [False]
     try:
         t0 = t()
         prep.objs = builder.build_detached(dst, groups) if vr_b is not None else None
@@ -118,11 +120,6 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
                                                 builder.bucket_size(dst)),
                                    unavailable=unavailable)
         prep.rounds = schedule(prep.plan, options.memory_budget, align=PACK_ALIGN)
-        prep.object_plan = plan_objects(
-            prep.src_placement.virtual_rank(me) is not None and me not in prep.unavailable,
-            src_state if src_state is not None else prep.src_live,
-            src_objs.model if src_objs is not None else src_model, prep.live,
-            groups.transfer, prep.unavailable, gathered, f"{src} -> {dst}")
         prep.phases["plan"] = t() - t0
         t0 = t()
         mine = prep.plan.pieces_for(me)
@@ -145,6 +142,15 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
         if src_objs is not None and not unavailable:
             _bind_source(prep, spec, builder, src_objs, verify, prep.src_live, metadata)
         prep.phases["bind_src"] = t() - t0
+        t0 = t()
+        if not metadata:  # a metadata plan's objects came with its records
+            prep.object_plan = plan_objects(
+                prep.src_placement.virtual_rank(me) is not None and me not in unavailable,
+                src_state if src_state is not None else prep.src_live,
+                src_objs.model if src_objs is not None else src_model, prep.live,
+                groups.transfer, unavailable, flagged, f"{src} -> {dst}",
+                collective_device(groups.transfer))
+        prep.phases["plan"] += t() - t0
         (faults or _NO_FAULTS).fail(me, "prepare", dst=str(dst))
         (faults or _NO_FAULTS).delay_preparation(me, str(dst))
     except Exception as e:  # noqa: BLE001 - every rank learns it at the switch's first vote
@@ -156,10 +162,10 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
                 gather_metadata(None, None, kinds, groups.transfer, error=prep.error)
             except Exception:  # noqa: BLE001 - it raises every rank's errors, ours included
                 pass
-        if not gathered[1]:  # and in the objects' gather
+        if not metadata and not flagged[0]:  # and in the objects' agreement
             try:
-                gather_object_plan(None, None, groups.transfer, error=prep.error)
-            except Exception:  # noqa: BLE001 - as above
+                join_failed(groups.transfer, collective_device(groups.transfer))
+            except Exception:  # noqa: BLE001 - its vote reports the failure that matters
                 pass
     return prep
 
@@ -207,6 +213,8 @@ def _plan_from_metadata(prep: Prepared, spec: ModelSpec, src_objs: Any,
         src_devices=prep.src_placement.devices, dst_devices=prep.dst_placement.devices,
         kinds=prep.kinds, itemsize={k: size if k == "param" else 4 for k in KINDS},
         ranks_per_node=options.ranks_per_node, unavailable=prep.unavailable)
+    prep.object_plan = plan_once(meta.src_objects, meta.dst_objects, prep.unavailable, me == 0,
+                                 f"{prep.src} -> {prep.dst}")
     prep.phases["metadata_exchange"] = meta.seconds
     log.info("rank %d: switch %s -> %s planned from the live metadata (%d + %d records, "
              "%d B sent, exchanged in %.3f s)", me, prep.src, prep.dst, len(meta.src),
