@@ -151,8 +151,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "--use-precision-aware-optimizer, --optimizer-cpu-offload", "hardware",
             "need Transformer Engine, which needs CUDA (unverified). TE's layers are in "
             "megatron-core's sharded metadata (TEGroupedMLP's weight<i> per expert, TE's "
-            "fused MLA projections) and would be planned from it, but their _extra_state "
-            "(FP8 scaling state, an object) is not carried. The precision-aware optimizer is "
+            "fused MLA projections) and would be planned from it. Their _extra_state (FP8 "
+            "scaling state, an object) is carried as dist_checkpointing loads it, as checked "
+            "with a CPU module's extra state. The precision-aware optimizer is "
             "TE's FusedAdam (megatron-core hands it the moments' dtypes, which torch's Adam "
             "does not take). CPU offload requires it (Megatron-LM's arguments), and the "
             "switch does not read their reduced-precision moments or host copies",
@@ -180,9 +181,10 @@ REFUSALS: tuple[Refusal, ...] = (
             "been checked with", _flags("decrease_batch_size_if_needed")),
     Refusal("--fp8-format, --fp4-format, --cuda-graph-impl, --use-sharp", "hardware",
             "needs Hopper/Blackwell kernels, CUDA graphs or a SHARP fabric. B would be built by "
-            "Megatron-LM, but TE's FP8 scaling state (_extra_state, a sharded object that "
-            "dist_checkpointing loads) is not carried by the switch yet, and no switch "
-            "has run there. SHARP is turned on through the environment while megatron-core "
+            "Megatron-LM. TE's FP8 scaling state (_extra_state, a sharded object) is carried "
+            "as dist_checkpointing loads it: A's main replica to every rank holding it at B. "
+            "A CPU module's extra state checks that; FP8 itself never switched (unverified). "
+            "SHARP is turned on through the environment while megatron-core "
             "makes its own data-parallel groups, which B's, made later, would not get",
             _hardware),
     Refusal("--perform-rl-step", "not_yet",
