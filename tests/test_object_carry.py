@@ -176,3 +176,52 @@ def test_a_source_that_cannot_read_still_posts_and_both_sides_report():
     out, _ = _carry(plan, sides)  # no hang: the failed source sent "no value" sizes
     assert "reading the sharded objects: RuntimeError: injected" in out[0][1][0]
     assert "no value arrived for" in out[1][1][0] and sides[1][1].written is None
+
+
+class _Bound:
+    """A rank's binding as the preparation reads it: its object slots."""
+
+    def __init__(self, slots) -> None:
+        self.objects = list(slots)
+
+
+def _plans_on_two_ranks(case: str):
+    """`plan_objects` on two gloo ranks (rank cases run in spawned processes)."""
+    import torch.distributed as dist
+
+    from dynatrain_megatron.transition.object_carry import join_failed, plan_objects
+
+    me = dist.get_rank()
+    stateful = case != "stateless"
+    a = [ObjectSlot(L0, 0, "layers.0.norm._extra_state", me == 0, stateful),
+         ObjectSlot(L1, 0, "layers.1.norm._extra_state", me == 0, stateful)]
+    b = [ObjectSlot(L1 if me == 0 else L0, 0, "layers.0.norm._extra_state", True, stateful)]
+    if case == "mismatch" and me == 1:  # B's object sharded differently (3 layers, not 2)
+        b = [ObjectSlot(L0.replace("_2", "_3"), 0, "layers.0.norm._extra_state", True, True)]
+    joined = [False]
+    try:
+        if case == "failed" and me == 1:  # its preparation failed before the objects
+            join_failed(None, torch.device("cpu"))
+            return "joined failed"
+        plan = plan_objects(True, _Bound(a), None, _Bound(b), None, (), joined, "A -> B",
+                            torch.device("cpu"))
+    except ObjectCarryError as e:
+        return f"raised: {e}"
+    return None if plan is None else [str(r) for r in plan.routes]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", ["stateless", "stateful", "mismatch", "failed"])
+def test_an_analytic_plan_gathers_keys_only_where_objects_hold_state(case):
+    from dynatrain_megatron.testing.multiproc import run_on_ranks
+
+    got = run_on_ranks(_plans_on_two_ranks, 2, case, timeout=120)
+    if case == "stateless":  # None everywhere: stays as built, nothing gathered
+        assert got == [None, None]
+    elif case == "stateful":  # rank 0 holds both main replicas
+        assert got == [[f"{L1}: 0->0", f"{L0}: 0->1"]] * 2
+    elif case == "mismatch":  # one line, from rank 0 only; rank 1 waits for the vote
+        assert got[0].startswith("raised: 1 sharded object(s) of B are not held at A")
+        assert "shard_0_3" in got[0] and got[1] is None
+    else:  # rank 1 failed: rank 0 gathers nothing, and rank 1's vote refuses the switch
+        assert got == [None, "joined failed"]

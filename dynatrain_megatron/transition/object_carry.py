@@ -302,6 +302,10 @@ def carry_objects(plan: Optional[ObjectPlan], me: int, src_live: Optional[LiveSt
             sent_bytes=sum(int(s.clamp(min=0).sum()) for s, _ in out.values()),
             recv_bytes=sum(sum(c) for c in counts.values()), read_s=read_s,
             exchange_s=exchange_s, set_s=t() - t0)
+        log.debug("rank %d: sharded objects: %d sent, %d received (%d B, %d B), read %.4f s, "
+                  "exchanged %.4f s, set %.4f s", me, stats.sent, stats.received,
+                  stats.sent_bytes, stats.recv_bytes, stats.read_s, stats.exchange_s,
+                  stats.set_s)
         return stats, []
     except Exception as e:  # noqa: BLE001 - reported at the commit vote
         return ObjectCarryStats(), errors + [f"rank {me}: carrying the sharded objects: "
