@@ -4,7 +4,7 @@ A `ShardedObject` cannot be resharded (`adapters.sharded_objects`): a save at A 
 main replica's value under its unique key, and a load at B gives each rank asking for a
 unique key that value, or fails when the checkpoint does not hold the key. A switch does
 the same, in two halves:
-  - in the preparation (background, while A trains): every rank's unique keys at A (with
+  - in the preparation (background, while A trains): every rank's unique keys at A (and
     which it holds as the main replica) and at B are gathered, and the object plan
     (`object_plan`: for each B rank and key, the A rank that sends it) is made, the same on
     every rank: with the records of a plan made from the live metadata, or, for a plan
