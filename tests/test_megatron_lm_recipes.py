@@ -11,8 +11,10 @@ One group of two jobs on 4 gloo ranks per recipe, each checking several things:
   Qwen2's); the optimizer side `--lr-decay-style WSD` (decay
   within the run) and `--lr-warmup-init`; a TP *and* PP change, tp2pp1dp2 -> tp1pp2ppf1dp2:
   three layers with `--account-for-embedding-in-pipeline-split` (at pp2 the first stage
-  holds one layer and the embedding), built from a user's `--spec` module (its input norms
-  keep an extra state that changes every step: a ShardedObject, carried), the distributed
+  holds one layer and the embedding), built from a user's `--spec` module (its norms keep
+  an extra state that changes every step: ShardedObjects, carried; the pre-MLP norm's per
+  data-parallel replica, so that a switch to tp1pp1dp4 scheduled after iteration 1 is
+  refused, as dist_checkpointing's load would fail there), the distributed
   optimizer's buffers in `--ddp-num-buckets 2` padded buckets
   (`--ddp-pad-buckets-for-high-nccl-busbw`, `--overlap-grad-reduce`): planned from the live
   metadata.
