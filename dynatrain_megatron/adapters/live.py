@@ -282,7 +282,11 @@ class LiveState:
         tensors (parameters, optimizer states) that `view` reads. After a rank died the
         survivors free the megatron objects, which hold the broken communicators, and
         still serve their state as the sources of the recovery."""
-        self._object_bytes = self.read_objects({s.unique_key for s in self.objects})
+        try:  # the objects' values now (they have no storage to keep a view of)
+            self._object_bytes = self.read_objects({s.unique_key for s in self.objects})
+        except Exception as e:  # noqa: BLE001 - a switch from here reports what it lacks
+            log.warning("rank %d: reading the sharded objects before detaching failed: %s",
+                        self.rank, e)
         self.chunks = []
         self.optimizer = None
         # plain tensors on the same storage: a Parameter carries DDP's gradient hooks,
