@@ -279,9 +279,10 @@ class LiveState:
 
     def detach_from_objects(self) -> "LiveState":
         """Drop the references to the model chunks and the optimizer, keeping only the
-        tensors (parameters, optimizer states) that `view` reads. After a rank died the
-        survivors free the megatron objects, which hold the broken communicators, and
-        still serve their state as the sources of the recovery."""
+        tensors (parameters, optimizer states) that `view` reads and the sharded objects'
+        values, serialised now (`read_objects`). After a rank died the survivors free the
+        megatron objects, which hold the broken communicators, and still serve their state
+        as the sources of the recovery."""
         try:  # the objects' values now (they have no storage to keep a view of)
             self._object_bytes = self.read_objects({s.unique_key for s in self.objects})
         except Exception as e:  # noqa: BLE001 - a switch from here reports what it lacks
