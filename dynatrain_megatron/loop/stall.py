@@ -227,8 +227,8 @@ class StallMeter:
 _PHASE_PARTS = {"placement": "placement", "groups": "groups", "build": "build",
                 "bind": "bind", "verify": "bind", "bind_src": "bind", "plan": "plan",
                 "views": "plan", "vote": "votes", "transfer": "transfer", "objects": "objects",
-                "sync": "scalars", "rebuild": "rebuild", "scalars": "scalars", "release_a": "release_a",
-                "rebind": "rebind"}
+                "sync": "scalars", "rebuild": "rebuild", "scalars": "scalars",
+                "release_a": "release_a", "rebind": "rebind"}
 
 
 def stall_parts(*timings: dict) -> dict[str, float]:
