@@ -14,7 +14,9 @@ its restart resumes the switched run's own save at K (made before the switch lan
 
 * dense tp2pp2 -> tp1pp2dp2 in fp32, its layers placed by a `--pipeline-model-parallel-layout`
   (`Ettt|tL`: three layers on the first stage, one on the last; B keeps the string, which
-  fixes PP, and the request names no split: the job's own is completed into it);
+  fixes PP, and the request names no split: the job's own is completed into it), ranks
+  numbered tp-pp-dp (`--use-tp-pp-dp-mapping`) and B placed in that order, as the restart
+  numbers its ranks (`--dynatrain-default-placement`: global ranks 1 and 2 swap places);
 * a PP change of a job with a layout string, tp2pp2 -> tp1pp4 (`Ettt|tL` -> `Et|t|t|tL`):
   the request names B's split (`tp1pp4split1-1-1-1`), which a string written for B makes
   (the restart is given that string on its command line);
@@ -47,10 +49,11 @@ pytestmark = pytest.mark.multirank
 K, N = 3, 6
 VPP = dict(num_virtual_stages_per_pipeline_rank=2)
 SPLIT = ["--pipeline-model-parallel-layout", "Ettt|tL"]
+TP_PP_DP = ["--use-tp-pp-dp-mapping"]
 ACCOUNT_FOR = ["--num-layers", "6", "--account-for-embedding-in-pipeline-split",
                "--account-for-loss-in-pipeline-split", "--use-tp-pp-dp-mapping"]
 CASES = {  # name: (flags at A, flags at B, A, B as logged, B as requested)
-    "dense-fp32": (layout_flags(2, 2) + SPLIT, layout_flags(1, 2) + SPLIT,
+    "dense-fp32": (layout_flags(2, 2) + SPLIT + TP_PP_DP, layout_flags(1, 2) + SPLIT + TP_PP_DP,
                    "tp2pp2split3-1dp1", "tp1pp2split3-1dp2", "tp1pp2dp2"),
     "layout-pp4": (layout_flags(2, 2) + SPLIT,
                    layout_flags(1, 4) + ["--pipeline-model-parallel-layout", "Et|t|t|tL"],
@@ -73,7 +76,8 @@ def runs(request, tmp_path_factory):
     # the other cases resume the switched run's own --save at K (two jobs, not three)
     dense = request.param == "dense-fp32"
     out = switch_and_restart(tmp_path_factory.mktemp(f"megatron-lm-{request.param}"), common,
-                             a, b, requested, K, plain=dense, own_save=not dense)
+                             a, b, requested, K, plain=dense, own_save=not dense,
+                             switched_flags=["--dynatrain-default-placement"] if dense else [])
     return dict(out, A=lay_a, B=lay_b)
 
 
@@ -96,6 +100,10 @@ def test_the_pipeline_split_and_rank_order_are_megatron_lms(runs):
     args = dict(re.findall(r"^\s+(\w+) \.+ (.*)$", runs["switched"], re.M))
     if "vpp" not in runs["A"]:
         assert args["pipeline_model_parallel_layout"] == "Ettt|tL"
+        if runs["B"] == "tp1pp2split3-1dp2":  # B's groups in the restart's tp-pp-dp order
+            assert args["use_tp_pp_dp_mapping"] == "True"
+            assert re.search(r"switched \S+ -> \S+ \(placement \[0, 2, 1, 3\]\)",
+                             runs["switched"])
         return
     assert (args["use_tp_pp_dp_mapping"], args["account_for_embedding_in_pipeline_split"],
             args["account_for_loss_in_pipeline_split"]) == ("True", "True", "True")
