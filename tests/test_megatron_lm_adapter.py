@@ -246,6 +246,8 @@ def test_tp_pp_dp_rank_order_groups_are_wrapped_as_a_placement(monkeypatch, text
 
 def test_supported_job_has_no_objection():
     assert mlm.unsupported_args(megatron_args()) == []
+    # hierarchical CP sizes of 1 (CP 1) split nothing: Megatron-LM trains it on the CPU
+    assert mlm.unsupported_args(megatron_args(hierarchical_context_parallel_sizes=[1])) == []
     assert mlm.unsupported_args(megatron_args(transformer_impl="transformer_engine")) == []
 
 

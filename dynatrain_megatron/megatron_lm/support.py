@@ -106,6 +106,13 @@ def plans_from_metadata(args: Any) -> list[str]:
     return out
 
 
+def _context_parallel_variants(a: Any) -> list[str]:
+    # hierarchical sizes of 1 split nothing (CP 1: megatron-core's groups of one rank)
+    sizes = _v(a, "hierarchical_context_parallel_sizes") or []
+    out = ["--hierarchical-context-parallel-sizes"] if any(n > 1 for n in sizes) else []
+    return out + _flags("hybrid_context_parallel")(a)
+
+
 def _hardware(a: Any) -> list[str]:
     out = [f for f, n in (("--fp8-format", "fp8"), ("--fp4-format", "fp4")) if _set(_v(a, n))]
     impl = _v(a, "cuda_graph_impl", "none")
@@ -160,7 +167,7 @@ REFUSALS: tuple[Refusal, ...] = (
             "(packed_seq_params), which the local attention refuses, and its data wrapper "
             "fails Megatron-LM's own step on the CPU ('data iterator is not wrapped with "
             "RerunDataIterator')",
-            _flags("hierarchical_context_parallel_sizes", "hybrid_context_parallel")),
+            _context_parallel_variants),
     Refusal("--decrease-batch-size-if-needed", "not_yet",
             "B's micro-batch calculator is made with the batch-size ramp at its position "
             "(--rampup-batch-size switches) but without this rounding, which no switch has "
