@@ -161,8 +161,8 @@ REFUSALS: tuple[Refusal, ...] = (
             _layer_pattern),
     Refusal("--hierarchical-context-parallel-sizes, --hybrid-context-parallel", "hardware",
             "need Transformer Engine's attention, which needs CUDA (unverified). Megatron-LM's "
-            "own CPU job fails with either (checked on core_v0.19.0): hierarchical CP needs "
-            "CP > 1, and the local DotProductAttention asserts 'Context parallelism is only "
+            "own CPU job fails with either (checked on core_v0.19.0): hierarchical sizes above 1 "
+            "need CP > 1, and the local DotProductAttention asserts 'Context parallelism is only "
             "supported by TEDotProductAttention'. Hybrid CP trains packed sub-sequences "
             "(packed_seq_params), which the local attention refuses, and its data wrapper "
             "fails Megatron-LM's own step on the CPU ('data iterator is not wrapped with "
