@@ -19,8 +19,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-_SPLIT = re.compile(r"split[0-9-]*", re.ASCII)
-
 from .errors import LayoutError
 from .model_spec import ModelSpec
 
@@ -29,6 +27,7 @@ _TOKEN = re.compile(r"(vpp|etp|ppf|ppl|doi|tp|pp|cp|ep|dp)([0-9]+)|(split)([0-9]
 MAX_LAYOUT_CHARS = 64  # a layout string names at most 8 axes of a few digits each
 # ... and a `split` at most one number per model chunk
 MAX_SPLIT_CHARS = 4096
+_SPLIT = re.compile(r"split[0-9-]*", re.ASCII)
 MAX_AXIS_DIGITS = 7  # up to 9,999,999 per axis
 _AXES = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp", "doi")
 # every axis a layout string may name, in the order `str(layout)` prints them

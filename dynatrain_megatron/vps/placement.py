@@ -98,10 +98,9 @@ def _mixed_radix(order: str, digits: dict[str, tuple[int, int]]) -> int:
     return rank
 
 
-def megatron_rank_order(layout, order: str = DEFAULT_ORDER, offset: int = 0) -> "Placement":
+def megatron_rank_order(layout, order: str = DEFAULT_ORDER) -> "Placement":
     """The placement megatron-core gives `layout` when it numbers ranks in `order`
-    (`RANK_ORDERS`): `devices[v]` is the global rank (from `offset`) that holds virtual
-    rank v. The default order is the identity; `--use-tp-pp-dp-mapping`'s puts the pipeline
+    (`RANK_ORDERS`): `devices[v]` is the global rank that holds virtual rank v. The default order is the identity; `--use-tp-pp-dp-mapping`'s puts the pipeline
     axis inside the data-parallel one, on the dense and the expert grid alike, which agree
     only where their data-parallel sizes do (megatron-core asserts the same)."""
     if order not in RANK_ORDERS:
@@ -119,5 +118,5 @@ def megatron_rank_order(layout, order: str = DEFAULT_ORDER, offset: int = 0) -> 
                 f"layout {L} in rank order {order}: virtual rank {v} is device {dense} on the "
                 f"dense grid but {expert} on the expert grid; with the pipeline axis before "
                 f"the data-parallel one, dp ({L.dp}) must equal the expert dp ({L.edp})")
-        devices.append(offset + dense)
+        devices.append(dense)
     return Placement(tuple(devices))
