@@ -45,7 +45,7 @@ from ..vps.errors import LayoutError
 from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
-from ..vps.placement import Placement
+from ..vps.placement import DEFAULT_ORDER, Placement, megatron_rank_order
 from ..vps.naming import DTYPE_BYTES
 from .metadata_exchange import gather_metadata, plan_from_metadata, plans_from_metadata
 from .object_carry import ObjectCarryStats, carry_objects, join_failed, plan_objects, plan_once
@@ -386,12 +386,14 @@ def choose_dst_placement(spec: ModelSpec, builder: Builder, src: Layout, src_pla
                          dst: Layout, devices: Sequence[int], policy: str = "best",
                          ranks_per_node: int = 8, move_weights: bool = False,
                          kinds: Optional[tuple[str, ...]] = None) -> Placement:
-    """B's placement for a switch: megatron's default order (`policy="default"`), or the
-    planner's best placement, whatever its order of global ranks (B's groups number their
-    members by virtual rank: `elastic.groups`). Pure and deterministic: every rank gets
-    the same answer alone. `kinds` (default: from `move_weights`): what the switch moves."""
+    """B's placement for a switch: megatron's order (`policy="default"`: the builder's
+    `rank_order`, the one a restart at B numbers its ranks in), or the planner's best
+    placement, whatever its order of global ranks (B's groups number their members by
+    virtual rank: `elastic.groups`). Pure and deterministic: every rank gets the same
+    answer alone. `kinds` (default: from `move_weights`): what the switch moves."""
     if policy == "default":
-        return Placement(tuple(devices))
+        order = megatron_rank_order(dst, getattr(builder, "rank_order", DEFAULT_ORDER))
+        return Placement(tuple(devices[d] for d in order.devices))
     if kinds is None:
         kinds = KINDS if move_weights else OPT_KINDS
     choice = placement_choice(spec, src, src_placement, dst, devices, ranks_per_node,

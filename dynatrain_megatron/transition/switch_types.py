@@ -34,7 +34,9 @@ class SwitchError(DynatrainError, ValueError):
 class Builder(Protocol):
     """Makes a layout's training objects (model chunks, DDP, optimizer, scheduler). It
     may say, as `plan_from = "metadata"`, that the analytic layout does not describe its
-    models: switches are then planned from the live metadata (`metadata_exchange`)."""
+    models: switches are then planned from the live metadata (`metadata_exchange`); and,
+    as `rank_order` (`vps.placement.RANK_ORDERS`), the order megatron-core numbers its
+    ranks in: B's placement under the "default" policy."""
 
     spec: ModelSpec
 
