@@ -405,6 +405,7 @@ class ElasticJob:
             raise ApiError(f"layout {dst} has {dst.world_size} ranks, the world "
                            f"{world}: the API switches within the world (grow or shrink it "
                            f"with the signal file)")
+        dst = self.builder.complete_layout(dst)  # the pipeline split the job's flags make
         validate_layout(self.builder.spec, dst,
                         **validator_options(self.builder.train, dst))
         return dst

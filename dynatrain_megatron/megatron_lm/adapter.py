@@ -70,11 +70,9 @@ from typing import Any, Callable, Iterable, Optional
 
 from ..vps.errors import DynatrainError
 from ..vps.layout import GROUP_AXES, Layout
-from ..vps.model_spec import ModelSpec
-from ..mcore.train_config import TrainConfig
 from .arguments import (arg_value, args_for_layout, params_dtype_of, performance_differences,
-                        unsupported_args)
-from .description import describe_job
+                        rank_order_of, unsupported_args)
+from .description import check_live_state, describe_job
 from .data_ahead import DataAhead, retire_in_background
 from .step_guard import StepGuard
 from .support import plans_from_metadata, unlike_analytic
@@ -148,9 +146,9 @@ def check_switchable(args: Any) -> None:
                              + "; ".join(problems))
 
 
-def wrap_megatron_groups(layout: Layout):
+def wrap_megatron_groups(layout: Layout, order: Optional[str] = None):
     """Megatron-LM's `parallel_state` groups as our `ParallelGroups`, after checking that
-    every group has exactly the ranks `layout` gives it with the default placement (so the
+    every group has the ranks `layout` gives it on its rank `order`'s placement (so the
     planner's idea of who holds what is Megatron-LM's). Creates no group.
 
     With several distributed-optimizer instances (`layout.doi` > 1) that includes the
@@ -162,7 +160,7 @@ def wrap_megatron_groups(layout: Layout):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from ..elastic.groups import ParallelGroups, optimizer_instance_groups
-    from ..vps.placement import Placement
+    from ..vps.placement import DEFAULT_ORDER, megatron_rank_order
 
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     rank = dist.get_rank()
@@ -176,9 +174,10 @@ def wrap_megatron_groups(layout: Layout):
         expected_groups["intra_expt_dp"] = expected_groups["expt_dp"]
     mine: dict[str, list[int]] = {}
     wrong = []
+    me = (placement := megatron_rank_order(layout, order or DEFAULT_ORDER)).virtual_rank(rank)
     for name, groups in expected_groups.items():
         group = getattr(pgc, name, None)
-        expected = sorted(next(g for g in groups if rank in g))
+        expected = sorted(placement.devices[v] for v in next(g for g in groups if me in g))
         if group is None:
             if len(expected) > 1:
                 wrong.append(f"{name}: Megatron-LM has none, {layout} needs {expected}")
@@ -189,12 +188,13 @@ def wrap_megatron_groups(layout: Layout):
         mine[name] = expected
     if wrong:
         raise DynatrainError(f"rank {rank}: Megatron-LM's process groups are not those of "
-                             f"{layout} in the default rank order: " + "; ".join(wrong[:4]))
+                             f"{layout} in rank order {order or DEFAULT_ORDER}: "
+                             + "; ".join(wrong[:4]))
     for name in ("embd", "pos_embd"):
         g = getattr(pgc, name, None)
         if g is not None:
             mine[name] = sorted(dist.get_process_group_ranks(g))
-    return ParallelGroups(layout=layout, placement=Placement.default(layout.world_size),
+    return ParallelGroups(layout=layout, placement=placement,
                           rank=rank, pg_collection=pgc, group_ranks=mine,
                           created=megatron_first_groups(), layout_group=dist.group.WORLD)
 
@@ -217,27 +217,6 @@ def megatron_first_groups() -> list:
             seen.add(id(value))
             out.append(value)
     return out
-
-
-def check_live_state(spec: ModelSpec, train: TrainConfig, objs, metadata: bool = False,
-                     unlike: tuple[str, ...] = ()) -> None:
-    """The switch's own pre-flight check, run once up front: the live model/optimizer state
-    must be exactly what the analytic layout says, or we refuse before training goes on
-    (`metadata`: planned from the live metadata; the tensors both describe must agree, but
-    those under the key prefixes `unlike`)."""
-    from ..adapters.live import LiveState
-    from ..adapters.verify import check_live_matches_analytic, check_live_matches_analytic_where_both
-    from ..vps.analytic import analytic_layout
-    from ..vps.fragment import KINDS, OPT_KINDS
-    from ..mcore.builders import bucket_size_of
-
-    vr = objs.groups.virtual_rank
-    live = LiveState(objs.model, objs.optimizer, vr, spec.vocab_size)
-    expected = analytic_layout(spec, objs.layout, bucket_size_of(train, objs.layout))
-    kinds = KINDS if metadata else OPT_KINDS
-    sides = (live.fragments(kinds), expected.fragments(vr, kinds), vr)
-    (check_live_matches_analytic_where_both(*sides, unlike) if metadata
-     else check_live_matches_analytic(*sides))
 
 
 def _prepare_config(args: Any, model: list, optimizer: Any, config: Any, old_config: Any) -> None:
@@ -308,7 +287,8 @@ class MegatronLMSession:
             log.warning("dynatrain: %s", note)
         self.args = args
         self.spec, self.train, layout = describe_job(args, dist.get_world_size())
-        objs = TrainingObjects(layout=layout, groups=wrap_megatron_groups(layout), config=config,
+        groups = wrap_megatron_groups(layout, rank_order_of(args))  # A's, in its rank order
+        objs = TrainingObjects(layout=layout, groups=groups, config=config,
                                model=model, optimizer=optimizer, scheduler=opt_param_scheduler)
         metadata = plans_from_metadata(args)  # what the analytic layout does not describe
         if metadata:
@@ -329,6 +309,7 @@ class MegatronLMSession:
                                       data_ahead=self.data_ahead,
                                       plan_from="metadata" if metadata else "analytic",
                                       unlike_analytic=unlike_analytic(args)))
+        self.hook.controller.complete = self.hook.builder.complete_layout  # its split
         from .metrics import attach
 
         attach(self.hook)  # its TensorBoard/W&B writers and iteration timer (metrics.py)
@@ -594,7 +575,7 @@ def reset_session() -> None:
 
 
 __all__: Iterable[str] = (
-    "LoopObjects", "MegatronLMSession", "begin_session", "check_live_state", "check_switchable", "current_session",
+    "LoopObjects", "MegatronLMSession", "begin_session", "check_switchable", "current_session",
     "dynatrain_step", "finish_training", "left_out", "register_dataset_provider", "reset_session",
     "wrap_megatron_groups",
 )

@@ -1,6 +1,7 @@
 """What a switch needs to know about a running Megatron-LM job, read from its validated
 `args` and its tokenizer: the model (`ModelSpec`), the training schedule (`TrainConfig`)
-and the layout. The step-boundary hook (`adapter.MegatronLMSession`) and the public API
+and the layout; and the check of the job's live state against that description, before
+any switch. The step-boundary hook (`adapter.MegatronLMSession`) and the public API
 (`job.elastic_job`) use the same answer."""
 from __future__ import annotations
 
@@ -53,4 +54,27 @@ def describe_job(args: Any, world_size: int) -> tuple[ModelSpec, TrainConfig, La
     return spec, train, layout_from_megatron_args(args, spec, world_size)
 
 
-__all__ = ("describe_job",)
+def check_live_state(spec: ModelSpec, train: TrainConfig, objs, metadata: bool = False,
+                     unlike: tuple[str, ...] = ()) -> None:
+    """The switch's own pre-flight check, run once up front: the live model/optimizer state
+    must be exactly what the analytic layout says, or we refuse before training goes on
+    (`metadata`: planned from the live metadata; the tensors both describe must agree, but
+    those under the key prefixes `unlike`)."""
+    from ..adapters.live import LiveState
+    from ..adapters.verify import check_live_matches_analytic, check_live_matches_analytic_where_both
+    from ..vps.analytic import analytic_layout
+    from ..vps.fragment import KINDS, OPT_KINDS
+    from ..mcore.builders import bucket_size_of
+
+    vr = objs.groups.virtual_rank
+    live = LiveState(objs.model, objs.optimizer, vr, spec.vocab_size)
+    expected = analytic_layout(spec, objs.layout, bucket_size_of(train, objs.layout))
+    kinds = KINDS if metadata else OPT_KINDS
+    sides = (live.fragments(kinds), expected.fragments(vr, kinds), vr)
+    if metadata:
+        check_live_matches_analytic_where_both(*sides, unlike)
+    else:
+        check_live_matches_analytic(*sides)
+
+
+__all__ = ("check_live_state", "describe_job")
