@@ -1,6 +1,8 @@
 """Functions that run inside spawned gloo ranks (imported by name in the children)."""
 from __future__ import annotations
 
+import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -241,11 +243,18 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
         before = full(tr)
         # 0: every piece travels on its own, straight from/into live storage where contiguous
         executor.SMALL_PIECE_BYTES = opts.get("small_piece_bytes", small_default)
+        dropped_on: list = []  # the thread where the transfer group's handle was destroyed
+        if kw:
+            weakref.finalize(kw["new_groups"].transfer,
+                             lambda: dropped_on.append(threading.current_thread().name))
         tr, res = switch_trainer(tr, builder, la, pa, lb, placement=opts.get("placement", "best"),
                                  ranks_per_node=opts.get("ranks_per_node", 4),
                                  memory_budget=opts.get("memory_budget"),
                                  move_weights=opts.get("move_weights", False), **kw)
         after = full(tr)
+        for th in threading.enumerate():
+            if th.name == "dynatrain-drop":
+                th.join(30)
         bound_in_background = None
         if kw:
             # B was bound while megatron's globals still described A: the same fragments
@@ -266,6 +275,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
                    steps_while_preparing=steps_while_preparing,
                    bound_in_background=bound_in_background, background=r.background,
                    source_bound_early=_gathered(r.source_bound_early),
+                   transfer_dropped_on=_gathered(dropped_on),
                    placement_devices=tr.objs.groups.placement.devices)
         if opts.get("back"):
             tr, res2 = switch_trainer(tr, builder, tr.objs.layout, tr.objs.groups.placement, la,

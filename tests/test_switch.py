@@ -122,6 +122,10 @@ def _check(rec, opts):
         # (then the stale binding must not be used: the state check above catches that)
         expect = not opts.get("realloc_after_prepare")
         assert rec["source_bound_early"] == [expect] * len(rec["source_bound_early"])
+        # the transfer group's handle was destroyed off the training thread, out of the
+        # pause (its gloo destructor joins threads and closes connections)
+        assert rec["transfer_dropped_on"] == [["dynatrain-drop"]] * len(
+            rec["transfer_dropped_on"]), rec["transfer_dropped_on"]
     else:
         assert rec["iteration"] == 2 and rec["background"] == {}
     if opts.get("plan_from") == "metadata":  # the plan came from the gathered metadata

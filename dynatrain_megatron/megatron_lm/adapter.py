@@ -387,8 +387,11 @@ class MegatronLMSession:
         o = t.objs
         if o is not before:
             # A's iterators: their workers stop in a thread, not in B's first step
+            t0 = time.perf_counter()
             retire_in_background(loop.train_data_iterator, loop.valid_data_iterator,
                                  self.test_data_iterator)
+            if self.hook.stall.switch_meter is not None:  # A's release, in the stall
+                self.hook.stall.switch_meter.add("release_a", time.perf_counter() - t0)
             self.rebind_loop(t, old_config)
             self.guard.at_boundary(t.iteration, o)
         if ending:  # train() exits with Megatron-LM's iterators: they go with its frames

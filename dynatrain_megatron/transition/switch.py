@@ -54,7 +54,7 @@ from .faults import FaultPlan
 from .switch_types import (Builder, LayoutGroups, Prepared, Scalars, SwitchOptions,
                            SwitchReport, SwitchResult)
 from .transport import (TorchP2PTransport, Transport, abort_group, collective_device,
-                        control_group)
+                        control_group, drop_in_background)
 
 log = logging.getLogger("dynatrain")
 
@@ -299,12 +299,16 @@ def _release_transfer(groups: Optional[LayoutGroups], abort: bool) -> None:
     B's transfer communicator is only for this switch. `abort`: the transfer failed, so
     its NCCL communicator may hold operations that will never complete; every member
     aborts it (not only the one that timed out) before it is destroyed. Then destroyed
-    by all its members together (NCCL synchronises a destroy across a node)."""
+    by all its members together (NCCL synchronises a destroy across a node). Its handle's
+    destructor (gloo: joining its threads, closing its connections) then runs in a thread,
+    out of the pause: the caller holds no other reference to the group by now."""
     if groups is None or groups.transfer is None:
         return
     if abort:
         abort_group(groups.transfer)
+    last = [groups.transfer]
     groups.release_transfer()
+    drop_in_background(last)
 
 
 def _aborted(src: Layout, dst: Layout, dst_placement: Placement, groups: Optional[LayoutGroups],
@@ -520,6 +524,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     except Exception as e:  # noqa: BLE001
         errors.append(f"rank {me}: commit: {type(e).__name__}: {e}")
     phases["transfer"] = t() - t5
+    exec_stats = ex.stats
+    del ex, transport, xfer_group  # the transfer group's last holder is `_release_transfer`
     # -- commit vote: every rank of the world agrees that everything arrived and checked
     t6 = t()
     errors = _agree(errors, deadline)
@@ -550,9 +556,9 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     report = SwitchReport(src=str(src), dst=str(dst), placement=str(dst_placement),
                           bytes_moved=stats.moved_bytes, lower_bound_bytes=stats.lower_bound_bytes,
                           local_bytes=stats.local_bytes, rounds=len(rounds),
-                          peak_staging_bytes=ex.stats.peak_staging_bytes,
-                          sent_bytes=ex.stats.sent_bytes, recv_bytes=ex.stats.recv_bytes,
-                          zero_copy_bytes=ex.stats.zero_copy_bytes,
-                          checksummed_messages=ex.stats.checksummed_messages,
+                          peak_staging_bytes=exec_stats.peak_staging_bytes,
+                          sent_bytes=exec_stats.sent_bytes, recv_bytes=exec_stats.recv_bytes,
+                          zero_copy_bytes=exec_stats.zero_copy_bytes,
+                          checksummed_messages=exec_stats.checksummed_messages,
                           source_bound_early=bound_early, phases=phases, background=background)
     return SwitchResult(new_objs, dst, dst_placement, groups, scalars, report)
