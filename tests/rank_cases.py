@@ -275,7 +275,10 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
                    steps_while_preparing=steps_while_preparing,
                    bound_in_background=bound_in_background, background=r.background,
                    source_bound_early=_gathered(r.source_bound_early),
-                   transfer_dropped_on=_gathered(dropped_on),
+                   transfer_dropped_on=_gathered(dropped_on), kinds=list(r.kinds),
+                   params_dtype=s.params_dtype, masters_apart=_gathered(len(LiveState(
+                       tr.objs.model, tr.objs.optimizer, tr.objs.groups.virtual_rank,
+                       s.vocab_size).masters_apart_from_weights())),
                    placement_devices=tr.objs.groups.placement.devices)
         if opts.get("back"):
             tr, res2 = switch_trainer(tr, builder, tr.objs.layout, tr.objs.groups.placement, la,

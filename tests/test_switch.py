@@ -46,7 +46,8 @@ DENSE_4 = [
 ]
 MOE_4 = [
     ("tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4", {"back": True}),  # EP 2->4
-    ("tp2pp1ep2etp1dp2", "tp2pp1ep2etp2dp2", {"ckpt": True, "steps_after": 5}),  # ETP 1->2
+    ("tp2pp1ep2etp1dp2", "tp2pp1ep2etp2dp2", {"ckpt": True, "steps_after": 5,
+                                              "move_weights": True}),  # ETP 1->2
     ("tp2pp1ep2etp1dp2", "tp1pp2ep2etp1dp2", {"small_piece_bytes": 0, "back": True}),
     ("tp1pp2ep2etp1dp2", "tp2pp1ep2etp2dp2", {"ckpt": True, "steps_after": 3, "background": True}),
     ("tp2pp1ep2etp1dp2", "tp1pp2ep2etp1dp2", {"back": True, "plan_from": "metadata"}),
@@ -128,6 +129,15 @@ def _check(rec, opts):
             rec["transfer_dropped_on"]), rec["transfer_dropped_on"]
     else:
         assert rec["iteration"] == 2 and rec["background"] == {}
+    if opts.get("move_weights"):
+        # fp32 weights hold their masters (megatron's main shard is a view of the weight):
+        # they travel once, as weights, and every kind is still bit-identical (above)
+        masters = ["main_param"] if rec["params_dtype"] != "fp32" else []
+        assert rec["kinds"] == ["param", *masters, "exp_avg", "exp_avg_sq"], rec["kinds"]
+    # the check behind it: on B's live state, every master box is its weight's storage
+    # (fp32) or none is (bf16 weights, separate fp32 masters)
+    apart = rec["masters_apart"]
+    assert all(n == 0 for n in apart) if rec["params_dtype"] == "fp32" else all(apart), apart
     if opts.get("plan_from") == "metadata":  # the plan came from the gathered metadata
         assert "metadata_exchange" in {**rec["phases"], **rec["background"]}, rec["phases"]
     if opts.get("small_piece_bytes") == 0 and rec["moved"]:

@@ -51,8 +51,8 @@ from .metadata_exchange import gather_metadata, plan_from_metadata, plans_from_m
 from .vocab_padding import carry_vocab_padding, padding_plan
 from .executor import PACK_ALIGN, Executor
 from .faults import FaultPlan
-from .switch_types import (Builder, LayoutGroups, Prepared, Scalars, SwitchOptions,
-                           SwitchReport, SwitchResult)
+from .switch_types import (Builder, LayoutGroups, Prepared, Scalars, SwitchError,
+                           SwitchOptions, SwitchReport, SwitchResult)
 from .transport import (TorchP2PTransport, Transport, abort_group, collective_device,
                         control_group, drop_in_background)
 
@@ -97,6 +97,12 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
         t0 = t()
         if verify and prep.live is not None:
             _check_analytic(prep.live, spec, builder, dst, vr_b, kinds, metadata)
+        if "param" in kinds and "main_param" not in kinds and not options.weights_only \
+                and prep.live is not None:  # the masters travel as the weights' own storage
+            apart = prep.live.masters_apart_from_weights()
+            if apart:
+                raise SwitchError(f"B's fp32 masters are not views of its weights ({len(apart)} "
+                                  f"boxes, e.g. {apart[:3]}): they must move themselves")
         prep.phases["verify"] = t() - t0
         t0 = t()
         if metadata:
@@ -560,5 +566,6 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                           sent_bytes=exec_stats.sent_bytes, recv_bytes=exec_stats.recv_bytes,
                           zero_copy_bytes=exec_stats.zero_copy_bytes,
                           checksummed_messages=exec_stats.checksummed_messages,
-                          source_bound_early=bound_early, phases=phases, background=background)
+                          source_bound_early=bound_early, kinds=kinds, phases=phases,
+                          background=background)
     return SwitchResult(new_objs, dst, dst_placement, groups, scalars, report)
