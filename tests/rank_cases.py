@@ -247,10 +247,16 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
         if kw:
             weakref.finalize(kw["new_groups"].transfer,
                              lambda: dropped_on.append(threading.current_thread().name))
-        tr, res = switch_trainer(tr, builder, la, pa, lb, placement=opts.get("placement", "best"),
-                                 ranks_per_node=opts.get("ranks_per_node", 4),
-                                 memory_budget=opts.get("memory_budget"),
-                                 move_weights=opts.get("move_weights", False), **kw)
+        broadcasts, bcast = [], dist.broadcast_object_list  # objects sent in the switch
+        dist.broadcast_object_list = lambda *a, **k: (broadcasts.append(a), bcast(*a, **k))[1]
+        try:
+            tr, res = switch_trainer(tr, builder, la, pa, lb,
+                                     placement=opts.get("placement", "best"),
+                                     ranks_per_node=opts.get("ranks_per_node", 4),
+                                     memory_budget=opts.get("memory_budget"),
+                                     move_weights=opts.get("move_weights", False), **kw)
+        finally:
+            dist.broadcast_object_list = bcast
         after = full(tr)
         for th in threading.enumerate():
             if th.name == "dynatrain-drop":
@@ -276,7 +282,7 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
                    bound_in_background=bound_in_background, background=r.background,
                    source_bound_early=_gathered(r.source_bound_early),
                    transfer_dropped_on=_gathered(dropped_on), kinds=list(r.kinds),
-                   params_dtype=s.params_dtype, masters_apart=_gathered(len(LiveState(
+                   params_dtype=s.params_dtype, broadcasts=len(broadcasts), masters_apart=_gathered(len(LiveState(
                        tr.objs.model, tr.objs.optimizer, tr.objs.groups.virtual_rank,
                        s.vocab_size).masters_apart_from_weights())),
                    placement_devices=tr.objs.groups.placement.devices)

@@ -129,6 +129,8 @@ def _check(rec, opts):
             rec["transfer_dropped_on"]), rec["transfer_dropped_on"]
     else:
         assert rec["iteration"] == 2 and rec["background"] == {}
+    # every rank of B held the scalars at A: nothing pickled and broadcast for them
+    assert rec["broadcasts"] == 0, rec["broadcasts"]
     if opts.get("move_weights"):
         # fp32 weights hold their masters (megatron's main shard is a view of the weight):
         # they travel once, as weights, and every kind is still bit-identical (above)

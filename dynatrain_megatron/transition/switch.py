@@ -542,11 +542,14 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                         background)
 
     t6 = t()
-    # scalars: every rank of A holds them; the first (living) device of A tells everyone
-    box = [scalars]
-    dist.broadcast_object_list(box, src=next(d for d in src_placement.devices
-                                             if d not in set(unavailable)))
-    scalars = box[0]
+    # scalars: every (living) rank of A holds them, the same on each (iteration, sample
+    # counts, optimizer step and scheduler advance in lockstep); where some rank of B held
+    # nothing at A (a joiner, one back from standby), the first device of A tells everyone
+    holders = [d for d in src_placement.devices if d not in set(unavailable)]
+    if not set(dst_placement.devices) <= set(holders):
+        box = [scalars]
+        dist.broadcast_object_list(box, src=holders[0])
+        scalars = box[0]
     _release_transfer(groups, abort=False)
     phases["sync"] = t() - t6
     t6 = t()
