@@ -227,14 +227,30 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
         la, pa = tr.objs.layout, tr.objs.groups.placement
         lb = Layout.parse(b, world)
         kw, steps_while_preparing = {}, 0
+        p2p_groups: list = []  # the groups the preparation thread exchanged on, point to point
         if opts.get("background"):
-            # as the hook does it: B prepared in a thread while A trains on
-            pw = prepare_while_training(
-                tr, builder, la, pa, lb, placement=opts.get("placement", "best"),
-                ranks_per_node=opts.get("ranks_per_node", 4),
-                memory_budget=opts.get("memory_budget"),
-                move_weights=opts.get("move_weights", False))
+            batch = dist.batch_isend_irecv
+
+            def recorded(ops):
+                if threading.current_thread().name == "dynatrain-prepare":
+                    p2p_groups.extend(op.group for op in ops)
+                return batch(ops)
+            dist.batch_isend_irecv = recorded
+            try:  # as the hook does it: B prepared in a thread while A trains on
+                pw = prepare_while_training(
+                    tr, builder, la, pa, lb, placement=opts.get("placement", "best"),
+                    ranks_per_node=opts.get("ranks_per_node", 4),
+                    memory_budget=opts.get("memory_budget"),
+                    move_weights=opts.get("move_weights", False))
+            finally:
+                dist.batch_isend_irecv = batch
             kw, steps_while_preparing = pw.switch_args, len(pw.step_seconds)
+            b_pp = kw["new_groups"].pg_collection.pp
+            p2p_groups = dict(  # B's pipeline group warmed up; nothing of A's or the world's
+                b_pp=sum(g is b_pp for g in p2p_groups),
+                other_b=sum(g is not b_pp and any(g is x for x in kw["new_groups"].created)
+                            for g in p2p_groups),
+                not_b=sum(not any(g is x for x in kw["new_groups"].created) for g in p2p_groups))
         if opts.get("realloc_after_prepare"):
             # A's storage changes after it was bound in the background: one Adam moment
             # reallocated (and changed), so the background binding views stale memory
@@ -282,7 +298,8 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
                    bound_in_background=bound_in_background, background=r.background,
                    source_bound_early=_gathered(r.source_bound_early),
                    transfer_dropped_on=_gathered(dropped_on), kinds=list(r.kinds),
-                   params_dtype=s.params_dtype, broadcasts=len(broadcasts), masters_apart=_gathered(len(LiveState(
+                   params_dtype=s.params_dtype, broadcasts=len(broadcasts),
+                   prepare_p2p=_gathered(p2p_groups), pp_b=lb.pp, masters_apart=_gathered(len(LiveState(
                        tr.objs.model, tr.objs.optimizer, tr.objs.groups.virtual_rank,
                        s.vocab_size).masters_apart_from_weights())),
                    placement_devices=tr.objs.groups.placement.devices)

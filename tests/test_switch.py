@@ -123,6 +123,11 @@ def _check(rec, opts):
         # (then the stale binding must not be used: the state check above catches that)
         expect = not opts.get("realloc_after_prepare")
         assert rec["source_bound_early"] == [expect] * len(rec["source_bound_early"])
+        # gloo: the preparation thread exchanged with each neighbouring stage on B's
+        # pipeline group (B's first P2P, out of the pause), and on no group but B's
+        neighbours = len({1, rec["pp_b"] - 1}) if rec["pp_b"] > 1 else 0
+        assert all(r["b_pp"] == 2 * neighbours and r["not_b"] == 0
+                   for r in rec["prepare_p2p"]), rec["prepare_p2p"]
         # the transfer group's handle was destroyed off the training thread, out of the
         # pause (its gloo destructor joins threads and closes connections)
         assert rec["transfer_dropped_on"] == [["dynatrain-drop"]] * len(

@@ -33,7 +33,8 @@ from ..vps.layout import Layout
 from ..vps.placement import Placement
 from ..transition.faults import end_preparation_delays
 from ..transition.transport import collective_device
-from .communicators import control_group, device_context, rank_device, warm_up_groups
+from .communicators import (control_group, device_context, rank_device, warm_up_groups,
+                             warm_up_pipeline)
 from .groups import ParallelGroups, build_groups
 
 log = logging.getLogger("dynatrain")
@@ -195,6 +196,7 @@ class DeviceManager:
         # every rank is here at the same point (after the ready vote): B's communicators
         # are created now, before the pause, in the same order everywhere (NCCL only)
         warm_up_groups(res)
+        warm_up_pipeline(res, in_background=False)  # NCCL: its pairs connect here
         return res
 
     def take_prepared(self) -> Any:

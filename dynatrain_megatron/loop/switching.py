@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
+from ..elastic.communicators import warm_up_pipeline
 from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import ParallelGroups, build_groups, install
 from ..transition.faults import FaultPlan, start_preparation_delays
@@ -229,8 +230,10 @@ def start_preparation(manager: DeviceManager, builder: MegatronBuilder, src: Lay
         options = SwitchOptions(ranks_per_node=ranks_per_node, memory_budget=memory_budget,
                                 move_weights=move_weights,
                                 masters_are_weights=masters_are_weights(builder.spec))
-        return prepare_switch(builder.spec, builder, src, src_placement, dst, groups, options,
-                              background=True, faults=faults, src_objs=src_objs)
+        prepared = prepare_switch(builder.spec, builder, src, src_placement, dst, groups,
+                                  options, background=True, faults=faults, src_objs=src_objs)
+        warm_up_pipeline(groups, in_background=True)  # gloo: B's first P2P, out of the pause
+        return prepared
 
     start_preparation_delays()
     manager.prepare(dst, dst_placement if dst_placement is not None else choose, background=True,
