@@ -45,7 +45,8 @@ from .routing.cost import estimate, state_bytes
 from .routing.planner import build_plan
 from .routing.schedule import build_schedule
 from .transition.executor import PACK_ALIGN
-from .transition.switch import choose_dst_placement, read_scalars
+from .transition.scalars import read_scalars
+from .transition.switch import choose_dst_placement
 from .transition.switch_types import SwitchOptions
 from .vps.layout import Layout
 from .vps.validate import validate_layout
@@ -405,6 +406,7 @@ class ElasticJob:
             raise ApiError(f"layout {dst} has {dst.world_size} ranks, the world "
                            f"{world}: the API switches within the world (grow or shrink it "
                            f"with the signal file)")
+        dst = self.builder.complete_layout(dst)  # the pipeline split the job's flags make
         validate_layout(self.builder.spec, dst,
                         **validator_options(self.builder.train, dst))
         return dst

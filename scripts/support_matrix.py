@@ -41,7 +41,9 @@ AXIS_MEANING = {
     "ep": "expert parallel (MoE)",
     "etp": "expert tensor parallel (MoE; default: = tp)",
     "ppf": "layers of the first pipeline stage (uneven pipeline)",
-    "ppl": "layers of the last pipeline stage (uneven pipeline)",
+    "ppl": "layers of the last pipeline stage (uneven pipeline); `split1-2-2-1` instead "
+           "names every model chunk's layers (vp-major), as Megatron-LM's "
+           "`--pipeline-model-parallel-layout` or account-for flags with virtual stages do",
     "doi": "distributed-optimizer instances (optimizer state replicated doi times)",
     "dp": "data parallel (derived from the world size when omitted)",
 }

@@ -401,7 +401,7 @@ def scale_cases(model: str, big: str, small: str, steps_after: int = 3,
     from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.elastic.groups import install
-    from dynatrain_megatron.transition.switch import read_scalars, write_scalars
+    from dynatrain_megatron.transition.scalars import read_scalars, write_scalars
     from dynatrain_megatron.transition.transport import TorchP2PTransport
     from dynatrain_megatron.transition.vocab_padding import carry_vocab_padding, padding_plan
     from dynatrain_megatron.vps.analytic import analytic_layout

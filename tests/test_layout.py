@@ -36,6 +36,10 @@ def test_megatron_rank_grid():
     ("tp1pp1vpp2", 4, "vpp2 needs pp > 1"),
     ("tp2pp2ep2", 4, "expert grid etp\\*ep\\*pp = 2\\*2\\*2 = 8 does not divide world size 4"),
     ("tp1doi3", 4, "doi3 distributed-optimizer instances must divide .*dp\\*cp = 4"),
+    ("tp1pp2split1-2-3", 4, "split \\(1, 2, 3\\) names 3 model chunks, pp2 vpp1 has 2"),
+    ("tp1pp2ppf1split1-2", 4, "no ppf/ppl beside it"),
+    ("tp1pp2split1-2split1-2", 4, "split given twice"),
+    ("tp1pp2split1-" + "9" * 8, 4, "a split's layer count is too large"),
 ])
 def test_malformed_or_impossible_layouts(text, world, match):
     with pytest.raises(LayoutError, match=match):
@@ -85,12 +89,26 @@ def test_memory_fit_refuses_a_layout_that_does_not_fit():
     ("tp1pp4", 8, [[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]),
     ("tp1pp2vpp2", 8, [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]),
     ("tp1pp4ppf1ppl3", 10, [[[0]], [[1, 2, 3]], [[4, 5, 6]], [[7, 8, 9]]]),
+    # a split Megatron-LM's flags fix: chunks in vp-major order, empty ones included
+    ("tp1pp2vpp2split1-2-2-1", 6, [[[0], [3, 4]], [[1, 2], [5]]]),
+    ("tp1pp2vpp2split0-3-2-0", 5, [[[], [3, 4]], [[0, 1, 2], []]]),
     ("tp1pp3vpp2ppf2ppl2", 12, [[[0], [6]], [[1, 2, 3, 4], [7, 8, 9, 10]], [[5], [11]]]),
 ])
 def test_pipeline_layer_assignment(text, layers, expect):
     L = Layout.parse(text)
     got = [[list(L.stage_layers(layers, p, v)) for v in range(L.vpp)] for p in range(L.pp)]
     assert got == expect
+
+
+def test_a_split_prints_parses_and_must_hold_the_model():
+    L = Layout.parse("tp2pp2vpp2split1-2-2-1", 8)
+    assert str(L) == "tp2pp2vpp2split1-2-2-1dp2" and Layout.parse(str(L)) == L
+    assert L.stage_num_layers(6) == [3, 3] and L != Layout.parse("tp2pp2vpp2", 8)
+    # the split may exceed the 64 characters of the axes (one count per chunk)
+    long = Layout.parse("tp1pp8vpp8split" + "-".join(["10"] * 64))
+    assert long.stage_num_layers(640) == [80] * 8 and len(str(long)) > 64
+    with pytest.raises(LayoutError, match="split 1-2-2-1 holds 6 layers, the model has 4"):
+        L.check_model(ModelSpec(**TINY))
 
 
 def test_uneven_pipeline_that_does_not_split():

@@ -156,9 +156,10 @@ class _Group:
         self.ranks = sorted(ranks)
 
 
-def _megatron_core_groups(monkeypatch, lay: Layout, rank: int) -> None:
-    """megatron-core's own `initialize_model_parallel` (as Megatron-LM calls it, default
-    rank order) on `rank` of an emulated world of `lay.world_size` processes."""
+def _megatron_core_groups(monkeypatch, lay: Layout, rank: int,
+                          order: str = "tp-cp-ep-dp-pp") -> None:
+    """megatron-core's own `initialize_model_parallel` (as Megatron-LM calls it, in rank
+    `order`) on `rank` of an emulated world of `lay.world_size` processes."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -171,7 +172,7 @@ def _megatron_core_groups(monkeypatch, lay: Layout, rank: int) -> None:
     ps.initialize_model_parallel(
         lay.tp, lay.pp, None, context_parallel_size=lay.cp, expert_model_parallel_size=lay.ep,
         expert_tensor_parallel_size=lay.etp, num_distributed_optimizer_instances=lay.doi,
-        create_gloo_process_groups=False)
+        create_gloo_process_groups=False, order=order)
 
 
 @pytest.mark.parametrize("text,world", [("tp1pp1doi2dp4", 4), ("tp1pp2cp2doi2dp2", 8),
@@ -209,8 +210,44 @@ def test_megatron_core_groups_are_wrapped_rank_for_rank(monkeypatch, text, world
         ps.destroy_model_parallel()
 
 
+@pytest.mark.parametrize("text,world", [("tp1pp2dp2", 4), ("tp2pp2dp2", 8),
+                                        ("tp2pp2ep2etp1dp2", 8), ("tp1pp2vpp2dp4", 8)])
+def test_tp_pp_dp_rank_order_groups_are_wrapped_as_a_placement(monkeypatch, text, world):
+    """--use-tp-pp-dp-mapping: megatron-core's groups in its tp-pp-dp order are A's layout
+    on the placement `megatron_rank_order` gives (every group, every rank); read in the
+    default order they are refused, naming the groups that differ."""
+    import types
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from dynatrain_megatron.vps.placement import TP_PP_DP_ORDER, megatron_rank_order
+
+    lay = Layout.parse(text, world)
+    placement = megatron_rank_order(lay, TP_PP_DP_ORDER)
+    assert not placement.is_default  # pp and dp > 1: the orders differ
+    monkeypatch.setattr(dist, "group", types.SimpleNamespace(WORLD=object()))
+    try:
+        for rank in range(world):
+            _megatron_core_groups(monkeypatch, lay, rank, TP_PP_DP_ORDER)
+            groups = mlm.wrap_megatron_groups(lay, TP_PP_DP_ORDER)
+            assert groups.placement == placement
+            # this rank's place in megatron-core's groups is its virtual rank's coordinates
+            c = lay.coords(placement.virtual_rank(rank))
+            place = [dist.get_process_group_ranks(g).index(rank) for g in (
+                ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group(),
+                ps.get_tensor_model_parallel_group())]
+            assert place == [c.pp, c.dp, c.tp]
+            with pytest.raises(DynatrainError, match="in rank order tp-cp-ep-dp-pp"):
+                mlm.wrap_megatron_groups(lay)
+    finally:
+        ps.destroy_model_parallel()
+
+
 def test_supported_job_has_no_objection():
     assert mlm.unsupported_args(megatron_args()) == []
+    # hierarchical CP sizes of 1 (CP 1) split nothing: Megatron-LM trains it on the CPU
+    assert mlm.unsupported_args(megatron_args(hierarchical_context_parallel_sizes=[1])) == []
     assert mlm.unsupported_args(megatron_args(transformer_impl="transformer_engine")) == []
 
 
@@ -252,7 +289,9 @@ def test_options_carried_by_megatron_lm_building_b_are_accepted():
      "--moe-grouped-gemm with --transformer-impl transformer_engine"),
     (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
     (dict(optimizer="sgd"), "--optimizer sgd"),
-    (dict(use_tp_pp_dp_mapping=True), "--use-tp-pp-dp-mapping"),
+    (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
+    (dict(hierarchical_context_parallel_sizes=[2, 2], context_parallel_size=4),
+     "--hierarchical-context-parallel-sizes"),
     (dict(multi_latent_attention=True, transformer_impl="transformer_engine"),
      "--multi-latent-attention with --transformer-impl transformer_engine"),
     (dict(mtp_num_layers=1, untie_embeddings_and_output_weights=False), "--mtp-num-layers"),
@@ -594,12 +633,125 @@ def test_account_for_flags_that_leave_a_stage_empty_are_refused():
         mla.layout_from_megatron_args(a, mla.spec_from_megatron_args(a), 4)
 
 
-def test_account_for_flags_with_virtual_stages_stay_refused():
-    a = megatron_args(account_for_loss_in_pipeline_split=True, num_layers=7,
-                      num_virtual_stages_per_pipeline_rank=2)
-    why = mlm.unsupported_args(a)
-    assert len(why) == 1 and why[0].startswith(
-        "--account-for-loss-in-pipeline-split with virtual pipeline stages: "), why
+def _megatron_core_split(args, pp: int, vpp: int) -> tuple[int, ...]:
+    """megatron-core's own layer count of every chunk ((vp stage, pp rank), vp-major) for
+    Megatron-LM's `args` at pp x vpp, and its offsets checked to run on without a gap."""
+    import copy
+
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    kw = dict(num_layers=args.num_layers, hidden_size=64, num_attention_heads=8,
+              pipeline_model_parallel_size=pp, pipeline_dtype=None,
+              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+              account_for_embedding_in_pipeline_split=getattr(
+                  args, "account_for_embedding_in_pipeline_split", False),
+              account_for_loss_in_pipeline_split=getattr(
+                  args, "account_for_loss_in_pipeline_split", False),
+              pipeline_model_parallel_layout=copy.copy(
+                  getattr(args, "pipeline_model_parallel_layout", None)))
+    import torch
+
+    kw["pipeline_dtype"] = torch.float32
+    config = TransformerConfig(**kw)
+    from megatron.core import parallel_state as ps
+
+    out, start = [], 0
+    for v in range(vpp):
+        for p in range(pp):
+            # megatron-core 0.16.1 reads the pipeline rank of a layout from its globals
+            ps.get_pipeline_model_parallel_rank = lambda p=p: p
+            n = get_num_layers_to_build(config, vp_stage=v if vpp > 1 else None, pp_rank=p)
+            if n:
+                assert get_transformer_layer_offset(config, vp_stage=v if vpp > 1 else None,
+                                                    pp_rank=p) == start
+            out.append(n)
+            start += n
+    return tuple(out)
+
+
+@pytest.mark.parametrize("flags,num_layers,pp,vpp", [
+    (dict(account_for_embedding_in_pipeline_split=True), 7, 2, 2),  # 1 2 | 2 2
+    (dict(account_for_loss_in_pipeline_split=True), 7, 2, 2),
+    (dict(account_for_embedding_in_pipeline_split=True,
+          account_for_loss_in_pipeline_split=True), 6, 2, 2),  # 1 2 | 2 1
+    (dict(account_for_embedding_in_pipeline_split=True,
+          account_for_loss_in_pipeline_split=True), 10, 2, 3),
+    (dict(pipeline_model_parallel_layout="Et|tt|t|tL"), 5, 2, 2),
+    (dict(pipeline_model_parallel_layout="E|ttt|tt|L"), 5, 2, 2),  # chunks without layers
+    (dict(pipeline_model_parallel_layout="Ettt|tL"), 4, 2, 1),
+])
+def test_a_split_megatron_lm_fixes_is_the_layouts_split(monkeypatch, flags, num_layers, pp, vpp):
+    """With virtual stages the account-for flags, and a layout string, fix every chunk's
+    layers: the Layout's `split`, as megatron-core itself counts and offsets them; B's args
+    keep the job's own flags, and a split they do not make is written as a layout string
+    that megatron-core reads back to the same split."""
+    from megatron.core import parallel_state as ps
+
+    from dynatrain_megatron.megatron_lm.pipeline_split import PipelineRule
+
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: pp)
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_rank", lambda: 0)  # restored after
+    monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_world_size",
+                        lambda: vpp if vpp > 1 else None)
+    a = megatron_args(num_layers=num_layers, tensor_model_parallel_size=1,
+                      pipeline_model_parallel_size=pp,
+                      virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, **flags)
+    assert mlm.unsupported_args(a) == [] and plans_from_metadata(a) == []
+    spec = mla.spec_from_megatron_args(a)
+    lay = mla.layout_from_megatron_args(a, spec, pp * 2)
+    assert lay.split == _megatron_core_split(a, pp, vpp) and (lay.ppf, lay.ppl) == (0, 0)
+    assert Layout.parse(str(lay)) == lay
+    b = mla.args_for_layout(lay, spec, like=a)
+    for k, v in flags.items():
+        assert b[k] == v
+    assert b["virtual_pipeline_model_parallel_size"] == (vpp if vpp > 1 else None)
+    assert b["num_layers_per_virtual_pipeline_stage"] is None
+    # a request for the same PP x VPP gets the job's split; its own split is kept
+    rule = PipelineRule.from_args(a)
+    assert rule.complete(Layout(tp=2, pp=pp, vpp=vpp, dp=1), num_layers).split == lay.split
+    other = tuple(reversed(lay.split))
+    if other != lay.split:
+        mine = Layout(pp=pp, vpp=vpp, dp=2, split=other)
+        assert rule.complete(mine, num_layers) == mine
+        b = mla.args_for_layout(mine, spec, like=a)
+        assert not b["account_for_embedding_in_pipeline_split"]
+        assert _megatron_core_split(argparse.Namespace(**b, num_layers=num_layers), pp,
+                                    vpp) == other
+
+
+def test_a_layout_string_job_refuses_another_pp_at_the_request():
+    """A layout string fixes PP x VPP: a request for another is rejected by the controller
+    (training goes on), naming the string and how to name B's split; with B's split named
+    it is accepted, and an account-for job's request gets the split its flags make."""
+    from dynatrain_megatron.elastic.controller import Controller
+    from dynatrain_megatron.megatron_lm.builder import MegatronLMBuilder
+    from dynatrain_megatron.megatron_lm.transformer_config import JobIntents
+
+    def controller(a):
+        spec = mla.spec_from_megatron_args(a)
+        b = MegatronLMBuilder(spec, mla.train_config_from_megatron_args(a), args=a,
+                              intents=JobIntents.from_args(a), model_provider=lambda: None)
+        return Controller(spec, None, complete=b.complete_layout)
+
+    a = megatron_args(num_layers=5, tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                      virtual_pipeline_model_parallel_size=2,
+                      pipeline_model_parallel_layout="Et|tt|t|tL")
+    ctl = controller(a)
+    assert ctl.validate("tp2pp2vpp2", 4).split == (1, 2, 1, 1)
+    with pytest.raises(DynatrainError, match="has 4 stages, pp1 vpp1 has 1: a switch to "
+                                             "another PP x VPP needs B's split named"):
+        ctl.validate("tp1pp1", 4)
+    assert ctl.validate("tp1pp4split1-1-2-1", 4).split == (1, 1, 2, 1)
+    emb = controller(megatron_args(num_layers=7, tensor_model_parallel_size=1,
+                                   pipeline_model_parallel_size=2,
+                                   virtual_pipeline_model_parallel_size=2,
+                                   account_for_embedding_in_pipeline_split=True))
+    assert emb.validate("tp2pp2vpp2", 4).split == (1, 2, 2, 2)
+    assert str(emb.validate("tp2pp2", 4)) == "tp2pp2ppf3dp1"  # (7 + 1) / 2, less one
+    with pytest.raises(DynatrainError, match="do not split evenly"):
+        emb.validate("tp1pp4vpp4", 4)  # (7 + 1) / 4 = 2 layers per stage, 4 chunks
 
 
 @pytest.mark.parametrize("over,flags", [
@@ -644,3 +796,27 @@ def test_a_learned_position_table_longer_than_the_sequence_is_described():
     rows = {f.box.shape for f in al.fragments(0, ("param",))
             if f.key == "embedding.position_embeddings.weight"}
     assert rows == {(64, 64)}, rows
+
+
+def test_the_default_placement_of_a_tp_pp_dp_job_is_its_restarts():
+    """--dynatrain-default-placement: B's devices in the order a restart at B numbers its
+    ranks, tp-pp-dp for a job launched with --use-tp-pp-dp-mapping (the builder's order)."""
+    from dynatrain_megatron.megatron_lm.builder import MegatronLMBuilder
+    from dynatrain_megatron.megatron_lm.transformer_config import JobIntents
+    from dynatrain_megatron.transition.switch import choose_dst_placement
+    from dynatrain_megatron.vps.placement import TP_PP_DP_ORDER, Placement, megatron_rank_order
+
+    a = megatron_args(use_tp_pp_dp_mapping=True, tensor_model_parallel_size=1,
+                      expert_tensor_parallel_size=1)
+    spec = mla.spec_from_megatron_args(a)
+    b = MegatronLMBuilder(spec, mla.train_config_from_megatron_args(a), args=a,
+                          intents=JobIntents.from_args(a), model_provider=lambda: None)
+    assert b.rank_order == TP_PP_DP_ORDER
+    src, dst = Layout.parse("tp1pp2", 8), Layout.parse("tp2pp2", 8)
+    got = choose_dst_placement(spec, b, src, megatron_rank_order(src, TP_PP_DP_ORDER), dst,
+                               tuple(range(8)), "default")
+    assert got == megatron_rank_order(dst, TP_PP_DP_ORDER) and got != Placement.default(8)
+    # on other devices (a scale-out's), the same order over them
+    got = choose_dst_placement(spec, b, src, Placement.default(8), dst, tuple(range(8, 16)),
+                               "default")
+    assert got.devices == tuple(8 + d for d in megatron_rank_order(dst, TP_PP_DP_ORDER).devices)

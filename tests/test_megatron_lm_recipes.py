@@ -11,7 +11,10 @@ One group of two jobs on 4 gloo ranks per recipe, each checking several things:
   Qwen2's); the optimizer side `--lr-decay-style WSD` (decay
   within the run) and `--lr-warmup-init`; a TP *and* PP change, tp2pp1dp2 -> tp1pp2ppf1dp2:
   three layers with `--account-for-embedding-in-pipeline-split` (at pp2 the first stage
-  holds one layer and the embedding), built from a user's `--spec` module, the distributed
+  holds one layer and the embedding), built from a user's `--spec` module (its norms keep
+  an extra state that changes every step: ShardedObjects, carried; the pre-MLP norm's per
+  data-parallel replica, so that a switch to tp1pp1dp4 scheduled after iteration 1 is
+  refused, as dist_checkpointing's load would fail there), the distributed
   optimizer's buffers in `--ddp-num-buckets 2` padded buckets
   (`--ddp-pad-buckets-for-high-nccl-busbw`, `--overlap-grad-reduce`): planned from the live
   metadata.
@@ -47,10 +50,11 @@ restart's as logical tensors; every loss after K is the restart's.
 import re
 
 import pytest
+import torch
 
 from megatron_lm_runs import (CPU_FLAGS, MOCK_DATA, TINY_MODEL, assert_final_checkpoints_identical,
                               assert_losses_as_restart, assert_switched_as_scheduled,
-                              layout_flags, load_common, switch_and_restart)
+                              layout_flags, load_common, losses, switch_and_restart)
 from megatron_lm_tree import release_name, require_snapshot
 
 pytestmark = pytest.mark.multirank
@@ -64,8 +68,9 @@ LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--use-
          "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "linear",
          "--lr-wsd-decay-iters", "2", "--lr-warmup-init", "1e-5",
          # a user's layer-spec module (planned from the live metadata: the analytic layout
-         # cannot know what a user's module builds)
-         "--spec", "tests.megatron_lm_user_spec", "llama_layer",
+         # cannot know what a user's module builds), whose input norms keep an extra state
+         # (a ShardedObject, as Transformer Engine's FP8 state is)
+         "--spec", "tests.megatron_lm_user_spec", "llama_layer_counting",
          # Qwen2's attention: biases on the query/key/value projection only (planned from
          # the live metadata: the analytic layout's biases are all or none)
          "--add-qkv-bias",
@@ -112,6 +117,9 @@ DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank",
             "--sequence-parallel"]  # MoE with TP (at A) needs it
 # recipes run as plain DDP: without the common --use-distributed-optimizer
 PLAIN_DDP = {"deepseek"}
+# a switch scheduled ahead of B's that must be refused: llama's pre-MLP norms keep one object
+# per data-parallel replica, which DP 4 shards differently (dist_checkpointing's load fails)
+REFUSED = {"llama": [(1, "tp1pp1dp4")]}
 RECIPES = {  # name: (recipe flags, flags at A, flags at B, A, B)
     "llama": (LLAMA, layout_flags(2, 1), layout_flags(1, 2), "tp2pp1dp2", "tp1pp2ppf1dp2"),
     "qwen_moe": (QWEN_MOE, layout_flags(1, 2, expert_model_parallel_size=2),
@@ -140,7 +148,7 @@ def runs(request, tmp_path_factory):
     # after the switch (from the device of B's last stage, `compat.megatron_lm.set_last_rank`)
     # the restart resumes the switched run's own --save at K (A's state): two jobs, not three
     out = switch_and_restart(tmp_path_factory.mktemp(f"recipe-{request.param}"), common, a, b,
-                             lay_b, K, own_save=True)
+                             lay_b, K, own_save=True, before=REFUSED.get(request.param, ()))
     return dict(out, A=lay_a, B=lay_b, recipe=request.param, N=n, batches=batches)
 
 
@@ -156,7 +164,7 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
         assert (args["rotary_base"], args["use_rope_scaling"]) == ("500000", "True")
         assert (args["lr_decay_style"], args["lr_warmup_init"]) == ("WSD", "1e-05")
         assert args["num_query_groups"] == "2" and args["untie_embeddings_and_output_weights"] == "True"
-        assert args["spec"] == "['tests.megatron_lm_user_spec', 'llama_layer']"
+        assert args["spec"] == "['tests.megatron_lm_user_spec', 'llama_layer_counting']"
         assert (args["num_layers"], args["account_for_embedding_in_pipeline_split"]) == ("3", "True")
         assert (args["ddp_num_buckets"], args["ddp_pad_buckets_for_high_nccl_busbw"],
                 args["overlap_grad_reduce"]) == ("2", "True", "True")
@@ -199,7 +207,25 @@ def test_the_recipe_is_what_megatron_lm_ran(runs):
 
 
 def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
-    assert_switched_as_scheduled(runs["switched"], K, runs["A"], runs["B"])
+    assert_switched_as_scheduled(runs["switched"], K, runs["A"], runs["B"],
+                                 rolled_back=runs["recipe"] in REFUSED)
+
+
+def test_objects_sharded_differently_refuse_the_switch_before_anything_moves(runs):
+    if runs["recipe"] not in REFUSED:
+        pytest.skip("no refused switch in this recipe")
+    text = runs["switched"]
+    # refused in the preparation (while A trained), at the first vote: one reason, from
+    # rank 0 (every rank logs the refusal line): the pre-MLP norms' objects B asks for (3
+    # layers x 4 replicas; keyed as TE's fused norm); then A trained on to B's switch at K
+    refusals = re.findall(r"switch tp2pp1dp2 -> tp1pp1dp4 aborted in prepare: (.*); every "
+                          r"rank stays at tp2pp1dp2", text)
+    assert len(refusals) == 4 and len(set(refusals)) == 1, refusals
+    assert refusals[0].startswith("rank 0: prepare: ObjectCarryError: 12 sharded object(s) "
+                                  "of B are not held at A"), refusals[0]
+    assert "mlp.linear_fc1.layer_norm__extra_state/shard_0.0_3.4" in refusals[0]
+    assert text.count("switch rolled back; training continues at tp2pp1dp2") == 4
+    assert sorted(losses(text)) == list(range(1, runs["N"] + 1))
 
 
 def test_final_checkpoints_are_bit_identical(runs):
@@ -208,6 +234,26 @@ def test_final_checkpoints_are_bit_identical(runs):
         biases = {k for k in ours if k.endswith(".bias") and not k.startswith("optimizer.")}
         assert biases == {"decoder.layers.self_attention.linear_qkv.bias"}, biases
         assert ours["decoder.layers.self_attention.linear_qkv.bias"].shape[0] == 3  # layers
+        # the input norms' extra state, one object per layer (compared above with the
+        # restart's; keyed as TE's fused norm, the local spec's keys map): it counts every
+        # forward since iteration 1, so B's main replica went on from A's, as the restart's
+        # load sets it (a B that kept its own would count from the switch on)
+        objs = {k: v for k, v in ours.items() if "linear_qkv.layer_norm__extra_state/" in k}
+        assert len(objs) == 3, sorted(objs)
+        args = _printed_args(runs["switched"])
+        per_step = int(args["global_batch_size"]) // (int(args["micro_batch_size"]) * 2)  # DP 2
+        # and the pre-MLP norms', one per layer and data-parallel replica: B's replica r went
+        # on from A's replica r (their running maxima differ: each saw its own data)
+        per_dp = {k: v for k, v in ours.items() if "linear_fc1.layer_norm__extra_state/" in k}
+        assert sorted(k.rsplit("/", 1)[1] for k in per_dp) == [
+            f"shard_{layer}.{r}_3.2" for layer in range(3) for r in range(2)], sorted(per_dp)
+        for k, v in {**objs, **per_dp}.items():
+            state = v[0] if isinstance(v, list) else v
+            assert state["calls"] == runs["N"] * per_step and state["amax"] > 0, (k, state)
+        amax = {k.rsplit("/", 1)[1]: (v[0] if isinstance(v, list) else v)["amax"]
+                for k, v in per_dp.items()}
+        assert any(not torch.equal(amax[f"shard_{layer}.0_3.2"], amax[f"shard_{layer}.1_3.2"])
+                   for layer in range(3)), amax
     if runs["recipe"] == "qwen_moe":  # the dense layer and the experts both came across
         assert any("experts" in k for k in ours) and any("shared_experts" in k for k in ours)
         # layers keyed one by one (they differ): layer 0 is dense, 1..3 have experts

@@ -10,11 +10,23 @@ jobs on 4 gloo ranks checks many things:
 
 The dense case also trains the patched tree without `--dynatrain` from start to end beside
 the unpatched tree: the same losses at every iteration. The VPP case has no unpatched run:
-its restart resumes the switched run's own save at K (made before the switch lands). The cases: dense tp2pp2 -> tp1pp2dp2
-in fp32, and the same with virtual pipeline stages in
-bf16 (tp2pp2vpp2 -> tp1pp2vpp2dp2: 2 stages of one layer per rank, Megatron-LM's interleaved
-schedule with overlapped P2P before and after the switch; bf16 is the stricter dtype, since
-fp32 hides numerics a rebuilt B could get wrong, such as the attention softmax's precision).
+its restart resumes the switched run's own save at K (made before the switch lands). The cases:
+
+* dense tp2pp2 -> tp1pp2dp2 in fp32, its layers placed by a `--pipeline-model-parallel-layout`
+  (`Ettt|tL`: three layers on the first stage, one on the last; B keeps the string, which
+  fixes PP, and the request names no split: the job's own is completed into it), ranks
+  numbered tp-pp-dp (`--use-tp-pp-dp-mapping`) and B placed in that order, as the restart
+  numbers its ranks (`--dynatrain-default-placement`: global ranks 1 and 2 swap places);
+* a PP change of a job with a layout string, tp2pp2 -> tp1pp4 (`Ettt|tL` -> `Et|t|t|tL`):
+  the request names B's split (`tp1pp4split1-1-1-1`), which a string written for B makes
+  (the restart is given that string on its command line);
+* virtual pipeline stages in bf16, tp1pp2vpp2dp2 -> tp2pp2vpp2dp1 (a TP and DP change),
+  Megatron-LM's interleaved schedule with overlapped P2P before and after the switch, with
+  `--use-tp-pp-dp-mapping` (A's ranks numbered tp-pp-dp: its groups are read as a placement)
+  and both `--account-for-embedding/loss-in-pipeline-split` over 6 layers (chunks of 1, 2 |
+  2, 1 layers: the first and last virtual chunk hold the embedding and the loss), which B
+  built by Megatron-LM splits alike. bf16 is the stricter dtype, since fp32 hides numerics a
+  rebuilt B could get wrong, such as the attention softmax's precision.
 
 The two final checkpoints must be equal entry for entry, bit for bit, as logical tensors
 (read with torch.distributed.checkpoint, whatever layout wrote them); the switched run's
@@ -35,11 +47,20 @@ from megatron_lm_tree import require_snapshot
 pytestmark = pytest.mark.multirank
 
 K, N = 3, 6
-VPP = dict(num_layers_per_virtual_pipeline_stage=1)
-CASES = {  # name: (flags at A, flags at B, A, B)
-    "dense-fp32": (layout_flags(2, 2), layout_flags(1, 2), "tp2pp2dp1", "tp1pp2dp2"),
-    "vpp-bf16": (layout_flags(2, 2, **VPP) + ["--bf16"], layout_flags(1, 2, **VPP) + ["--bf16"],
-                 "tp2pp2vpp2dp1", "tp1pp2vpp2dp2"),
+VPP = dict(num_virtual_stages_per_pipeline_rank=2)
+SPLIT = ["--pipeline-model-parallel-layout", "Ettt|tL"]
+TP_PP_DP = ["--use-tp-pp-dp-mapping"]
+ACCOUNT_FOR = ["--num-layers", "6", "--account-for-embedding-in-pipeline-split",
+               "--account-for-loss-in-pipeline-split", "--use-tp-pp-dp-mapping"]
+CASES = {  # name: (flags at A, flags at B, A, B as logged, B as requested)
+    "dense-fp32": (layout_flags(2, 2) + SPLIT + TP_PP_DP, layout_flags(1, 2) + SPLIT + TP_PP_DP,
+                   "tp2pp2split3-1dp1", "tp1pp2split3-1dp2", "tp1pp2dp2"),
+    "layout-pp4": (layout_flags(2, 2) + SPLIT,
+                   layout_flags(1, 4) + ["--pipeline-model-parallel-layout", "Et|t|t|tL"],
+                   "tp2pp2split3-1dp1", "tp1pp4split1-1-1-1dp1", "tp1pp4split1-1-1-1"),
+    "vpp-bf16": (layout_flags(1, 2, **VPP) + ["--bf16"] + ACCOUNT_FOR,
+                 layout_flags(2, 2, **VPP) + ["--bf16"] + ACCOUNT_FOR,
+                 "tp1pp2vpp2split1-2-2-1dp2", "tp2pp2vpp2split1-2-2-1dp1", "tp2pp2vpp2dp1"),
 }
 
 
@@ -49,13 +70,14 @@ CASES = {  # name: (flags at A, flags at B, A, B)
     for name in sorted(CASES)])
 def runs(request, tmp_path_factory):
     require_snapshot()
-    a, b, lay_a, lay_b = CASES[request.param]
+    a, b, lay_a, lay_b, requested = CASES[request.param]
     common = CPU_FLAGS + TINY_GPT + ["--train-iters", str(N)]
     # the dense case also runs the patched tree without --dynatrain beside the unpatched one
     # the other cases resume the switched run's own --save at K (two jobs, not three)
     dense = request.param == "dense-fp32"
     out = switch_and_restart(tmp_path_factory.mktemp(f"megatron-lm-{request.param}"), common,
-                             a, b, lay_b, K, plain=dense, own_save=not dense)
+                             a, b, requested, K, plain=dense, own_save=not dense,
+                             switched_flags=["--dynatrain-default-placement"] if dense else [])
     return dict(out, A=lay_a, B=lay_b)
 
 
@@ -68,6 +90,24 @@ def test_switch_lands_exactly_after_the_scheduled_iteration(runs):
                          runs["switched"])
     assert prepared and re.search(r"data_iterators [0-9.]+", prepared.group(1)), prepared
     assert "built again at the switch" not in runs["switched"]
+
+
+def test_the_pipeline_split_and_rank_order_are_megatron_lms(runs):
+    """Megatron-LM ran the flags (its own print of its arguments). The split and the rank
+    order are the layouts' in the switch's line (`test_switch_lands_...`): A's groups,
+    read at start, must be those of its Layout on its rank order's placement, and B's
+    model chunks the split's (checked against the analytic layout before anything moves)."""
+    args = dict(re.findall(r"^\s+(\w+) \.+ (.*)$", runs["switched"], re.M))
+    if "vpp" not in runs["A"]:
+        assert args["pipeline_model_parallel_layout"] == "Ettt|tL"
+        if runs["B"] == "tp1pp2split3-1dp2":  # B's groups in the restart's tp-pp-dp order
+            assert args["use_tp_pp_dp_mapping"] == "True"
+            assert re.search(r"switched \S+ -> \S+ \(placement \[0, 2, 1, 3\]\)",
+                             runs["switched"])
+        return
+    assert (args["use_tp_pp_dp_mapping"], args["account_for_embedding_in_pipeline_split"],
+            args["account_for_loss_in_pipeline_split"]) == ("True", "True", "True")
+    assert (args["num_layers"], args["virtual_pipeline_model_parallel_size"]) == ("6", "2")
 
 
 def test_final_checkpoints_are_bit_identical(runs):

@@ -125,3 +125,45 @@ def test_plan_reports_default_best_rank_ordered_and_best(a, b):
     ro, plan = best_rank_ordered(placement_choice(s, A, None, B))
     assert is_rank_ordered(B, ro) and plan.dst_placement == ro
     assert plan.stats.moved_bytes == r["best_rank_ordered_bytes_moved"]
+
+
+@pytest.mark.parametrize("text,world", [("tp2pp2", 8), ("tp1pp4", 8), ("tp1pp2cp2ep2etp1", 16),
+                                        ("tp4pp2ep2etp2", 16), ("tp2pp2ep2etp1", 8),
+                                        ("tp1pp2vpp2", 8), ("tp2pp1", 8)])
+def test_megatron_rank_orders_are_megatron_cores(text, world):
+    """`megatron_rank_order`: device of every virtual rank as megatron-core's own
+    `RankGenerator` numbers ranks in each order, on the dense and the expert grid; every
+    group's members ascend with their virtual rank (torch numbers them alike)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from dynatrain_megatron.vps.layout import GROUP_AXES
+    from dynatrain_megatron.vps.placement import (DEFAULT_ORDER, RANK_ORDERS,
+                                                  is_rank_ordered, megatron_rank_order)
+
+    L = lay(text, world)
+    assert megatron_rank_order(L, DEFAULT_ORDER) == Placement.default(world)
+    names = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "ep": "ep", "etp": "tp",
+             "edp": "dp"}
+    for order in RANK_ORDERS:
+        dev = megatron_rank_order(L, order).devices
+        dense = RankGenerator(tp=L.tp, ep=1, dp=L.dp, pp=L.pp, cp=L.cp, order=order)
+        expert = RankGenerator(tp=L.etp, ep=L.ep, dp=L.edp, pp=L.pp, cp=1, order=order)
+        for axes in GROUP_AXES.values():
+            gen = expert if set(axes) & {"ep", "etp", "edp"} else dense
+            token = "-".join(names[a] for a in axes)
+            theirs = sorted(gen.get_ranks(token))
+            ours = sorted([dev[v] for v in g] for g in L.groups(axes))
+            assert ours == theirs, (order, axes)
+        assert is_rank_ordered(L, Placement(dev))
+
+
+def test_tp_pp_dp_order_needs_equal_data_parallel_sizes():
+    from dynatrain_megatron.vps import LayoutError
+    from dynatrain_megatron.vps.placement import TP_PP_DP_ORDER, megatron_rank_order
+
+    # dense dp 2, expert dp 1: megatron-core asserts the same ("the data parallel size of
+    # the attention and moe layers must be the same")
+    with pytest.raises(LayoutError, match=r"dp \(2\) must equal the expert dp \(1\)"):
+        megatron_rank_order(lay("tp1pp2ep2etp1", 4), TP_PP_DP_ORDER)
+    with pytest.raises(LayoutError, match="not one of megatron-core's"):
+        megatron_rank_order(lay("tp1pp2", 4), "pp-dp-tp")

@@ -12,23 +12,25 @@ module reads what *is* where, from megatron-core's own metadata:
     plain DDP (`Float16OptimizerWithFloat16Params`, `FP32Optimizer`) the whole parameter,
     its fp32 main copy (`param.main_param`, or the parameter itself when it is fp32) and
     that copy's Adam state (`param_optimizer_states`).
+  - objects (`ShardedObject`s: a module's `_extra_state`): their unique keys and state-dict
+    keys (`sharded_objects`); their values are read when asked (`read_objects`).
 `LiveState.view(kind, chunk, local_name, local_box)` returns the tensor view that stores a
 box, which is what the executor packs from and unpacks into.
 """
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
 
-from ..compat.parallel_state_view import view_of
 from .grouped_experts import grouped_block, grouped_expert_params
+from .sharded_objects import (ObjectCarryError, ObjectSlot, chunk_sharded_state_dict,
+                              object_slots, object_values, serialize, set_objects)
 from ..vps.box import Box
 from ..vps.errors import FragmentMismatchError
 from ..vps.fragment import KINDS, OPT_KINDS
@@ -268,15 +270,24 @@ class LiveState:
         # sharded tensors found neither in a parameter nor as a buffer (keys): a switch
         # planned from the live metadata refuses to run without them
         self.unplaced: list[str] = []
+        # the chunks' ShardedObjects (a module's `_extra_state`): no box, a unique key
+        self.objects: list[ObjectSlot] = []
+        self._object_bytes: dict[str, bytes] = {}  # their values, once detached
         self._read_model_metadata()
         self.opt_ranges: dict[tuple[int, str], tuple[int, int, dict[str, torch.Tensor]]] = {}
         self._read_optimizer_ranges()
 
     def detach_from_objects(self) -> "LiveState":
         """Drop the references to the model chunks and the optimizer, keeping only the
-        tensors (parameters, optimizer states) that `view` reads. After a rank died the
-        survivors free the megatron objects, which hold the broken communicators, and
-        still serve their state as the sources of the recovery."""
+        tensors (parameters, optimizer states) that `view` reads and the sharded objects'
+        values, serialised now (`read_objects`). After a rank died the survivors free the
+        megatron objects, which hold the broken communicators, and still serve their state
+        as the sources of the recovery."""
+        try:  # the objects' values now (they have no storage to keep a view of)
+            self._object_bytes = self.read_objects({s.unique_key for s in self.objects})
+        except Exception as e:  # noqa: BLE001 - a switch from here reports what it lacks
+            log.warning("rank %d: reading the sharded objects before detaching failed: %s",
+                        self.rank, e)
         self.chunks = []
         self.optimizer = None
         # plain tensors on the same storage: a Parameter carries DDP's gradient hooks,
@@ -314,15 +325,8 @@ class LiveState:
         self._weight_main: dict[tuple[int, str], bool] = {}
         self._sorted_ptrs = [sorted((p.data_ptr(), n) for n, p in ps.items()) for ps in self.params]
         for ci, chunk in enumerate(self.chunks):
-            # the chunk's own data-parallel group, not megatron's global one: B is bound
-            # while megatron's globals still describe A (a switch prepared in the background)
-            pgc = getattr(chunk, "pg_collection", None)
-            dp_cp = getattr(pgc, "dp_cp", None)
-            # and in the view of megatron's parallel_state it was built in, if any (its
-            # replica ids read ranks there: B's, not A's, built by Megatron-LM in the background)
-            with view_of(chunk), _global_dp_cp_while_unset(dp_cp):
-                sd = chunk.sharded_state_dict(prefix="", metadata=None if dp_cp is None
-                                              else {"dp_cp_group": dp_cp})
+            sd = chunk_sharded_state_dict(chunk)
+            self.objects += object_slots(ci, sd)
             self._read_grouped_experts(ci, chunk, sd)
             apply_factories(sd)
             for sh in nested_values(sd):
@@ -431,6 +435,33 @@ class LiveState:
         if rest:
             key = _EXPERT.sub(f".mlp.experts.{rest[0]}.", key, count=1)
         return key
+
+    # ------------------------------------------------------------------ objects
+    def read_objects(self, unique_keys: set[str]) -> dict[str, bytes]:
+        """The current values of this rank's objects among `unique_keys`, serialised as a
+        save would write them (`sharded_objects`): read from a fresh sharded state dict of
+        each chunk holding one, since they change with training; once detached, the values
+        they had then."""
+        if not self.chunks:
+            return {k: v for k, v in self._object_bytes.items() if k in unique_keys}
+        out: dict[str, bytes] = {}
+        for ci, chunk in enumerate(self.chunks):
+            slots = [s for s in self.objects if s.chunk == ci and s.unique_key in unique_keys]
+            if slots:
+                values = object_values(chunk_sharded_state_dict(chunk),
+                                       [s.local_key for s in slots])
+                out.update((s.unique_key, serialize(values[s.local_key])) for s in slots)
+        return out
+
+    def write_objects(self, values: Mapping[str, Any]) -> None:
+        """Set received objects (by unique key) on this rank's modules, as Megatron-LM's
+        load does (`sharded_objects.set_objects`); every slot of this rank must be given."""
+        missing = [s.unique_key for s in self.objects if s.unique_key not in values]
+        if missing:
+            raise ObjectCarryError(f"rank {self.rank}: no value for the objects {missing[:3]}")
+        for ci, chunk in enumerate(self.chunks):
+            set_objects(chunk, {s.local_key: values[s.unique_key]
+                                for s in self.objects if s.chunk == ci})
 
     # ------------------------------------------------------------------ optimizer
     def _read_optimizer_ranges(self) -> None:
@@ -544,22 +575,3 @@ def _optimizer_copy(chunk: torch.nn.Module, module: Any, param: torch.nn.Paramet
     tp = getattr(getattr(chunk, "pg_collection", None), "tp", None)
     tp_rank = tp.rank() if tp is not None else 0
     return tp_rank // module.tp_group.size()
-
-
-@contextlib.contextmanager
-def _global_dp_cp_while_unset(dp_cp: Any) -> Iterator[None]:
-    """megatron-core 0.16.1's tied output layer on the last pipeline stage numbers its
-    replica with the *global* data-parallel rank (`language_module.py`,
-    `tie_embeddings_and_output_weights_state_dict`), whatever group the metadata names.
-    Between a rank death and the end of the recovery's switch no global group is set (the
-    broken world's were dropped): the chunk's own group stands in for the read."""
-    from megatron.core import parallel_state as ps
-
-    if dp_cp is None or ps._DATA_PARALLEL_GROUP_WITH_CP is not None:
-        yield
-        return
-    ps._DATA_PARALLEL_GROUP_WITH_CP = dp_cp
-    try:
-        yield
-    finally:
-        ps._DATA_PARALLEL_GROUP_WITH_CP = None

@@ -185,7 +185,7 @@ def recording(fake: RecordingDist, executors: list,
     tensor for its small collectives, where a GPU job would use its device)."""
     from ..compat import torch_features
     from ..elastic import communicators, groups
-    from ..transition import switch, transport
+    from ..transition import object_carry, switch, transport
 
     def make_executor(*a, **kw):
         ex = RecordingExecutor(*a, **kw)
@@ -194,7 +194,7 @@ def recording(fake: RecordingDist, executors: list,
 
     cpu = lambda group=None: torch.device("cpu")  # noqa: E731
     patches = [mock.patch.object(m, "dist", fake)
-               for m in (groups, communicators, switch, transport, torch_features)]
+               for m in (groups, communicators, switch, transport, torch_features, object_carry)]
     patches += [mock.patch.object(m, "collective_device", cpu)
                 for m in (switch, communicators, transport)]
     patches += [mock.patch.object(groups, "group_device",

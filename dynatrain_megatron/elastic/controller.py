@@ -50,13 +50,16 @@ class Controller:
     of the one validator (`vps.validate.layout_errors`: Transformer Engine, device memory,
     batch) for a layout.
     `extra_check`: any further check of the caller (LayoutError / DynatrainError).
+    `complete(layout)`: the layout a request means for this job (Megatron-LM's pipeline
+    split at it), validated and switched to in its place.
     """
 
     def __init__(self, spec: ModelSpec, signal_path: Optional[str], poll_interval: int = 1,
                  schedule: Optional[list[tuple[int, str]]] = None,
                  extra_check: Optional[Callable[[Layout], None]] = None,
                  check_options: Optional[Callable[[Layout], Mapping[str, Any]]] = None,
-                 schedule_lead: int = 1) -> None:
+                 schedule_lead: int = 1,
+                 complete: Optional[Callable[[Layout], Layout]] = None) -> None:
         self.spec = spec
         self.signal_path = signal_path
         self.poll_interval = max(1, poll_interval)
@@ -70,6 +73,9 @@ class Controller:
         self.lead_source: Optional[Callable[[], int]] = None
         self.extra_check = extra_check
         self.check_options = check_options
+        # the job's completion of a requested layout (the pipeline split its builder would
+        # make there, `MegatronBuilder.complete_layout`), before it is validated
+        self.complete = complete
         # False where the training loop cannot put ranks on standby (Megatron-LM's own loop):
         # a request for another device count is then refused up front
         self.allow_device_count_change = True
@@ -93,6 +99,8 @@ class Controller:
         """The layout `text` on `world` ranks, checked by the one validator (and the
         caller's `extra_check`); LayoutError / DynatrainError with every reason."""
         layout = Layout.parse(text, world)
+        if self.complete is not None:
+            layout = self.complete(layout)
         validate_layout(self.spec, layout,
                         **(self.check_options(layout) if self.check_options else {}))
         if self.extra_check is not None:

@@ -36,6 +36,7 @@ PART_NAMES = (
     "bind",            # binding and checking A's live state
     "votes",           # the switch's agreements (prepared everywhere, arrived everywhere)
     "transfer",        # the data movement, checksums included
+    "objects",         # sharded objects (`_extra_state`) read at A, exchanged, set on B
     "scalars",         # optimizer step, scheduler, scaler, iteration, consumed samples
     "rebuild",         # B made current, weights rebuilt from the fp32 masters
     "release_a",       # A's objects and groups freed
@@ -225,9 +226,9 @@ class StallMeter:
 # the switch's phases (transition.switch) and switch_trainer's timings, as stall parts
 _PHASE_PARTS = {"placement": "placement", "groups": "groups", "build": "build",
                 "bind": "bind", "verify": "bind", "bind_src": "bind", "plan": "plan",
-                "views": "plan", "vote": "votes", "transfer": "transfer", "sync": "scalars",
-                "rebuild": "rebuild", "scalars": "scalars", "release_a": "release_a",
-                "rebind": "rebind"}
+                "views": "plan", "vote": "votes", "transfer": "transfer", "objects": "objects",
+                "sync": "scalars", "rebuild": "rebuild", "scalars": "scalars",
+                "release_a": "release_a", "rebind": "rebind"}
 
 
 def stall_parts(*timings: dict) -> dict[str, float]:

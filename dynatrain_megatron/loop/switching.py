@@ -11,7 +11,8 @@ from ..elastic.communicators import warm_up_pipeline
 from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import ParallelGroups, build_groups, install
 from ..transition.faults import FaultPlan, start_preparation_delays
-from ..transition.switch import choose_dst_placement, prepare_switch, read_scalars, switch_layout
+from ..transition.scalars import read_scalars
+from ..transition.switch import choose_dst_placement, prepare_switch, switch_layout
 from ..transition.switch_types import Prepared, SwitchOptions, SwitchResult
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout

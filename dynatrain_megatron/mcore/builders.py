@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from ..compat.world_collectives import default_group_as
+from ..vps.errors import LayoutError
 from ..vps.layout import Layout
+from ..vps.placement import DEFAULT_ORDER, RANK_ORDERS
 from ..vps.model_spec import ModelSpec
 from ..vps.validate import validate_layout
 from ..elastic.groups import ParallelGroups
@@ -45,6 +47,9 @@ def make_transformer_config(spec: ModelSpec, layout: Layout, init_weights: bool 
     directly (no host allocation, no copy from pageable memory)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if layout.split:
+        raise LayoutError(f"layout {layout}: a per-chunk split is a Megatron-LM job's "
+                          f"(megatron_lm/pipeline_split.py); this builder splits by ppf/ppl")
     dtype = _TORCH_DTYPES[spec.params_dtype]
     kw: dict[str, Any] = dict(
         num_layers=spec.num_layers,
@@ -339,14 +344,24 @@ class MegatronBuilder:
     train: TrainConfig
     config_factory: Optional[ConfigFactory] = None  # see build_training_objects
     plan_from: str = "analytic"
+    # megatron-core's rank order of the job (`vps.placement.RANK_ORDERS`): B's placement
+    # under the "default" policy is the one a restart at B would number its ranks in
+    rank_order: str = DEFAULT_ORDER
 
     def __post_init__(self) -> None:
+        if self.rank_order not in RANK_ORDERS:
+            raise ValueError(f"rank_order must be one of {RANK_ORDERS}, got {self.rank_order!r}")
         if self.plan_from not in ("analytic", "metadata"):
             raise ValueError(f"plan_from must be 'analytic' or 'metadata', got "
                              f"{self.plan_from!r}")
 
     def bucket_size(self, layout: Layout) -> Optional[int]:
         return bucket_size_of(self.train, layout)
+
+    def complete_layout(self, layout: Layout) -> Layout:
+        """A requested layout as this builder would build it: unchanged here (the Layout's
+        own ppf/ppl split); a Megatron-LM job's adds the split its flags make."""
+        return layout
 
     def build(self, layout: Layout, groups: ParallelGroups, init_weights: bool = True) -> TrainingObjects:
         """The objects of a layout made current at once (a job's first layout)."""

@@ -73,7 +73,7 @@ from ..vps.layout import GROUP_AXES, Layout
 from ..vps.model_spec import ModelSpec
 from ..mcore.train_config import TrainConfig
 from .arguments import (arg_value, args_for_layout, params_dtype_of, performance_differences,
-                        unsupported_args)
+                        rank_order_of, unsupported_args)
 from .description import describe_job
 from .data_ahead import DataAhead, retire_in_background
 from .step_guard import StepGuard
@@ -148,9 +148,9 @@ def check_switchable(args: Any) -> None:
                              + "; ".join(problems))
 
 
-def wrap_megatron_groups(layout: Layout):
+def wrap_megatron_groups(layout: Layout, order: Optional[str] = None):
     """Megatron-LM's `parallel_state` groups as our `ParallelGroups`, after checking that
-    every group has exactly the ranks `layout` gives it with the default placement (so the
+    every group has the ranks `layout` gives it on its rank `order`'s placement (so the
     planner's idea of who holds what is Megatron-LM's). Creates no group.
 
     With several distributed-optimizer instances (`layout.doi` > 1) that includes the
@@ -162,7 +162,7 @@ def wrap_megatron_groups(layout: Layout):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from ..elastic.groups import ParallelGroups, optimizer_instance_groups
-    from ..vps.placement import Placement
+    from ..vps.placement import DEFAULT_ORDER, megatron_rank_order
 
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     rank = dist.get_rank()
@@ -176,9 +176,10 @@ def wrap_megatron_groups(layout: Layout):
         expected_groups["intra_expt_dp"] = expected_groups["expt_dp"]
     mine: dict[str, list[int]] = {}
     wrong = []
+    me = (placement := megatron_rank_order(layout, order or DEFAULT_ORDER)).virtual_rank(rank)
     for name, groups in expected_groups.items():
         group = getattr(pgc, name, None)
-        expected = sorted(next(g for g in groups if rank in g))
+        expected = sorted(placement.devices[v] for v in next(g for g in groups if me in g))
         if group is None:
             if len(expected) > 1:
                 wrong.append(f"{name}: Megatron-LM has none, {layout} needs {expected}")
@@ -189,12 +190,13 @@ def wrap_megatron_groups(layout: Layout):
         mine[name] = expected
     if wrong:
         raise DynatrainError(f"rank {rank}: Megatron-LM's process groups are not those of "
-                             f"{layout} in the default rank order: " + "; ".join(wrong[:4]))
+                             f"{layout} in rank order {order or DEFAULT_ORDER}: "
+                             + "; ".join(wrong[:4]))
     for name in ("embd", "pos_embd"):
         g = getattr(pgc, name, None)
         if g is not None:
             mine[name] = sorted(dist.get_process_group_ranks(g))
-    return ParallelGroups(layout=layout, placement=Placement.default(layout.world_size),
+    return ParallelGroups(layout=layout, placement=placement,
                           rank=rank, pg_collection=pgc, group_ranks=mine,
                           created=megatron_first_groups(), layout_group=dist.group.WORLD)
 
@@ -305,7 +307,8 @@ class MegatronLMSession:
             log.warning("dynatrain: %s", note)
         self.args = args
         self.spec, self.train, layout = describe_job(args, dist.get_world_size())
-        objs = TrainingObjects(layout=layout, groups=wrap_megatron_groups(layout), config=config,
+        groups = wrap_megatron_groups(layout, rank_order_of(args))  # A's, in its rank order
+        objs = TrainingObjects(layout=layout, groups=groups, config=config,
                                model=model, optimizer=optimizer, scheduler=opt_param_scheduler)
         metadata = plans_from_metadata(args)  # what the analytic layout does not describe
         if metadata:
@@ -325,6 +328,7 @@ class MegatronLMSession:
                                       intents=self.intents, model_provider=_model_provider(),
                                       data_ahead=self.data_ahead,
                                       plan_from="metadata" if metadata else "analytic"))
+        self.hook.controller.complete = self.hook.builder.complete_layout  # its split
         from .metrics import attach
 
         attach(self.hook)  # its TensorBoard/W&B writers and iteration timer (metrics.py)
@@ -387,11 +391,8 @@ class MegatronLMSession:
         o = t.objs
         if o is not before:
             # A's iterators: their workers stop in a thread, not in B's first step
-            t0 = time.perf_counter()
             retire_in_background(loop.train_data_iterator, loop.valid_data_iterator,
                                  self.test_data_iterator)
-            if self.hook.stall.switch_meter is not None:  # A's release, in the stall
-                self.hook.stall.switch_meter.add("release_a", time.perf_counter() - t0)
             self.rebind_loop(t, old_config)
             self.guard.at_boundary(t.iteration, o)
         if ending:  # train() exits with Megatron-LM's iterators: they go with its frames

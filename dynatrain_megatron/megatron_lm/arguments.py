@@ -18,6 +18,8 @@ from ..loop.arguments import add_dynatrain_args
 from ..mcore.train_config import TrainConfig
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
+from ..vps.placement import DEFAULT_ORDER, TP_PP_DP_ORDER
+from .pipeline_split import PipelineRule, pipeline_args
 from ..vps.model_spec import ModelSpec
 from .support import support_matrix, unsupported_args
 
@@ -249,14 +251,22 @@ def layout_from_megatron_args(args: Any, spec: ModelSpec, world_size: int) -> La
     mp = tp * pp * cp
     if world_size % mp:
         raise DynatrainError(f"world size {world_size} is not a multiple of tp*pp*cp = {mp}")
-    layout = Layout(tp=tp, pp=pp, dp=world_size // mp, cp=cp,
-                    vpp=arg_value(args, "virtual_pipeline_model_parallel_size") or 1,
+    vpp = arg_value(args, "virtual_pipeline_model_parallel_size") or 1
+    # with virtual stages the account-for flags, and a layout string, fix every chunk
+    split = PipelineRule.from_args(args).split(spec.num_layers, pp, vpp)
+    layout = Layout(tp=tp, pp=pp, dp=world_size // mp, cp=cp, vpp=vpp,
                     ep=arg_value(args, "expert_model_parallel_size", 1),
                     etp=arg_value(args, "expert_tensor_parallel_size") or 0,
-                    **_stage_split(args, spec.num_layers, pp),
+                    **({"split": split} if split else _stage_split(args, spec.num_layers, pp)),
                     doi=arg_value(args, "num_distributed_optimizer_instances", 1) or 1)
     layout.check_model(spec)
     return layout
+
+
+def rank_order_of(args: Any) -> str:
+    """megatron-core's rank order of the job (`vps.placement.RANK_ORDERS`), as Megatron-LM's
+    `initialize_model_parallel` call chooses it: tp-pp-dp with `--use-tp-pp-dp-mapping`."""
+    return TP_PP_DP_ORDER if arg_value(args, "use_tp_pp_dp_mapping", False) else DEFAULT_ORDER
 
 
 def _stage_split(args: Any, num_layers: int, pp: int) -> dict[str, int]:
@@ -266,8 +276,8 @@ def _stage_split(args: Any, num_layers: int, pp: int) -> dict[str, int]:
     stages, every stage gets (L + the flags set) / pp, less one on the stage that holds
     the embedding (the loss), which is the uneven first (last) stage the Layout describes
     (megatron-core's `get_num_layers_to_build`, without virtual stages: with them the
-    first *virtual* chunk loses the layer, which no ppf/ppl describes; refused in
-    `support.py`)."""
+    first *virtual* chunk loses the layer, which the Layout's `split` describes:
+    `pipeline_split.py`)."""
     emb = bool(arg_value(args, "account_for_embedding_in_pipeline_split", False))
     loss = bool(arg_value(args, "account_for_loss_in_pipeline_split", False))
     if not (emb or loss) or pp == 1:
@@ -292,6 +302,12 @@ def args_for_layout(layout: Layout, spec: ModelSpec, *, sequence_parallel: bool 
     job's args; the options its release derives from the layout are added where they exist
     (`compat.megatron_lm.derived_layout_args`)."""
     out = _args_for_layout(layout, spec, sequence_parallel)
+    if layout.split:  # every chunk's layers: the job's own flags, or a layout string
+        if like is None:
+            raise DynatrainError(f"layout {layout}: its split needs the job's args")
+        out.update(pipeline_args(layout, spec.num_layers, like))
+    elif like is not None and arg_value(like, "pipeline_model_parallel_layout") is not None:
+        out["pipeline_model_parallel_layout"] = None  # ppf/ppl say where every layer lives
     if like is not None:
         from ..compat.megatron_lm import derived_layout_args
 
@@ -302,7 +318,7 @@ def args_for_layout(layout: Layout, spec: ModelSpec, *, sequence_parallel: bool 
 def _args_for_layout(layout: Layout, spec: ModelSpec, sequence_parallel: bool) -> dict[str, Any]:
     vpp = layout.vpp if layout.vpp > 1 else None
     per_vstage = None
-    if vpp and not (layout.ppf or layout.ppl):
+    if vpp and not (layout.ppf or layout.ppl or layout.split):
         per_vstage = spec.num_layers // (layout.pp * layout.vpp)
     return {
         "tensor_model_parallel_size": layout.tp,
@@ -350,6 +366,6 @@ def performance_differences(args: Any) -> list[str]:
 
 
 __all__ = ("args_for_layout", "chain_extra_args_providers", "layout_from_megatron_args",
-           "params_dtype_of", "performance_differences", "refuse_when_parsed",
+           "params_dtype_of", "performance_differences", "rank_order_of", "refuse_when_parsed",
            "spec_from_megatron_args", "support_matrix", "train_config_from_megatron_args",
            "unsupported_args")

@@ -41,6 +41,8 @@ from ..mcore.builders import MegatronBuilder, TrainingObjects, seed_rngs
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from .transformer_config import JobIntents, args_at
+from .arguments import rank_order_of
+from .pipeline_split import PipelineRule
 
 log = logging.getLogger("dynatrain")
 
@@ -79,7 +81,8 @@ class MegatronLMBuilder(MegatronBuilder):
     """`MegatronBuilder`'s interface (`spec`/`train` for planning, `bucket_size`, `build`,
     `build_detached`, `activate`), with the objects made by Megatron-LM (module doc).
 
-    `args`: the job's validated args at its first layout (never modified); `intents`: what
+    `args`: the job's validated args at its first layout (never modified; its rank order is
+    the builder's `rank_order`); `intents`: what
     Megatron-LM's validation turns on or off by layout; `model_provider`: the script's
     (`script_model_provider()`); `data_ahead`: where B's data iterators are built after a
     background build of B (`data_ahead.DataAhead`; None: at the switch)."""
@@ -93,7 +96,13 @@ class MegatronLMBuilder(MegatronBuilder):
         if self.args is None or self.intents is None or not callable(self.model_provider):
             raise DynatrainError("MegatronLMBuilder needs the job's args, its intents and "
                                  "the script's model provider")
+        object.__setattr__(self, "rank_order", rank_order_of(self.args))
         super().__post_init__()
+
+    def complete_layout(self, layout: Layout) -> Layout:
+        """A requested layout with the pipeline split Megatron-LM's restart at it would make
+        from the job's flags (`pipeline_split.PipelineRule.complete`)."""
+        return PipelineRule.from_args(self.args).complete(layout, self.spec.num_layers)
 
     def args_for(self, layout: Layout, groups: ParallelGroups, init_weights: bool) -> Any:
         """A copy of the job's args describing `layout` as a restart there would have them."""

@@ -45,6 +45,7 @@ def elastic_job(model: list, optimizer: Any, scheduler: Any, config: Any, *,
     from ..elastic.groups import GroupOptions, set_group_options
     from ..mcore.builders import TrainingObjects
     from .adapter import check_live_state, check_switchable, wrap_megatron_groups
+    from .arguments import rank_order_of
     from .builder import MegatronLMBuilder, script_model_provider
     from .support import plans_from_metadata
     from .transformer_config import JobIntents
@@ -64,7 +65,7 @@ def elastic_job(model: list, optimizer: Any, scheduler: Any, config: Any, *,
     ensure_control_group()  # the votes' CPU group
     set_group_options(GroupOptions.from_megatron_args(args))
     spec, train, layout = describe_job(args, dist.get_world_size())
-    groups = wrap_megatron_groups(layout)
+    groups = wrap_megatron_groups(layout, rank_order_of(args))
     metadata = bool(plans_from_metadata(args))  # what the analytic layout does not describe
     check_live_state(spec, train, TrainingObjects(layout=layout, groups=groups, config=config,
                                                   model=list(model), optimizer=optimizer,

@@ -106,15 +106,11 @@ def plans_from_metadata(args: Any) -> list[str]:
     return out
 
 
-def _pipeline_split(a: Any) -> list[str]:
-    out = _flags("use_tp_pp_dp_mapping", "pipeline_model_parallel_layout",
-                 "hierarchical_context_parallel_sizes", "hybrid_context_parallel")(a)
-    virtual = (_set(_v(a, "num_layers_per_virtual_pipeline_stage"))
-               or _set(_v(a, "num_virtual_stages_per_pipeline_rank")))
-    if virtual:
-        out += [f + " with virtual pipeline stages" for f in _flags(
-            "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")(a)]
-    return out
+def _context_parallel_variants(a: Any) -> list[str]:
+    # hierarchical sizes of 1 split nothing (CP 1: megatron-core's groups of one rank)
+    sizes = _v(a, "hierarchical_context_parallel_sizes") or []
+    out = ["--hierarchical-context-parallel-sizes"] if any(n > 1 for n in sizes) else []
+    return out + _flags("hybrid_context_parallel")(a)
 
 
 def _hardware(a: Any) -> list[str]:
@@ -151,8 +147,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "--use-precision-aware-optimizer, --optimizer-cpu-offload", "hardware",
             "need Transformer Engine, which needs CUDA (unverified). TE's layers are in "
             "megatron-core's sharded metadata (TEGroupedMLP's weight<i> per expert, TE's "
-            "fused MLA projections) and would be planned from it, but their _extra_state "
-            "(FP8 scaling state, an object) is not carried. The precision-aware optimizer is "
+            "fused MLA projections) and would be planned from it. Their _extra_state (FP8 "
+            "scaling state, an object) is carried as dist_checkpointing loads it, as checked "
+            "with a CPU module's extra state. The precision-aware optimizer is "
             "TE's FusedAdam (megatron-core hands it the moments' dtypes, which torch's Adam "
             "does not take). CPU offload requires it (Megatron-LM's arguments), and the "
             "switch does not read their reduced-precision moments or host copies",
@@ -163,26 +160,25 @@ REFUSALS: tuple[Refusal, ...] = (
             "the analytic layout (vps/naming.py) does not describe their parameters, and no "
             "switch planned from the live metadata has been checked with them yet",
             _layer_pattern),
-    Refusal("--use-tp-pp-dp-mapping, --pipeline-model-parallel-layout, "
-            "--account-for-embedding/loss-in-pipeline-split with virtual pipeline stages, "
-            "--hierarchical-context-parallel-sizes, --hybrid-context-parallel", "not_yet",
-            "a rank order or pipeline split the switch's Layout does not describe. "
-            "--use-tp-pp-dp-mapping orders ranks tp-pp-dp where A's groups are read in "
-            "megatron-core's default order. A --pipeline-model-parallel-layout string fixes "
-            "PP x VPP, so a PP change needs another string (Megatron-LM's restart too: a new "
-            "command line), and one that keeps PP is unchecked. With virtual stages the "
-            "account-for flags shorten the first (last) virtual chunk, which ppf/ppl do not "
-            "describe (without them they are the Layout's ppf/ppl)",
-            _pipeline_split),
+    Refusal("--hierarchical-context-parallel-sizes, --hybrid-context-parallel", "hardware",
+            "need Transformer Engine's attention, which needs CUDA (unverified). Megatron-LM's "
+            "own CPU job fails with either (checked on core_v0.19.0): hierarchical sizes above 1 "
+            "need CP > 1, and the local DotProductAttention asserts 'Context parallelism is only "
+            "supported by TEDotProductAttention'. Hybrid CP trains packed sub-sequences "
+            "(packed_seq_params), which the local attention refuses, and its data wrapper "
+            "fails Megatron-LM's own step on the CPU ('data iterator is not wrapped with "
+            "RerunDataIterator')",
+            _context_parallel_variants),
     Refusal("--decrease-batch-size-if-needed", "not_yet",
             "B's micro-batch calculator is made with the batch-size ramp at its position "
             "(--rampup-batch-size switches) but without this rounding, which no switch has "
             "been checked with", _flags("decrease_batch_size_if_needed")),
     Refusal("--fp8-format, --fp4-format, --cuda-graph-impl, --use-sharp", "hardware",
             "needs Hopper/Blackwell kernels, CUDA graphs or a SHARP fabric. B would be built by "
-            "Megatron-LM, but TE's FP8 scaling state (_extra_state, a sharded object that "
-            "dist_checkpointing loads) is not carried by the switch yet, and no switch "
-            "has run there. SHARP is turned on through the environment while megatron-core "
+            "Megatron-LM. TE's FP8 scaling state (_extra_state, a sharded object) is carried "
+            "as dist_checkpointing loads it: A's main replica to every rank holding it at B. "
+            "A CPU module's extra state checks that; FP8 itself never switched (unverified). "
+            "SHARP is turned on through the environment while megatron-core "
             "makes its own data-parallel groups, which B's, made later, would not get",
             _hardware),
     Refusal("--perform-rl-step", "not_yet",
@@ -203,7 +199,11 @@ def unsupported_args(args: Any) -> list[str]:
 # refuses: the rows of the README's support matrix
 SUPPORTED: tuple[tuple[str, str], ...] = (
     ("dense GPT, TP/PP/VPP/DP/CP changes, fp32 and bf16, tied or untied embeddings, "
-     "LayerNorm or RMSNorm, GQA, SwiGLU, biases or none",
+     "LayerNorm or RMSNorm, GQA, SwiGLU, biases or none. --use-tp-pp-dp-mapping (A's groups "
+     "read as a placement). A --pipeline-model-parallel-layout, kept by switches that keep "
+     "PP x VPP; another PP or VPP needs B's split named in the request (split<n>-<n>-...), "
+     "else it is refused when requested. --account-for-embedding/loss-in-pipeline-split "
+     "with virtual stages (each chunk's layers: the Layout's split)",
      "tests/test_megatron_lm_train.py"),
     ("Llama-3.1 recipe: --rotary-base 500000 --use-rope-scaling, GQA, SwiGLU, RMSNorm, "
      "untied, no biases, bf16; --lr-decay-style WSD, --lr-warmup-init. A user's --spec "

@@ -46,10 +46,11 @@ def _flat_lo(shape: Sequence[int], offsets: Sequence[int]) -> int:
 
 def _side(live: Optional[LiveState], device: int, kinds: tuple[str, ...]) -> tuple:
     """This rank's part of one side: (records, padding holdings, global shapes, buffer
-    records). Records of the optimizer kinds are sent once, as `main_param` (they share
-    their boxes); buffers (no optimizer state) always, whatever `kinds`."""
+    records, sharded objects). Records of the optimizer kinds are sent once, as
+    `main_param` (they share their boxes); buffers (no optimizer state) always, whatever
+    `kinds`; the objects as (unique key, main replica) (`object_carry`)."""
     if live is None:
-        return [], [], {}, []
+        return [], [], {}, [], []
     if live.unplaced:
         raise ValueError(f"megatron-core's sharded metadata names state that is neither a "
                          f"parameter nor a buffer here: {live.unplaced[:3]}")
@@ -67,7 +68,8 @@ def _side(live: Optional[LiveState], device: int, kinds: tuple[str, ...]) -> tup
     bufs = [(f.key, "param", f.box.offsets, f.box.shape, device, f.chunk, f.local_name,
              f.local_offsets, live.buffers[f.chunk][f.local_name].element_size())
             for f in live.buffer_fragments]
-    return recs, pads, dict(live.global_shapes), bufs
+    objs = [(s.unique_key, s.main) for s in live.objects]
+    return recs, pads, dict(live.global_shapes), bufs, objs
 
 
 def _expand(rows: Sequence[tuple], kinds: tuple[str, ...]) -> list[tuple]:
@@ -92,6 +94,9 @@ class GatheredMetadata:
     src_shapes: dict = field(default_factory=dict)
     dst_shapes: dict = field(default_factory=dict)
     buffers: bool = False
+    # the sharded objects: A's (unique key, device, main replica), B's (unique key, device)
+    src_objects: list = field(default_factory=list)
+    dst_objects: list = field(default_factory=list)
     payload_bytes: int = 0
     seconds: float = 0.0
 
@@ -127,8 +132,10 @@ def gather_metadata(src_live: Optional[LiveState], dst_live: Optional[LiveState]
         raise ValueError("gathering the live metadata failed: " + "; ".join(failed[:4]))
     out = GatheredMetadata(payload_bytes=len(pickle.dumps(mine)))
     errors: list[str] = []
-    for a, b in everyone:
-        for (recs, pads, shapes, bufs), records, holdings, all_shapes, side in (
+    for dev, (a, b) in enumerate(everyone):
+        out.src_objects += [(k, dev, main) for k, main in a[4]]
+        out.dst_objects += [(k, dev) for k, _ in b[4]]
+        for (recs, pads, shapes, bufs, _), records, holdings, all_shapes, side in (
                 (a, out.src, out.src_padding, out.src_shapes, "A"),
                 (b, out.dst, out.dst_padding, out.dst_shapes, "B")):
             records += [StateRecord.from_tuple(r) for r in _expand(recs, kinds) + list(bufs)]

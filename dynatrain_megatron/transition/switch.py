@@ -31,8 +31,7 @@ import torch.distributed as dist
 
 from ..compat.torch_features import ordered_groups
 from ..adapters.live import (LiveState, fp32_copies_of, optimizer_state_complete,
-                             optimizers_of, read_optimizer_step, storage_fingerprint,
-                             write_optimizer_step)
+                             optimizers_of, storage_fingerprint)
 from ..adapters.verify import check_live_matches_analytic, check_live_matches_analytic_where_both
 from ..routing.piece import Piece
 from ..routing.placement_search import best_rank_ordered, placement_choice
@@ -45,9 +44,11 @@ from ..vps.errors import LayoutError
 from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
-from ..vps.placement import Placement
+from ..vps.placement import DEFAULT_ORDER, Placement, megatron_rank_order
 from ..vps.naming import DTYPE_BYTES
 from .metadata_exchange import gather_metadata, plan_from_metadata, plans_from_metadata
+from .object_carry import ObjectCarryStats, carry_objects, join_failed, plan_objects, plan_once
+from .scalars import write_scalars
 from .vocab_padding import carry_vocab_padding, padding_plan
 from .executor import PACK_ALIGN, Executor
 from .faults import FaultPlan
@@ -63,7 +64,8 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
                    dst: Layout, groups: LayoutGroups, options: SwitchOptions = SwitchOptions(),
                    *, unavailable: Sequence[int] = (), background: bool = False,
                    faults: Optional[FaultPlan] = None, src_objs: Any = None,
-                   src_state: Optional[LiveState] = None) -> Prepared:
+                   src_state: Optional[LiveState] = None,
+                   src_model: Optional[Sequence[Any]] = None) -> Prepared:
     """B's side of a switch (module doc, steps 4-6): never raises, a failure is recorded
     in `error`. `groups` are B's (their placement is B's placement). With
     `options.verify`, B's live fragments are checked against the analytic layout and
@@ -75,7 +77,13 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
 
     Planned from the live metadata (`plans_from_metadata(builder)`), this is collective
     over the world (B's transfer group): every rank binds what it holds at A (`src_objs`,
-    or `src_state` already bound) and at B, and all gather it before planning."""
+    or `src_state` already bound) and at B, and all gather it before planning.
+
+    The sharded objects' plan (`object_carry`) comes with a metadata plan's records, or,
+    planned from the analytic layout, from a collective over the world (B's transfer
+    group) of its own; A's keys are then read from `src_state`, A's binding, `src_objs`
+    or `src_model` (A's model chunks, given for that alone). A key of B that A lacks
+    fails the preparation, as it fails dist_checkpointing's load."""
     t = time.perf_counter
     me = dist.get_rank()
     dst_placement = groups.placement
@@ -85,7 +93,10 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
                     background=background)
     vr_b = dst_placement.virtual_rank(me)
     metadata = plans_from_metadata(builder)
-    gathered = [False]  # a metadata plan's gather: every rank joins it, even after a failure
+    # a metadata plan's gather, or an analytic plan's agreement on the objects: every rank
+    # joins it, even after a failure
+    gathered = [False]
+    flagged = [False]
     try:
         t0 = t()
         prep.objs = builder.build_detached(dst, groups) if vr_b is not None else None
@@ -137,6 +148,15 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
         if src_objs is not None and not unavailable:
             _bind_source(prep, spec, builder, src_objs, verify, prep.src_live, metadata)
         prep.phases["bind_src"] = t() - t0
+        t0 = t()
+        if not metadata:  # a metadata plan's objects came with its records
+            prep.object_plan = plan_objects(
+                prep.src_placement.virtual_rank(me) is not None and me not in unavailable,
+                src_state if src_state is not None else prep.src_live,
+                src_objs.model if src_objs is not None else src_model, prep.live,
+                groups.transfer, unavailable, flagged, f"{src} -> {dst}",
+                collective_device(groups.transfer))
+        prep.phases["plan"] += t() - t0
         (faults or _NO_FAULTS).fail(me, "prepare", dst=str(dst))
         (faults or _NO_FAULTS).delay_preparation(me, str(dst))
     except Exception as e:  # noqa: BLE001 - every rank learns it at the switch's first vote
@@ -147,6 +167,11 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
             try:
                 gather_metadata(None, None, kinds, groups.transfer, error=prep.error)
             except Exception:  # noqa: BLE001 - it raises every rank's errors, ours included
+                pass
+        if not metadata and not flagged[0]:  # and in the objects' agreement
+            try:
+                join_failed(groups.transfer, collective_device(groups.transfer))
+            except Exception:  # noqa: BLE001 - its vote reports the failure that matters
                 pass
     return prep
 
@@ -194,6 +219,8 @@ def _plan_from_metadata(prep: Prepared, spec: ModelSpec, src_objs: Any,
         src_devices=prep.src_placement.devices, dst_devices=prep.dst_placement.devices,
         kinds=prep.kinds, itemsize={k: size if k == "param" else 4 for k in KINDS},
         ranks_per_node=options.ranks_per_node, unavailable=prep.unavailable)
+    prep.object_plan = plan_once(meta.src_objects, meta.dst_objects, prep.unavailable, me == 0,
+                                 f"{prep.src} -> {prep.dst}")
     prep.phases["metadata_exchange"] = meta.seconds
     log.info("rank %d: switch %s -> %s planned from the live metadata (%d + %d records, "
              "%d B sent, exchanged in %.3f s)", me, prep.src, prep.dst, len(meta.src),
@@ -329,23 +356,6 @@ def _aborted(src: Layout, dst: Layout, dst_placement: Placement, groups: Optiona
     return SwitchResult(new_objs, dst, dst_placement, groups, None, report, aborted=reason)
 
 
-def read_scalars(objs, iteration: int, consumed_samples: int) -> Scalars:
-    step = read_optimizer_step(objs.optimizer)
-    scaler = getattr(objs.optimizer, "grad_scaler", None)
-    return Scalars(iteration, consumed_samples, step, objs.scheduler.state_dict(),
-                   scaler.state_dict() if scaler is not None else None)
-
-
-def write_scalars(objs, s: Scalars) -> None:
-    """Optimizer step (one per parameter, for Adam's bias correction), scheduler, scaler."""
-    if s.optimizer_step is not None:
-        write_optimizer_step(objs.optimizer, s.optimizer_step)
-    objs.scheduler.load_state_dict(dict(s.scheduler))
-    scaler = getattr(objs.optimizer, "grad_scaler", None)
-    if scaler is not None and s.grad_scaler is not None:
-        scaler.load_state_dict(s.grad_scaler)
-
-
 def rebuild_weights_from_masters(objs) -> None:
     """bf16/fp32 weights from the fp32 masters: copy each owned main shard into the
     parameter buffer, then all-gather the buffer over DP (megatron's own param sync).
@@ -369,12 +379,14 @@ def choose_dst_placement(spec: ModelSpec, builder: Builder, src: Layout, src_pla
                          dst: Layout, devices: Sequence[int], policy: str = "best",
                          ranks_per_node: int = 8, move_weights: bool = False,
                          kinds: Optional[tuple[str, ...]] = None) -> Placement:
-    """B's placement for a switch: megatron's default order (`policy="default"`), or the
-    planner's best placement, whatever its order of global ranks (B's groups number their
-    members by virtual rank: `elastic.groups`). Pure and deterministic: every rank gets
-    the same answer alone. `kinds` (default: from `move_weights`): what the switch moves."""
+    """B's placement for a switch: megatron's order (`policy="default"`: the builder's
+    `rank_order`, the one a restart at B numbers its ranks in), or the planner's best
+    placement, whatever its order of global ranks (B's groups number their members by
+    virtual rank: `elastic.groups`). Pure and deterministic: every rank gets the same
+    answer alone. `kinds` (default: from `move_weights`): what the switch moves."""
     if policy == "default":
-        return Placement(tuple(devices))
+        order = megatron_rank_order(dst, getattr(builder, "rank_order", DEFAULT_ORDER))
+        return Placement(tuple(devices[d] for d in order.devices))
     if kinds is None:
         kinds = KINDS if move_weights else OPT_KINDS
     choice = placement_choice(spec, src, src_placement, dst, devices, ranks_per_node,
@@ -453,7 +465,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         prepared = prepare_switch(spec, builder, src, src_placement, dst, groups, options,
                                   unavailable=unavailable, faults=faults,
                                   src_objs=old_objs if metadata else None,
-                                  src_state=src_state if metadata else None)
+                                  src_state=src_state if metadata else None,
+                                  src_model=old_objs.model if old_objs is not None else None)
     else:
         prepared.check_for(src, src_placement, dst, kinds, tuple(unavailable))
     (background if prepared.background else phases).update(prepared.phases)
@@ -516,6 +529,7 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                   device=collective_device(xfer_group), tag=attempt, timeout=options.timeout,
                   checksums=options.checksums, faults=faults)
     errors = list(ex.run(prepared.local_pieces, prepared.round_pieces))
+    obj_stats = ObjectCarryStats()
     try:
         # only the holders of A's padding rows and the needers of B's exchange (pure plan,
         # the same on every rank); after a death any surviving replica serves
@@ -526,10 +540,17 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
         _, pad_errors = carry_vocab_padding(pad_plan, me, old_live, new_live, transport,
                                             tag=attempt, timeout=options.timeout)
         errors += pad_errors
+        # the sharded objects, read now (after A's last step) and set on B's modules
+        t7 = t()
+        obj_stats, obj_errors = carry_objects(prepared.object_plan, me, old_live, new_live,
+                                              transport, device=collective_device(xfer_group),
+                                              tag=attempt, timeout=options.timeout)
+        errors += obj_errors
+        phases["objects"] = t() - t7
         faults.fail(me, "commit", dst=str(dst))
     except Exception as e:  # noqa: BLE001
         errors.append(f"rank {me}: commit: {type(e).__name__}: {e}")
-    phases["transfer"] = t() - t5
+    phases["transfer"] = t() - t5 - phases.get("objects", 0.0)
     exec_stats = ex.stats
     del ex, transport, xfer_group  # the transfer group's last holder is `_release_transfer`
     # -- commit vote: every rank of the world agrees that everything arrived and checked
@@ -569,6 +590,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                           sent_bytes=exec_stats.sent_bytes, recv_bytes=exec_stats.recv_bytes,
                           zero_copy_bytes=exec_stats.zero_copy_bytes,
                           checksummed_messages=exec_stats.checksummed_messages,
-                          source_bound_early=bound_early, kinds=kinds, phases=phases,
-                          background=background)
+                          source_bound_early=bound_early, kinds=kinds,
+                          objects_sent=obj_stats.sent,
+                          object_bytes=obj_stats.sent_bytes + obj_stats.recv_bytes,
+                          phases=phases, background=background)
     return SwitchResult(new_objs, dst, dst_placement, groups, scalars, report)

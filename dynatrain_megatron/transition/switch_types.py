@@ -22,6 +22,7 @@ from ..vps.fragment import KINDS, OPT_KINDS
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
+from .object_carry import ObjectPlan
 
 PLACEMENT_POLICIES = ("best", "default")
 
@@ -33,7 +34,9 @@ class SwitchError(DynatrainError, ValueError):
 class Builder(Protocol):
     """Makes a layout's training objects (model chunks, DDP, optimizer, scheduler). It
     may say, as `plan_from = "metadata"`, that the analytic layout does not describe its
-    models: switches are then planned from the live metadata (`metadata_exchange`)."""
+    models: switches are then planned from the live metadata (`metadata_exchange`); and,
+    as `rank_order` (`vps.placement.RANK_ORDERS`), the order megatron-core numbers its
+    ranks in: B's placement under the "default" policy."""
 
     spec: ModelSpec
 
@@ -140,6 +143,8 @@ class SwitchReport:
     checksummed_messages: int = 0
     source_bound_early: bool = False  # A's binding came from the background preparation
     kinds: tuple = ()  # the state kinds the transfer moved
+    objects_sent: int = 0  # sharded objects (`_extra_state`) this rank sent to another
+    object_bytes: int = 0  # their serialised bytes, sent and received
     phases: dict = field(default_factory=dict)
     # seconds of what was prepared in the background while A trained (not in the pause)
     background: dict = field(default_factory=dict)
@@ -185,6 +190,7 @@ class Prepared:
     live: Optional[LiveState] = None
     plan: Optional[Plan] = None  # or a routing.metadata_plan.MetadataPlan
     padding_plan: Any = None  # the vocab padding's, when made from the live metadata
+    object_plan: Optional[ObjectPlan] = None  # the sharded objects' (object_carry)
     rounds: list[Round] = field(default_factory=list)
     # this rank's pieces, materialised once: local copies, then each round's sends + recvs
     local_pieces: list[Piece] = field(default_factory=list)

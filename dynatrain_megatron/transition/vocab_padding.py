@@ -218,16 +218,8 @@ class _Rows:
 
     def intervals(self) -> set[tuple[str, str, int, int]]:
         """Merged intervals, for the check against the analytic holdings."""
-        out = set()
-        for (key, kind), parts in self.parts.items():
-            merged: list[list[int]] = []
-            for lo, hi, _ in sorted(parts, key=lambda p: p[0]):
-                if merged and merged[-1][1] >= lo:
-                    merged[-1][1] = max(merged[-1][1], hi)
-                else:
-                    merged.append([lo, hi])
-            out |= {(key, kind, lo, hi) for lo, hi in merged}
-        return out
+        return {(key, kind, lo, hi) for (key, kind), parts in self.parts.items()
+                for lo, hi in _merge_intervals((lo, hi) for lo, hi, _ in parts)}
 
     def slices(self, key: str, kind: str, lo: int, hi: int) -> list[torch.Tensor]:
         """Views covering `[lo, hi)` in order (PaddingError if some element is missing)."""
@@ -242,20 +234,23 @@ class _Rows:
         raise PaddingError(f"padding elements [{at}, {hi}) of {key} ({kind}) are not here")
 
 
+def _merge_intervals(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Half-open intervals merged where they touch or overlap, in order."""
+    merged: list[list[int]] = []
+    for lo, hi in sorted(intervals):
+        if merged and merged[-1][1] >= lo:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]
+
+
 def _merged(holdings: Iterable[Holding]) -> set[tuple[str, str, int, int]]:
-    out: set = set()
     by: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for h in holdings:
         by.setdefault((h.key, h.kind), []).append((h.lo, h.hi))
-    for (key, kind), ivs in by.items():
-        merged: list[list[int]] = []
-        for lo, hi in sorted(ivs):
-            if merged and merged[-1][1] >= lo:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        out |= {(key, kind, lo, hi) for lo, hi in merged}
-    return out
+    return {(key, kind, lo, hi) for (key, kind), ivs in by.items()
+            for lo, hi in _merge_intervals(ivs)}
 
 
 @torch.no_grad()

@@ -22,12 +22,17 @@ import numpy as np
 from .errors import LayoutError
 from .model_spec import ModelSpec
 
-_TOKEN = re.compile(r"(vpp|etp|ppf|ppl|doi|tp|pp|cp|ep|dp)([0-9]+)", re.ASCII)
+_TOKEN = re.compile(r"(vpp|etp|ppf|ppl|doi|tp|pp|cp|ep|dp)([0-9]+)|(split)([0-9]+(?:-[0-9]+)*)",
+                    re.ASCII)
 MAX_LAYOUT_CHARS = 64  # a layout string names at most 8 axes of a few digits each
+# ... and a `split` at most one number per model chunk
+MAX_SPLIT_CHARS = 4096
+_SPLIT = re.compile(r"split[0-9-]*", re.ASCII)
 MAX_AXIS_DIGITS = 7  # up to 9,999,999 per axis
 _AXES = ("tp", "pp", "vpp", "cp", "ep", "etp", "dp", "doi")
 # every axis a layout string may name, in the order `str(layout)` prints them
 GRAMMAR_AXES = ("tp", "pp", "vpp", "cp", "ep", "etp", "ppf", "ppl", "doi", "dp")
+# beside the axes, `split<n>-<n>-...` (printed after ppl): every model chunk's layers
 
 # axis names of the two megatron rank grids, fastest first
 DENSE_AXES = ("tp", "cp", "dp", "pp")
@@ -71,8 +76,22 @@ class Layout:
     # the optimizer state is sharded over DPxCP / doi ranks and replicated doi times, so a
     # dead rank's shards survive on its replicas
     doi: int = 1
+    # decoder layers of every model chunk, (vp stage, pp rank) in vp-major order (the order
+    # megatron-core's layer offsets run): a split Megatron-LM's job fixes that ppf/ppl do not
+    # describe (`--account-for-embedding/loss-in-pipeline-split` with virtual stages, a
+    # `--pipeline-model-parallel-layout`). Empty: the rule of ppf/ppl. Printed `split1-2-2-2`
+    split: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.split, tuple) or any(
+                not isinstance(n, int) or n < 0 for n in self.split):
+            raise LayoutError(f"split must be a tuple of layer counts >= 0, got {self.split!r}")
+        if self.split and len(self.split) != self.pp * self.vpp:
+            raise LayoutError(f"split {self.split} names {len(self.split)} model chunks, "
+                              f"pp{self.pp} vpp{self.vpp} has {self.pp * self.vpp}")
+        if self.split and (self.ppf or self.ppl):
+            raise LayoutError(f"split {self.split} fixes every chunk's layers: no ppf/ppl "
+                              f"beside it (got ppf{self.ppf} ppl{self.ppl})")
         if self.ppf < 0 or self.ppl < 0:
             raise LayoutError(f"ppf/ppl must be >= 0, got ppf{self.ppf} ppl{self.ppl}")
         if (self.ppf or self.ppl) and self.pp < 2:
@@ -104,7 +123,8 @@ class Layout:
         """
         if not isinstance(text, str):
             raise LayoutError(f"layout must be a string, got {type(text).__name__}")
-        if len(text) > MAX_LAYOUT_CHARS or not text.isascii():
+        split_chars = len(m.group(0)) if (m := _SPLIT.search(text[:MAX_SPLIT_CHARS])) else 0
+        if len(text) - split_chars > MAX_LAYOUT_CHARS or not text.isascii():
             raise LayoutError(f"malformed layout {text[:MAX_LAYOUT_CHARS]!r}"
                               f"{'...' if len(text) > MAX_LAYOUT_CHARS else ''}: at most "
                               f"{MAX_LAYOUT_CHARS} ASCII characters ({len(text)} given)")
@@ -113,6 +133,16 @@ class Layout:
         for m in _TOKEN.finditer(s):
             if m.start() != pos:
                 break
+            if m.group(3):
+                if "split" in vals:
+                    raise LayoutError(f"layout {text!r}: split given twice")
+                counts = m.group(4).split("-")
+                if any(len(n) > MAX_AXIS_DIGITS for n in counts):
+                    raise LayoutError(f"layout {text[:MAX_LAYOUT_CHARS]!r}...: a split's layer "
+                                      f"count is too large")
+                vals["split"] = tuple(int(n) for n in counts)
+                pos = m.end()
+                continue
             if len(m.group(2)) > MAX_AXIS_DIGITS:
                 raise LayoutError(f"layout {text!r}: axis {m.group(1)} size {m.group(2)} is "
                                   f"too large")
@@ -124,8 +154,9 @@ class Layout:
         if pos != len(s) or not vals:
             raise LayoutError(
                 f"malformed layout {text!r}: expected tokens like tp2pp2dp2 from "
-                f"{{{','.join(GRAMMAR_AXES)}}}<int>, stopped at {s[pos:]!r}")
-        if any(v < 1 for v in vals.values()):
+                f"{{{','.join(GRAMMAR_AXES)}}}<int> or split<int>-<int>-..., stopped at "
+                f"{s[pos:]!r}")
+        if any(v < 1 for k, v in vals.items() if k != "split"):
             raise LayoutError(f"layout {text!r}: every axis size must be >= 1")
         mp = vals.get("tp", 1) * vals.get("pp", 1) * vals.get("cp", 1)
         if world_size is not None:
@@ -152,6 +183,8 @@ class Layout:
             s += f"ppf{self.ppf}"
         if self.ppl:
             s += f"ppl{self.ppl}"
+        if self.split:
+            s += "split" + "-".join(map(str, self.split))
         if self.doi > 1:
             s += f"doi{self.doi}"
         return s + f"dp{self.dp}"
@@ -218,7 +251,10 @@ class Layout:
     # ------------------------------------------------------------------ pipeline layers
     def stage_num_layers(self, num_layers: int) -> list[int]:
         """Layers of each pipeline stage (megatron-core's rules: uneven first/last, the rest
-        split evenly over the middle stages)."""
+        split evenly over the middle stages), or the sums of `split`."""
+        if self.split:
+            return [sum(self.split[v * self.pp + p] for v in range(self.vpp))
+                    for p in range(self.pp)]
         if not (self.ppf or self.ppl):
             return [num_layers // self.pp] * self.pp
         n_mid = self.pp - (1 if self.ppf else 0) - (1 if self.ppl else 0)
@@ -232,6 +268,11 @@ class Layout:
         return out
 
     def _pipeline_errors(self, num_layers: int) -> list[str]:
+        if self.split:  # Megatron-LM's own rule made it (checked where the job runs)
+            if sum(self.split) != num_layers:
+                return [f"split {'-'.join(map(str, self.split))} holds {sum(self.split)} "
+                        f"layers, the model has {num_layers}"]
+            return []
         if not (self.ppf or self.ppl):
             stages = self.pp * self.vpp
             if num_layers % stages:
@@ -258,7 +299,12 @@ class Layout:
         """Global layer indices of model chunk `vp_stage` on pipeline rank `pp_rank`.
 
         Chunks are numbered (vp_stage, pp_rank) in vp-major order, each stage's layers split
-        evenly over its chunks, as megatron-core's get_transformer_layer_offset does."""
+        evenly over its chunks, as megatron-core's get_transformer_layer_offset does; or as
+        `split` says."""
+        if self.split:
+            i = vp_stage * self.pp + pp_rank
+            start = sum(self.split[:i])
+            return range(start, start + self.split[i])
         counts = [n // self.vpp for n in self.stage_num_layers(spec_num_layers)]
         start = vp_stage * sum(counts) + sum(counts[:pp_rank])
         return range(start, start + counts[pp_rank])

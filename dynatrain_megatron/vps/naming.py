@@ -41,7 +41,8 @@ and the local tensors viewed 2-D in memory order, `weight1` as [E_l*h*g, F/ETP] 
 `weight2` as [E_l, (F/ETP)*h]: each is ONE box of its logical tensor, at rows
 ep_rank * (local rows) and columns etp_rank * (local columns) (rule "ecols"). `local_shape`
 is that 2-D view, not the parameter's own shape (`weight1` is [h, E_l*X] as registered). Layers per chunk follow
-`Layout.stage_layers` (uniform assignment, as megatron-core without a custom PP layout).
+`Layout.stage_layers` (megatron-core's assignment: even, uneven first/last stages, or the
+`split` a custom pipeline layout fixes).
 
 Documented exception: the padded vocab rows `[V, V')` (V' = ceil(V/(m*TP))*m*TP, so their
 number changes with TP) are not part of the VPS; a rank may even hold only padding rows.

@@ -77,3 +77,46 @@ def rank_ordered(layout, placement: "Placement") -> "Placement":
     for axis in range(g.ndim):
         g = np.sort(g, axis=axis)
     return Placement(tuple(int(x) for x in g.reshape(-1)))
+
+
+# megatron-core's rank orders (`initialize_model_parallel(order=...)`): Megatron-LM's default,
+# and the one `--use-tp-pp-dp-mapping` selects. Our virtual ranks are numbered in the first.
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+TP_PP_DP_ORDER = "tp-cp-ep-pp-dp"
+RANK_ORDERS = (DEFAULT_ORDER, TP_PP_DP_ORDER)
+
+
+def _mixed_radix(order: str, digits: dict[str, tuple[int, int]]) -> int:
+    """The rank of the coordinates `digits` (axis -> (index, size)) with the axes of `order`
+    varying fastest first, as megatron-core's `RankGenerator` numbers them; axes `order`
+    names that `digits` lacks have size 1 there."""
+    rank, stride = 0, 1
+    for axis in order.split("-"):
+        index, size = digits.get(axis, (0, 1))
+        rank += index * stride
+        stride *= size
+    return rank
+
+
+def megatron_rank_order(layout, order: str = DEFAULT_ORDER) -> "Placement":
+    """The placement megatron-core gives `layout` when it numbers ranks in `order`
+    (`RANK_ORDERS`): `devices[v]` is the global rank that holds virtual rank v. The default order is the identity; `--use-tp-pp-dp-mapping`'s puts the pipeline
+    axis inside the data-parallel one, on the dense and the expert grid alike, which agree
+    only where their data-parallel sizes do (megatron-core asserts the same)."""
+    if order not in RANK_ORDERS:
+        raise LayoutError(f"rank order {order!r} is not one of megatron-core's {RANK_ORDERS}")
+    L = layout
+    devices = []
+    for v in range(L.world_size):
+        c = L.coords(v)
+        dense = _mixed_radix(order, {"tp": (c.tp, L.tp), "cp": (c.cp, L.cp),
+                                     "dp": (c.dp, L.dp), "pp": (c.pp, L.pp)})
+        expert = _mixed_radix(order, {"tp": (c.etp, L.etp), "ep": (c.ep, L.ep),
+                                      "dp": (c.edp, L.edp), "pp": (c.pp, L.pp)})
+        if dense != expert:
+            raise LayoutError(
+                f"layout {L} in rank order {order}: virtual rank {v} is device {dense} on the "
+                f"dense grid but {expert} on the expert grid; with the pipeline axis before "
+                f"the data-parallel one, dp ({L.dp}) must equal the expert dp ({L.edp})")
+        devices.append(dense)
+    return Placement(tuple(devices))
