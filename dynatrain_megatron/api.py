@@ -45,7 +45,8 @@ from .routing.cost import estimate, state_bytes
 from .routing.planner import build_plan
 from .routing.schedule import build_schedule
 from .transition.executor import PACK_ALIGN
-from .transition.switch import choose_dst_placement, read_scalars
+from .transition.scalars import read_scalars
+from .transition.switch import choose_dst_placement
 from .transition.switch_types import SwitchOptions
 from .vps.layout import Layout
 from .vps.validate import validate_layout

@@ -1,6 +1,8 @@
 """Functions that run inside spawned gloo ranks (imported by name in the children)."""
 from __future__ import annotations
 
+import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -225,14 +227,30 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
         la, pa = tr.objs.layout, tr.objs.groups.placement
         lb = Layout.parse(b, world)
         kw, steps_while_preparing = {}, 0
+        p2p_groups: list = []  # the groups the preparation thread exchanged on, point to point
         if opts.get("background"):
-            # as the hook does it: B prepared in a thread while A trains on
-            pw = prepare_while_training(
-                tr, builder, la, pa, lb, placement=opts.get("placement", "best"),
-                ranks_per_node=opts.get("ranks_per_node", 4),
-                memory_budget=opts.get("memory_budget"),
-                move_weights=opts.get("move_weights", False))
+            batch = dist.batch_isend_irecv
+
+            def recorded(ops):
+                if threading.current_thread().name == "dynatrain-prepare":
+                    p2p_groups.extend(op.group for op in ops)
+                return batch(ops)
+            dist.batch_isend_irecv = recorded
+            try:  # as the hook does it: B prepared in a thread while A trains on
+                pw = prepare_while_training(
+                    tr, builder, la, pa, lb, placement=opts.get("placement", "best"),
+                    ranks_per_node=opts.get("ranks_per_node", 4),
+                    memory_budget=opts.get("memory_budget"),
+                    move_weights=opts.get("move_weights", False))
+            finally:
+                dist.batch_isend_irecv = batch
             kw, steps_while_preparing = pw.switch_args, len(pw.step_seconds)
+            b_pp = kw["new_groups"].pg_collection.pp
+            p2p_groups = dict(  # B's pipeline group warmed up; nothing of A's or the world's
+                b_pp=sum(g is b_pp for g in p2p_groups),
+                other_b=sum(g is not b_pp and any(g is x for x in kw["new_groups"].created)
+                            for g in p2p_groups),
+                not_b=sum(not any(g is x for x in kw["new_groups"].created) for g in p2p_groups))
         if opts.get("realloc_after_prepare"):
             # A's storage changes after it was bound in the background: one Adam moment
             # reallocated (and changed), so the background binding views stale memory
@@ -241,11 +259,24 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
         before = full(tr)
         # 0: every piece travels on its own, straight from/into live storage where contiguous
         executor.SMALL_PIECE_BYTES = opts.get("small_piece_bytes", small_default)
-        tr, res = switch_trainer(tr, builder, la, pa, lb, placement=opts.get("placement", "best"),
-                                 ranks_per_node=opts.get("ranks_per_node", 4),
-                                 memory_budget=opts.get("memory_budget"),
-                                 move_weights=opts.get("move_weights", False), **kw)
+        dropped_on: list = []  # the thread where the transfer group's handle was destroyed
+        if kw:
+            weakref.finalize(kw["new_groups"].transfer,
+                             lambda: dropped_on.append(threading.current_thread().name))
+        broadcasts, bcast = [], dist.broadcast_object_list  # objects sent in the switch
+        dist.broadcast_object_list = lambda *a, **k: (broadcasts.append(a), bcast(*a, **k))[1]
+        try:
+            tr, res = switch_trainer(tr, builder, la, pa, lb,
+                                     placement=opts.get("placement", "best"),
+                                     ranks_per_node=opts.get("ranks_per_node", 4),
+                                     memory_budget=opts.get("memory_budget"),
+                                     move_weights=opts.get("move_weights", False), **kw)
+        finally:
+            dist.broadcast_object_list = bcast
         after = full(tr)
+        for th in threading.enumerate():
+            if th.name == "dynatrain-drop":
+                th.join(30)
         bound_in_background = None
         if kw:
             # B was bound while megatron's globals still described A: the same fragments
@@ -266,6 +297,11 @@ def switch_cases(model: str, cases: list[tuple], overrides: dict | None = None,
                    steps_while_preparing=steps_while_preparing,
                    bound_in_background=bound_in_background, background=r.background,
                    source_bound_early=_gathered(r.source_bound_early),
+                   transfer_dropped_on=_gathered(dropped_on), kinds=list(r.kinds),
+                   params_dtype=s.params_dtype, broadcasts=len(broadcasts),
+                   prepare_p2p=_gathered(p2p_groups), pp_b=lb.pp, masters_apart=_gathered(len(LiveState(
+                       tr.objs.model, tr.objs.optimizer, tr.objs.groups.virtual_rank,
+                       s.vocab_size).masters_apart_from_weights())),
                    placement_devices=tr.objs.groups.placement.devices)
         if opts.get("back"):
             tr, res2 = switch_trainer(tr, builder, tr.objs.layout, tr.objs.groups.placement, la,
@@ -365,7 +401,7 @@ def scale_cases(model: str, big: str, small: str, steps_after: int = 3,
     from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.elastic.groups import install
-    from dynatrain_megatron.transition.switch import read_scalars, write_scalars
+    from dynatrain_megatron.transition.scalars import read_scalars, write_scalars
     from dynatrain_megatron.transition.transport import TorchP2PTransport
     from dynatrain_megatron.transition.vocab_padding import carry_vocab_padding, padding_plan
     from dynatrain_megatron.vps.analytic import analytic_layout

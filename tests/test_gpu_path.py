@@ -1591,3 +1591,63 @@ def test_releasing_a_layout_with_tp_comm_overlap_frees_tes_user_buffers(monkeypa
     S.release(objs(True))
     assert base._ub_communicators is None
     assert S.free_te_user_buffers() is False  # nothing left to free
+
+
+def test_a_warm_up_failure_is_carried_to_the_switch_vote_not_raised_alone(monkeypatch):
+    """After the ready vote `take` raises on every rank alike or on none: a failure of this
+    rank's NCCL warm-up rides in the preparation to the switch's first vote (every rank
+    then gives up together); with no preparation to carry it, it is raised."""
+    from types import SimpleNamespace
+
+    from dynatrain_megatron.elastic import device_manager as dm
+    from dynatrain_megatron.transition.switch_types import Prepared
+    from dynatrain_megatron.vps import OPT_KINDS, Layout, Placement
+
+    a, b, pl = Layout.parse("tp2pp2dp1"), Layout.parse("tp1pp2dp2"), Placement((0, 1, 2, 3))
+    groups = SimpleNamespace(layout=b, placement=pl)
+    monkeypatch.setattr(dm, "build_groups", lambda layout, where: groups)
+    monkeypatch.setattr(dm.dist, "get_rank", lambda group=None: 3)
+
+    def broken(res):
+        raise RuntimeError("ncclInternalError")
+    monkeypatch.setattr(dm, "warm_up_groups", broken)
+    m = dm.DeviceManager(device=None)
+    m.prepare(b, pl, background=False,
+              then=lambda g: Prepared(a, pl, b, pl, groups=g, kinds=OPT_KINDS))
+    assert m.take() is groups
+    prep = m.take_prepared()
+    assert prep.error == ("rank 3: warming up B's communicators: RuntimeError: "
+                          "ncclInternalError")
+    m = dm.DeviceManager(device=None)
+    m.prepare(b, pl, background=False)  # groups only: nothing carries it
+    with pytest.raises(RuntimeError, match="ncclInternalError"):
+        m.take()
+
+
+@pytest.mark.parametrize("nccl", [True, False])
+def test_pipeline_warm_up_exchanges_with_both_neighbours_at_its_backends_call_site(
+        monkeypatch, nccl):
+    """One element each way with the previous and the next stage on B's pipeline group
+    only: under NCCL at the safe point (not from the preparation thread), under gloo from
+    the preparation thread (not at the safe point, where it would be in the pause)."""
+    from types import SimpleNamespace
+
+    from dynatrain_megatron.elastic import communicators as cm
+
+    pp, other = object(), object()
+    posted = []
+    monkeypatch.setattr(cm, "is_nccl", lambda group=None: nccl)
+    monkeypatch.setattr(cm, "collective_device", lambda group=None: torch.device("cpu"))
+    monkeypatch.setattr(cm.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(cm.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(cm.dist, "get_global_rank", lambda group, r: 10 + r)
+    monkeypatch.setattr(cm.dist, "P2POp", lambda op, t, peer, group=None: (op, peer, group))
+    monkeypatch.setattr(cm.dist, "batch_isend_irecv", lambda ops: posted.extend(ops) or [])
+    groups = SimpleNamespace(pg_collection=SimpleNamespace(pp=pp, tp=other))
+    assert cm.warm_up_pipeline(groups, in_background=nccl) is False and posted == []
+    assert cm.warm_up_pipeline(groups, in_background=not nccl) is True
+    # stage 0 of 4: its neighbours are stages 1 and 3 (the wrap-around of interleaving)
+    assert posted == [(cm.dist.isend, 11, pp), (cm.dist.irecv, 11, pp),
+                      (cm.dist.isend, 13, pp), (cm.dist.irecv, 13, pp)]
+    monkeypatch.setattr(cm.dist, "get_world_size", lambda group=None: 1)
+    assert cm.warm_up_pipeline(groups, in_background=not nccl) is False  # one stage

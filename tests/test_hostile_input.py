@@ -271,7 +271,6 @@ def test_placement_failure_fails_the_switch_and_keeps_a(job, monkeypatch):
 
     ctl, sig_dir, outside, victim = job
     monkeypatch.setattr(H.dist, "get_rank", lambda *a: 0)
-    monkeypatch.setattr(H, "everyone_ok", lambda ok, group=None: ok)  # one rank for all
 
     def boom(*a, **k):
         raise sf.RequestError("no rank-ordered placement")  # any exception type
@@ -300,7 +299,8 @@ def test_placement_failure_fails_the_switch_and_keeps_a(job, monkeypatch):
 
 def test_failed_background_preparation_is_a_failed_request_and_keeps_a(job, monkeypatch):
     """B's groups or preparation raising in the background thread surfaces at the switch
-    as a failed request on every rank alike (agreed with one collective), A untouched."""
+    as a failed request on every rank alike (agreed by the ready vote: no further
+    collective), A untouched."""
     from dynatrain_megatron.loop import hook as H
     from dynatrain_megatron.mcore.train_config import TrainConfig
     from dynatrain_megatron.vps.layout import Layout
@@ -308,10 +308,9 @@ def test_failed_background_preparation_is_a_failed_request_and_keeps_a(job, monk
 
     ctl, sig_dir, outside, victim = job
     monkeypatch.setattr(H.dist, "get_rank", lambda *a: 0)
-    votes, cpu_group = [], object()
-    monkeypatch.setattr(H, "control_group", lambda: cpu_group)
-    # one rank stands for all here; the vote's group is recorded
-    monkeypatch.setattr(H, "everyone_ok", lambda ok, group=None: votes.append(group) or ok)
+    collectives = []  # one rank stands for all here: it makes none at the switch
+    for name in ("all_reduce", "broadcast", "all_gather_object", "broadcast_object_list"):
+        monkeypatch.setattr(H.dist, name, lambda *a, name=name, **k: collectives.append(name))
     hook = H.DynatrainHook(ctl.spec, TrainConfig(global_batch_size=8, micro_batch_size=2), ctl)
     a = Layout.parse("tp2pp2", 4)
     hook.start(None, a, Placement((0, 1, 2, 3)))
@@ -320,12 +319,12 @@ def test_failed_background_preparation_is_a_failed_request_and_keeps_a(job, monk
     b = Layout.parse("tp2pp1dp2", 4)
     hook.devices.target = (b, Placement((0, 1, 2, 3)))
     hook.devices._error = MemoryError("B does not fit")  # as the thread leaves it
+    hook.devices.given_up = "preparing tp2pp1dp2 failed on some rank"  # the ready vote's
     assert hook._switch("trainer at A") == "trainer at A"
     assert gc.isenabled()  # a failed switch leaves no collection paused
     assert hook.layout == a and not hook.devices.pending and hook.decision is None
     assert "preparing tp2pp1dp2 failed: RuntimeError" in hook.failed[-1]
     assert "B does not fit" in hook.failed[-1]
-    # the vote ran on the CPU control group (never the default group: NCCL under NCCL)
-    assert votes == [cpu_group]
+    assert collectives == []
     (rec,) = [json.loads(p.read_text()) for p in sig_dir.glob("switch.json.failed.*")]
     assert rec["outcome"] == "failed" and "B does not fit" in rec["reason"]

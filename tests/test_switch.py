@@ -46,7 +46,8 @@ DENSE_4 = [
 ]
 MOE_4 = [
     ("tp1pp2ep2etp1dp2", "tp1pp1ep4etp1dp4", {"back": True}),  # EP 2->4
-    ("tp2pp1ep2etp1dp2", "tp2pp1ep2etp2dp2", {"ckpt": True, "steps_after": 5}),  # ETP 1->2
+    ("tp2pp1ep2etp1dp2", "tp2pp1ep2etp2dp2", {"ckpt": True, "steps_after": 5,
+                                              "move_weights": True}),  # ETP 1->2
     ("tp2pp1ep2etp1dp2", "tp1pp2ep2etp1dp2", {"small_piece_bytes": 0, "back": True}),
     ("tp1pp2ep2etp1dp2", "tp2pp1ep2etp2dp2", {"ckpt": True, "steps_after": 3, "background": True}),
     ("tp2pp1ep2etp1dp2", "tp1pp2ep2etp1dp2", {"back": True, "plan_from": "metadata"}),
@@ -122,8 +123,28 @@ def _check(rec, opts):
         # (then the stale binding must not be used: the state check above catches that)
         expect = not opts.get("realloc_after_prepare")
         assert rec["source_bound_early"] == [expect] * len(rec["source_bound_early"])
+        # gloo: the preparation thread exchanged with each neighbouring stage on B's
+        # pipeline group (B's first P2P, out of the pause), and on no group but B's
+        neighbours = len({1, rec["pp_b"] - 1}) if rec["pp_b"] > 1 else 0
+        assert all(r["b_pp"] == 2 * neighbours and r["not_b"] == 0
+                   for r in rec["prepare_p2p"]), rec["prepare_p2p"]
+        # the transfer group's handle was destroyed off the training thread, out of the
+        # pause (its gloo destructor joins threads and closes connections)
+        assert rec["transfer_dropped_on"] == [["dynatrain-drop"]] * len(
+            rec["transfer_dropped_on"]), rec["transfer_dropped_on"]
     else:
         assert rec["iteration"] == 2 and rec["background"] == {}
+    # every rank of B held the scalars at A: nothing pickled and broadcast for them
+    assert rec["broadcasts"] == 0, rec["broadcasts"]
+    if opts.get("move_weights"):
+        # fp32 weights hold their masters (megatron's main shard is a view of the weight):
+        # they travel once, as weights, and every kind is still bit-identical (above)
+        masters = ["main_param"] if rec["params_dtype"] != "fp32" else []
+        assert rec["kinds"] == ["param", *masters, "exp_avg", "exp_avg_sq"], rec["kinds"]
+    # the check behind it: on B's live state, every master box is its weight's storage
+    # (fp32) or none is (bf16 weights, separate fp32 masters)
+    apart = rec["masters_apart"]
+    assert all(n == 0 for n in apart) if rec["params_dtype"] == "fp32" else all(apart), apart
     if opts.get("plan_from") == "metadata":  # the plan came from the gathered metadata
         assert "metadata_exchange" in {**rec["phases"], **rec["background"]}, rec["phases"]
     if opts.get("small_piece_bytes") == 0 and rec["moved"]:

@@ -10,6 +10,10 @@ from dynatrain_megatron.vps.errors import DynatrainError
 def test_options_kinds_and_defaults():
     assert SwitchOptions().kinds == OPT_KINDS
     assert SwitchOptions(move_weights=True).kinds == KINDS
+    # fp32 masters that are views of the weights travel with them, once
+    assert SwitchOptions(move_weights=True, masters_are_weights=True).kinds == (
+        "param", "exp_avg", "exp_avg_sq")
+    assert SwitchOptions(masters_are_weights=True).kinds == OPT_KINDS
     with pytest.raises(AttributeError):
         SwitchOptions().timeout = 3.0  # frozen
 

@@ -542,6 +542,18 @@ class LiveState:
             out += self.optimizer_fragments(opt_kinds, padding=True)
         return sorted(out)
 
+    def masters_apart_from_weights(self) -> list[str]:
+        """The fp32 master boxes whose storage is not their weight's own at the same place
+        (empty where every master is a view of its weight: fp32 weights under the
+        distributed optimizer, where moving the weights moves the masters too)."""
+        out = []
+        for f in self.optimizer_fragments(("main_param",)):
+            m = self.view("main_param", f.chunk, f.local_name, f.local_box)
+            w = self.view("param", f.chunk, f.local_name, f.local_box)
+            if (m.data_ptr(), m.stride(), m.dtype) != (w.data_ptr(), w.stride(), w.dtype):
+                out.append(f"c{f.chunk}:{f.local_name} {f.local_box}")
+        return out
+
     def fragments(self, kinds: Iterable[str] = KINDS) -> list[LiveFragment]:
         kinds = tuple(kinds)
         out = [f for f in self.param_fragments if "param" in kinds]

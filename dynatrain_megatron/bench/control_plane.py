@@ -10,11 +10,12 @@ for one switch, with `torch.distributed` replaced by a recording stand-in
   3. the preparation (`transition.switch.prepare_switch`: plan, schedule, this rank's
      pieces and the check of its part of the plan) with a builder that builds nothing;
   4. one ready vote on the control group (`elastic.communicators.everyone_ok`), the
-     warm-up of B's communicators (`warm_up_groups`), the hook's preparation vote;
+     warm-up of B's communicators (`warm_up_groups`; not its pipeline pairs'
+     point-to-point exchange, `warm_up_pipeline`, which the stand-in does not record);
   5. the switch itself (`transition.switch.switch_layout` with the prepared state): its
      two votes, the transfer's messages as the executor derives them from its pieces
      (`RecordingExecutor`: one batched exchange per round and one for its checksums),
-     the vocab-padding gather, the scalars' broadcast;
+     the vocab-padding gather, the scalars' broadcast where a rank of B held none at A;
   6. the release of A's groups.
 
 Counted per rank (`fake_dist.Counts`): `new_group` calls (member or not), communicators
@@ -272,7 +273,6 @@ def emulate_rank(spec: ModelSpec, src: Layout, src_placement: Placement, dst: La
             raise RuntimeError(prep.error)
         everyone_ok(True, control_group())  # the ready vote of the step it lands at
         warm_up_groups(groups_b)
-        everyone_ok(True, control_group())  # the hook: every rank's preparation succeeded
         res = switch_layout(spec, builder, None, src, src_placement, dst, build_groups, None,
                             options, prepared=prep, transport=wire)
         if res.aborted:

@@ -169,3 +169,37 @@ def warm_up_groups(groups) -> None:
         seen.add(id(g))
         if dist.get_backend(g) == "nccl":
             warm_up(g)
+
+
+def warm_up_pipeline(groups, in_background: bool) -> bool:
+    """One exchange of one element with the previous and the next stage (both directions)
+    on a layout's pipeline group (`elastic.groups.ParallelGroups`), so that the first step
+    at that layout does not pay for the first point-to-point traffic of the group: NCCL
+    connects a pair of ranks at their first send/receive, gloo's first exchange on a fresh
+    group costs more than the next ones.
+
+    Collective over the pipeline group, and only that group: every member calls it at the
+    same point, and nothing else may use the group meanwhile (B's, before the switch).
+    Under gloo from the preparation thread (`in_background`), out of the pause; under
+    NCCL at the safe point after the ready vote (`in_background=False`, the training
+    thread, right after `warm_up_groups`), never beside the training thread's kernels
+    (module doc). Returns whether this rank exchanged (False for the other call site,
+    a rank outside the layout, or a single stage)."""
+    if groups is None or in_background == is_nccl():
+        return False
+    pp = getattr(groups.pg_collection, "pp", None)
+    if pp is None or pp == dist.GroupMember.NON_GROUP_MEMBER or dist.get_world_size(pp) < 2:
+        return False
+    size, me = dist.get_world_size(pp), dist.get_rank(pp)
+    device = collective_device(pp)
+    ops = []
+    for peer in sorted({(me + 1) % size, (me - 1) % size}):
+        there = dist.get_global_rank(pp, peer)
+        ops += [dist.P2POp(dist.isend, torch.zeros(1, device=device), there, group=pp),
+                dist.P2POp(dist.irecv, torch.empty(1, device=device), there, group=pp)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return True
+

@@ -32,8 +32,10 @@ from ..compat import runtime_in_this_thread
 from ..vps.layout import Layout
 from ..vps.placement import Placement
 from ..transition.faults import end_preparation_delays
+from ..transition.switch_types import Prepared
 from ..transition.transport import collective_device
-from .communicators import control_group, device_context, rank_device, warm_up_groups
+from .communicators import (control_group, device_context, rank_device, warm_up_groups,
+                             warm_up_pipeline)
 from .groups import ParallelGroups, build_groups
 
 log = logging.getLogger("dynatrain")
@@ -177,7 +179,9 @@ class DeviceManager:
         return _VOTES[agreed]
 
     def take(self) -> ParallelGroups:
-        """The groups built; the preparation, if one was asked for, is `take_prepared()`."""
+        """The groups built; the preparation, if one was asked for, is `take_prepared()`.
+        After a ready vote it raises on every rank alike (the vote gave up) or on none,
+        where a preparation carries a failure of this rank (`Prepared.error`)."""
         if self.given_up is not None:  # agreed by the ready vote: do not wait on a thread
             reason, self.target = self.given_up, None
             if self._error is not None:
@@ -193,8 +197,19 @@ class DeviceManager:
         res, self._result, self.target = self._result, None, None
         assert res is not None
         # every rank is here at the same point (after the ready vote): B's communicators
-        # are created now, before the pause, in the same order everywhere (NCCL only)
-        warm_up_groups(res)
+        # are created now, before the pause, in the same order everywhere (NCCL only). A
+        # failure there may be this rank's alone: with a preparation, the switch's first
+        # vote carries it (every rank then gives up together); without one, it is raised
+        try:
+            warm_up_groups(res)
+            warm_up_pipeline(res, in_background=False)  # NCCL: its pairs connect here
+        except Exception as e:  # noqa: BLE001 - voted on at the switch
+            if not isinstance(self._prepared, Prepared):
+                raise
+            log.error("rank %d: warming up the communicators of %s failed: %s",
+                      dist.get_rank(), res.layout, e)
+            self._prepared.error = self._prepared.error or (
+                f"rank {dist.get_rank()}: warming up B's communicators: {type(e).__name__}: {e}")
         return res
 
     def take_prepared(self) -> Any:

@@ -23,7 +23,8 @@ from ..adapters.live import LiveState
 from ..elastic.groups import build_groups, forget_megatron_groups, install
 from ..elastic.rejoin import NewWorld, announce_noticed, reform_world, rendezvous_store
 from ..routing.lost_state import lost_state
-from ..transition.switch import read_scalars, switch_layout
+from ..transition.scalars import read_scalars
+from ..transition.switch import switch_layout
 from ..transition.switch_types import Scalars, SwitchOptions, SwitchReport
 from ..vps.fragment import OPT_KINDS
 from ..vps.placement import Placement

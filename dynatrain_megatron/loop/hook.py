@@ -17,7 +17,6 @@ import torch.distributed as dist
 from ..elastic import job_presence
 from ..elastic.controller import Controller, Decision
 from ..elastic.schedule import load_schedule
-from ..elastic.communicators import control_group, everyone_ok
 from ..elastic.device_manager import DeviceManager
 from ..elastic.standby_channel import StandbyChannel
 from ..elastic.groups import build_groups
@@ -315,14 +314,12 @@ class DynatrainHook:
             dst, dst_placement = self.devices.target
             kw, error = {}, None
             t1 = time.perf_counter()
-            try:
+            try:  # raises on every rank alike or on none (DeviceManager.take)
                 kw = prepared_switch_args(self.devices)
             except Exception as e:  # noqa: BLE001 - B's groups or preparation failed
                 error = e
-            t1 = self.stall.lap("warm_up", t1)
-            ok = everyone_ok(error is None, control_group())  # gloo: never NCCL's own value
-            self.stall.lap("votes", t1)
-            if not ok:  # every rank gives up alike, A untouched
+            self.stall.lap("warm_up", t1)
+            if error is not None:  # every rank gives up alike, A untouched
                 return self._preparation_failed(trainer, dst, kw, error)
             if kw.get("new_groups") is not None:
                 dst_placement = kw["new_groups"].placement  # chosen in the background

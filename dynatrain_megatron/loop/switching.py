@@ -7,10 +7,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
+from ..elastic.communicators import warm_up_pipeline
 from ..elastic.device_manager import DeviceManager
 from ..elastic.groups import ParallelGroups, build_groups, install
 from ..transition.faults import FaultPlan, start_preparation_delays
-from ..transition.switch import choose_dst_placement, prepare_switch, read_scalars, switch_layout
+from ..transition.scalars import read_scalars
+from ..transition.switch import choose_dst_placement, prepare_switch, switch_layout
 from ..transition.switch_types import Prepared, SwitchOptions, SwitchResult
 from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
@@ -56,6 +58,7 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
                if trainer is not None else None)
     options = SwitchOptions(placement=placement, ranks_per_node=ranks_per_node,
                             memory_budget=memory_budget, move_weights=move_weights,
+                            masters_are_weights=masters_are_weights(builder.spec),
                             timeout=timeout)
     timings["scalars"] = time.perf_counter() - t0
     res = switch_objects(old, builder, src, src_placement, dst, scalars, options,
@@ -226,9 +229,12 @@ def start_preparation(manager: DeviceManager, builder: MegatronBuilder, src: Lay
 
     def prepare(groups: ParallelGroups) -> Prepared:
         options = SwitchOptions(ranks_per_node=ranks_per_node, memory_budget=memory_budget,
-                                move_weights=move_weights)
-        return prepare_switch(builder.spec, builder, src, src_placement, dst, groups, options,
-                              background=True, faults=faults, src_objs=src_objs)
+                                move_weights=move_weights,
+                                masters_are_weights=masters_are_weights(builder.spec))
+        prepared = prepare_switch(builder.spec, builder, src, src_placement, dst, groups,
+                                  options, background=True, faults=faults, src_objs=src_objs)
+        warm_up_pipeline(groups, in_background=True)  # gloo: B's first P2P, out of the pause
+        return prepared
 
     start_preparation_delays()
     manager.prepare(dst, dst_placement if dst_placement is not None else choose, background=True,
@@ -250,6 +256,14 @@ def moves_weights(spec: ModelSpec, dst: Layout) -> bool:
     if not spec.distributed_optimizer:
         return False
     return dst.dp * dst.cp > dst.doi or (bool(spec.num_moe_experts) and dst.edp > dst.doi)
+
+
+def masters_are_weights(spec: ModelSpec) -> bool:
+    """Whether the fp32 masters are views of the weights (fp32 weights under the
+    distributed optimizer: megatron's main shard is a slice of the parameter buffer), so
+    that a switch moving the weights moves them too (`SwitchOptions.masters_are_weights`;
+    B's live state is checked for it before anything moves)."""
+    return spec.distributed_optimizer and spec.params_dtype == "fp32"
 
 
 def prepared_switch_args(manager: DeviceManager) -> dict:

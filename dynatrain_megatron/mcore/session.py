@@ -4,7 +4,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import threading
 from typing import Optional
 
 import torch
@@ -14,6 +13,7 @@ from .. import process_env
 from ..compat import prepare_runtime
 from ..elastic.communicators import create_control_group, warm_up_default
 from ..elastic.groups import Placement, build_groups
+from ..transition.transport import drop_in_background
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from .builders import MegatronBuilder, TrainingObjects
@@ -166,19 +166,6 @@ def collect_released(broken: bool = False) -> None:
             drop_in_background(handles)
     gc.collect()
     process_env.release_free_memory()
-
-
-def drop_in_background(holder: list) -> threading.Thread:
-    """Let the references in `holder` go in a daemon thread. For a released layout's
-    process-group handles (`release`): their destructors join gloo's worker threads and
-    close its connections, which takes long enough to matter in the pause, and would run
-    on the training thread right after a switch, wherever the last reference died. The
-    groups are deregistered and megatron's globals point at the new layout by then, so
-    nothing uses them meanwhile (if something still holds one, its destructor simply runs
-    later, where that reference goes)."""
-    t = threading.Thread(target=holder.clear, name="dynatrain-drop", daemon=True)
-    t.start()
-    return t
 
 
 def free_te_user_buffers() -> bool:

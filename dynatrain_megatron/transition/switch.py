@@ -31,8 +31,7 @@ import torch.distributed as dist
 
 from ..compat.torch_features import ordered_groups
 from ..adapters.live import (LiveState, fp32_copies_of, optimizer_state_complete,
-                             optimizers_of, read_optimizer_step, storage_fingerprint,
-                             write_optimizer_step)
+                             optimizers_of, storage_fingerprint)
 from ..adapters.verify import check_live_matches_analytic, check_live_matches_analytic_where_both
 from ..routing.piece import Piece
 from ..routing.placement_search import best_rank_ordered, placement_choice
@@ -50,13 +49,14 @@ from ..vps.naming import DTYPE_BYTES
 from .metadata_exchange import (gather_metadata, plan_from_metadata, plans_from_metadata,
                                 unlike_analytic)
 from .object_carry import ObjectCarryStats, carry_objects, join_failed, plan_objects, plan_once
+from .scalars import write_scalars
 from .vocab_padding import carry_vocab_padding, padding_plan
 from .executor import PACK_ALIGN, Executor
 from .faults import FaultPlan
-from .switch_types import (Builder, LayoutGroups, Prepared, Scalars, SwitchOptions,
-                           SwitchReport, SwitchResult)
+from .switch_types import (Builder, LayoutGroups, Prepared, Scalars, SwitchError,
+                           SwitchOptions, SwitchReport, SwitchResult)
 from .transport import (TorchP2PTransport, Transport, abort_group, collective_device,
-                        control_group)
+                        control_group, drop_in_background)
 
 log = logging.getLogger("dynatrain")
 
@@ -109,6 +109,12 @@ def prepare_switch(spec: ModelSpec, builder: Builder, src: Layout, src_placement
         t0 = t()
         if verify and prep.live is not None:
             _check_analytic(prep.live, spec, builder, dst, vr_b, kinds, metadata)
+        if "param" in kinds and "main_param" not in kinds and not options.weights_only \
+                and prep.live is not None:  # the masters travel as the weights' own storage
+            apart = prep.live.masters_apart_from_weights()
+            if apart:
+                raise SwitchError(f"B's fp32 masters are not views of its weights ({len(apart)} "
+                                  f"boxes, e.g. {apart[:3]}): they must move themselves")
         prep.phases["verify"] = t() - t0
         t0 = t()
         if metadata:
@@ -328,12 +334,16 @@ def _release_transfer(groups: Optional[LayoutGroups], abort: bool) -> None:
     B's transfer communicator is only for this switch. `abort`: the transfer failed, so
     its NCCL communicator may hold operations that will never complete; every member
     aborts it (not only the one that timed out) before it is destroyed. Then destroyed
-    by all its members together (NCCL synchronises a destroy across a node)."""
+    by all its members together (NCCL synchronises a destroy across a node). Its handle's
+    destructor (gloo: joining its threads, closing its connections) then runs in a thread,
+    out of the pause: the caller holds no other reference to the group by now."""
     if groups is None or groups.transfer is None:
         return
     if abort:
         abort_group(groups.transfer)
+    last = [groups.transfer]
     groups.release_transfer()
+    drop_in_background(last)
 
 
 def _aborted(src: Layout, dst: Layout, dst_placement: Placement, groups: Optional[LayoutGroups],
@@ -346,23 +356,6 @@ def _aborted(src: Layout, dst: Layout, dst_placement: Placement, groups: Optiona
     report = SwitchReport(src=str(src), dst=str(dst), placement=str(dst_placement), phases=phases,
                           background=background or {})
     return SwitchResult(new_objs, dst, dst_placement, groups, None, report, aborted=reason)
-
-
-def read_scalars(objs, iteration: int, consumed_samples: int) -> Scalars:
-    step = read_optimizer_step(objs.optimizer)
-    scaler = getattr(objs.optimizer, "grad_scaler", None)
-    return Scalars(iteration, consumed_samples, step, objs.scheduler.state_dict(),
-                   scaler.state_dict() if scaler is not None else None)
-
-
-def write_scalars(objs, s: Scalars) -> None:
-    """Optimizer step (one per parameter, for Adam's bias correction), scheduler, scaler."""
-    if s.optimizer_step is not None:
-        write_optimizer_step(objs.optimizer, s.optimizer_step)
-    objs.scheduler.load_state_dict(dict(s.scheduler))
-    scaler = getattr(objs.optimizer, "grad_scaler", None)
-    if scaler is not None and s.grad_scaler is not None:
-        scaler.load_state_dict(s.grad_scaler)
 
 
 def rebuild_weights_from_masters(objs) -> None:
@@ -560,6 +553,8 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     except Exception as e:  # noqa: BLE001
         errors.append(f"rank {me}: commit: {type(e).__name__}: {e}")
     phases["transfer"] = t() - t5 - phases.get("objects", 0.0)
+    exec_stats = ex.stats
+    del ex, transport, xfer_group  # the transfer group's last holder is `_release_transfer`
     # -- commit vote: every rank of the world agrees that everything arrived and checked
     t6 = t()
     errors = _agree(errors, deadline)
@@ -570,11 +565,14 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
                         background)
 
     t6 = t()
-    # scalars: every rank of A holds them; the first (living) device of A tells everyone
-    box = [scalars]
-    dist.broadcast_object_list(box, src=next(d for d in src_placement.devices
-                                             if d not in set(unavailable)))
-    scalars = box[0]
+    # scalars: every (living) rank of A holds them, the same on each (iteration, sample
+    # counts, optimizer step and scheduler advance in lockstep); where some rank of B held
+    # nothing at A (a joiner, one back from standby), the first device of A tells everyone
+    holders = [d for d in src_placement.devices if d not in set(unavailable)]
+    if not set(dst_placement.devices) <= set(holders):
+        box = [scalars]
+        dist.broadcast_object_list(box, src=holders[0])
+        scalars = box[0]
     _release_transfer(groups, abort=False)
     phases["sync"] = t() - t6
     t6 = t()
@@ -590,11 +588,12 @@ def switch_layout(spec: ModelSpec, builder: Builder, old_objs: Any, src: Layout,
     report = SwitchReport(src=str(src), dst=str(dst), placement=str(dst_placement),
                           bytes_moved=stats.moved_bytes, lower_bound_bytes=stats.lower_bound_bytes,
                           local_bytes=stats.local_bytes, rounds=len(rounds),
-                          peak_staging_bytes=ex.stats.peak_staging_bytes,
-                          sent_bytes=ex.stats.sent_bytes, recv_bytes=ex.stats.recv_bytes,
-                          zero_copy_bytes=ex.stats.zero_copy_bytes,
-                          checksummed_messages=ex.stats.checksummed_messages,
-                          source_bound_early=bound_early, objects_sent=obj_stats.sent,
+                          peak_staging_bytes=exec_stats.peak_staging_bytes,
+                          sent_bytes=exec_stats.sent_bytes, recv_bytes=exec_stats.recv_bytes,
+                          zero_copy_bytes=exec_stats.zero_copy_bytes,
+                          checksummed_messages=exec_stats.checksummed_messages,
+                          source_bound_early=bound_early, kinds=kinds,
+                          objects_sent=obj_stats.sent,
                           object_bytes=obj_stats.sent_bytes + obj_stats.recv_bytes,
                           phases=phases, background=background)
     return SwitchResult(new_objs, dst, dst_placement, groups, scalars, report)

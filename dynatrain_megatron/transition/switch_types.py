@@ -74,6 +74,9 @@ class SwitchOptions:
     `checksums`: every message checksummed by its sender and its receiver.
     `weights_only`: move the model weights and nothing else (B holds weights only: a
     generation layout, built without an optimizer; no scalars are carried).
+    `masters_are_weights`: the fp32 masters are views of the weights (fp32 weights under
+    the distributed optimizer), so with `move_weights` they travel with the weights and
+    are not sent a second time (checked on B's live state before anything moves).
     """
 
     placement: str = "best"
@@ -84,6 +87,7 @@ class SwitchOptions:
     timeout: Optional[float] = None
     checksums: bool = True
     weights_only: bool = False
+    masters_are_weights: bool = False
 
     def __post_init__(self) -> None:
         errs = []
@@ -104,7 +108,10 @@ class SwitchOptions:
         """The state kinds the transfer moves."""
         if self.weights_only:
             return ("param",)
-        return KINDS if self.move_weights else OPT_KINDS
+        if not self.move_weights:
+            return OPT_KINDS
+        return tuple(k for k in KINDS if k != "main_param") if self.masters_are_weights \
+            else KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +142,7 @@ class SwitchReport:
     zero_copy_bytes: int = 0  # network bytes sent from / received into live storage directly
     checksummed_messages: int = 0
     source_bound_early: bool = False  # A's binding came from the background preparation
+    kinds: tuple = ()  # the state kinds the transfer moved
     objects_sent: int = 0  # sharded objects (`_extra_state`) this rank sent to another
     object_bytes: int = 0  # their serialised bytes, sent and received
     phases: dict = field(default_factory=dict)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -204,3 +205,16 @@ class TorchP2PTransport(Transport):
             return Pending(())
         return Pending(dist.batch_isend_irecv(ops), polled=self.nccl,
                        on_timeout=lambda: abort_group(self.group))
+
+
+def drop_in_background(holder: list) -> threading.Thread:
+    """Let the references in `holder` go in a daemon thread. For process-group handles
+    that are destroyed (deregistered) already: a released layout's groups
+    (`mcore.session.release`) and a switch's transfer group. Their destructors join gloo's
+    worker threads and close its connections, tens of milliseconds per group, and would
+    run on the training thread right after a switch, wherever the last reference died.
+    Nothing uses a deregistered group (if something still holds one, its destructor simply
+    runs later, where that reference goes)."""
+    t = threading.Thread(target=holder.clear, name="dynatrain-drop", daemon=True)
+    t.start()
+    return t
