@@ -131,8 +131,10 @@ REFUSALS: tuple[Refusal, ...] = (
             "saved it: it calls the optimizer's state initialiser, which megatron-core "
             "defines for Adam but not SGD (TypeError). Its distributed optimizer "
             "refuses SGD when built (both checked on the CPU, core_v0.16.1 and "
-            "core_v0.19.0). The Muon optimizers are layer-wise, with state the switch does "
-            "not read",
+            "core_v0.19.0). Muon, Lion and SOAP come from NVIDIA's emerging_optimizers, "
+            "which is not on PyPI and cannot be installed here, so neither a restart nor a "
+            "switch of them can be run (untested); their layer-wise state is not read by the "
+            "switch",
             lambda a: _optimizer(a) + _flags("use_layer_wise_distributed_optimizer")(a)),
     Refusal("--use-torch-fsdp2, --use-megatron-fsdp, --use-custom-fsdp", "hardware",
             "Megatron-LM's FSDP needs CUDA and NCCL: with --use-torch-fsdp2 its argument "
