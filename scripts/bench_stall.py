@@ -7,7 +7,8 @@ Printed, each from its own source:
 * the stall: Megatron-LM's elapsed time of iteration K+1 (the switching one) minus the
   median of the steady iterations at B (K+2..N), from its own log lines;
 * our accounting of it (`switches.jsonl`): the slowest rank's stall and the sum of its parts,
-  the slowest rank's pause and transfer;
+  the slowest rank's pause and transfer, the longest transfer over the ranks (the one the
+  others wait for at the commit vote) and every rank's pause and transfer;
 * the restart path's stall, measured the same way: from the end of iteration K at A (the
   saving job's line) to the end of iteration K+1 in the resuming job, minus its steady
   iteration;
@@ -146,6 +147,12 @@ def main() -> int:
             f"{n_} {v:.3f}" for n_, v in rec["prepared"].items()))
     print(f"slowest rank's pause (r{pauser['rank']}):                  {pause:7.3f} s, "
           f"its transfer {pauser['transfer_s']:.3f} s")
+    # a rank with a small share of the transfer waits for the others at the commit vote
+    # (its `votes` part): its pause follows the longest transfer, not its own
+    longest = max(ranks, key=lambda r: r["transfer_s"])
+    print(f"longest transfer (r{longest['rank']}):                     "
+          f"{longest['transfer_s']:7.3f} s; per rank pause/transfer: " + ", ".join(
+              f"r{r['rank']} {r['pause_s']:.3f}/{r['transfer_s']:.3f}" for r in ranks))
     goals = [("stall <= 1.25x the slowest pause", stall / pause, 1.25, stall <= 1.25 * pause),
              ("pause <= 2x its transfer", pause / max(pauser["transfer_s"], 1e-9), 2.0,
               pause <= 2 * pauser["transfer_s"])]
