@@ -3,7 +3,6 @@ messages go out per round and peer, how many bytes, the checksum exchange after 
 round, and that every piece lands where the plan says (no process group)."""
 from __future__ import annotations
 
-import collections
 import threading
 
 import pytest
@@ -11,54 +10,8 @@ import torch
 
 from dynatrain_megatron.routing.piece import Piece
 from dynatrain_megatron.transition.executor import SMALL_PIECE_BYTES, Executor
-from dynatrain_megatron.transition.transport import Pending, Transport
 from dynatrain_megatron.vps.box import Box
-
-
-class _Mailboxes:
-    """Messages between ranks, matched per (sender, receiver) in posting order."""
-
-    def __init__(self, corrupt: bool = False) -> None:
-        self.cv = threading.Condition()
-        self.queues: dict[tuple[int, int], collections.deque] = collections.defaultdict(
-            collections.deque)
-        self.posted: dict[int, list] = collections.defaultdict(list)  # rank -> [(sends, recvs)]
-        self.corrupt = corrupt
-
-
-class _Arrivals(Pending):
-    def __init__(self, box: _Mailboxes, me: int, recvs) -> None:
-        super().__init__(())
-        self.box, self.me, self.recvs = box, me, recvs
-
-    def wait(self, timeout=None) -> None:
-        for peer, bufs in self.recvs.items():
-            for buf in bufs:
-                with self.box.cv:
-                    assert self.box.cv.wait_for(lambda: self.box.queues[(peer, self.me)], 30)
-                    msg = self.box.queues[(peer, self.me)].popleft()
-                assert msg.dtype == buf.dtype and msg.shape == buf.shape
-                buf.copy_(msg)
-
-
-class _FakeTransport(Transport):
-    def __init__(self, box: _Mailboxes, me: int) -> None:
-        self.box, self.me = box, me
-
-    def start(self, sends, recvs, tag=0) -> Pending:
-        assert tag == 7
-        self.box.posted[self.me].append(
-            ({p: [(m.dtype, m.numel()) for m in ms] for p, ms in sends.items()},
-             {p: [(m.dtype, m.numel()) for m in ms] for p, ms in recvs.items()}))
-        with self.box.cv:
-            for peer, msgs in sends.items():
-                for m in msgs:
-                    m = m.clone()
-                    if self.box.corrupt and m.dtype == torch.uint8 and m.numel() > 64:
-                        m[3] ^= 1  # one bit of the packed message
-                    self.box.queues[(self.me, peer)].append(m)
-            self.box.cv.notify_all()
-        return _Arrivals(self.box, self.me, recvs)
+from memory_transport import Mailboxes, MemoryTransport
 
 
 def _piece(src, dst, name, box, key=None):
@@ -84,12 +37,12 @@ def _run(corrupt=False):
     src = {r: {"a": torch.randn(40, generator=g), "b": torch.randn(6, generator=g),
                "w": torch.randn(384, 128, generator=g)} for r in (0, 1)}
     dst = {r: {k: torch.zeros_like(v) for k, v in src[r].items()} for r in (0, 1)}
-    box = _Mailboxes(corrupt)
+    box = Mailboxes(corrupt)
     execs, errors = {}, {}
 
     def rank(r):
         ex = execs[r] = Executor(
-            r, _FakeTransport(box, r), src_view=lambda p: src[r][p.src_local_name][
+            r, MemoryTransport(box, r, tag=7), src_view=lambda p: src[r][p.src_local_name][
                 p.src_local_box.slices()],
             dst_view=lambda p: dst[r][p.dst_local_name][p.dst_local_box.slices()], tag=7)
         local = [p for p in [LOCAL] if p.src_device == r]

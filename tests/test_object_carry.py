@@ -6,7 +6,6 @@ values deserialised, never shared with A) and the setting on a torch module thro
 inside Megatron-LM: tests/test_megatron_lm_recipes.py (llama)."""
 from __future__ import annotations
 
-import collections
 import threading
 
 import pytest
@@ -16,7 +15,7 @@ from dynatrain_megatron.adapters.sharded_objects import (ObjectCarryError, Objec
                                                          deserialize, serialize, set_objects)
 from dynatrain_megatron.transition.object_carry import (ObjectPlan, ObjectRoute,
                                                         carry_objects, object_plan)
-from dynatrain_megatron.transition.transport import Pending, Transport
+from memory_transport import Mailboxes, MemoryTransport
 
 L0, L1 = "decoder.layers.input_layernorm._extra_state/shard_0_2", \
     "decoder.layers.input_layernorm._extra_state/shard_1_2"
@@ -82,43 +81,6 @@ def test_set_objects_calls_set_extra_state_and_leaves_the_parameters():
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
-class _Box:
-    def __init__(self) -> None:
-        self.cv = threading.Condition()
-        self.queues: dict = collections.defaultdict(collections.deque)
-        self.posted: dict = collections.defaultdict(list)
-
-
-class _Arrivals(Pending):
-    def __init__(self, box: _Box, me: int, recvs) -> None:
-        super().__init__(())
-        self.box, self.me, self.recvs = box, me, recvs
-
-    def wait(self, timeout=None) -> None:
-        for peer, bufs in self.recvs.items():
-            for buf in bufs:
-                with self.box.cv:
-                    assert self.box.cv.wait_for(lambda: self.box.queues[(peer, self.me)], 30)
-                    msg = self.box.queues[(peer, self.me)].popleft()
-                assert msg.dtype == buf.dtype and msg.shape == buf.shape
-                buf.copy_(msg)
-
-
-class _Transport(Transport):
-    def __init__(self, box: _Box, me: int) -> None:
-        self.box, self.me = box, me
-
-    def start(self, sends, recvs, tag=0) -> Pending:
-        self.box.posted[self.me].append(({p: len(m) for p, m in sends.items()},
-                                         {p: len(m) for p, m in recvs.items()}))
-        with self.box.cv:
-            for peer, msgs in sends.items():
-                for m in msgs:
-                    self.box.queues[(self.me, peer)].append(m.clone())
-            self.box.cv.notify_all()
-        return _Arrivals(self.box, self.me, recvs)
-
-
 class _Side:
     """A rank's binding as the carry uses it: objects read at A, written at B."""
 
@@ -135,11 +97,11 @@ class _Side:
 
 
 def _carry(plan, sides):
-    box, out = _Box(), {}
+    box, out = Mailboxes(), {}
 
     def run(me):
         src, dst = sides[me]
-        out[me] = carry_objects(plan, me, src, dst, _Transport(box, me),
+        out[me] = carry_objects(plan, me, src, dst, MemoryTransport(box, me, tag=3),
                                 device=torch.device("cpu"), tag=3, timeout=30)
 
     threads = [threading.Thread(target=run, args=(me,)) for me in sides]
@@ -163,9 +125,10 @@ def test_carry_sends_each_destination_its_objects_in_two_messages():
             assert v["calls"] == 3 and torch.equal(v["amax"], a0[k]["amax"])
             assert v["amax"] is not a0[k]["amax"]
     # rank 0 -> 1: one message of sizes, then one of bytes; nothing to itself on the wire
-    assert box.posted[0] == [({1: 1}, {}), ({1: 1}, {})]
-    assert box.posted[1] == [({}, {0: 1}), ({}, {0: 1})]
     stats = out[0][0]
+    sizes, data = [(torch.int64, 2)], [(torch.uint8, stats.sent_bytes)]
+    assert box.posted[0] == [({1: sizes}, {}), ({1: data}, {})]
+    assert box.posted[1] == [({}, {0: sizes}), ({}, {0: data})]
     assert stats.sent == 2 and stats.sent_bytes == len(serialize(a0[L0])) + len(serialize(a0[L1]))
     assert out[1][0].received == 2 and out[1][0].recv_bytes == stats.sent_bytes
 
