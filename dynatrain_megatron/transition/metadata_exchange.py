@@ -58,7 +58,7 @@ def _side(live: Optional[LiveState], device: int, kinds: tuple[str, ...]) -> tup
     """This rank's part of one side: (records, padding holdings, global shapes, buffer
     records, sharded objects). Records of the optimizer kinds are sent once, as
     `main_param` (they share their boxes); buffers (no optimizer state) always, whatever
-    `kinds`; the objects as (unique key, main replica) (`object_carry`)."""
+    `kinds`; the objects as (unique key, device, main replica) (`object_carry`)."""
     if live is None:
         return [], [], {}, [], []
     if live.unplaced:
@@ -78,7 +78,7 @@ def _side(live: Optional[LiveState], device: int, kinds: tuple[str, ...]) -> tup
     bufs = [(f.key, "param", f.box.offsets, f.box.shape, device, f.chunk, f.local_name,
              f.local_offsets, live.buffers[f.chunk][f.local_name].element_size())
             for f in live.buffer_fragments]
-    objs = [(s.unique_key, s.main) for s in live.objects]
+    objs = [(s.unique_key, device, s.main) for s in live.objects]
     return recs, pads, dict(live.global_shapes), bufs, objs
 
 
@@ -142,9 +142,9 @@ def gather_metadata(src_live: Optional[LiveState], dst_live: Optional[LiveState]
         raise ValueError("gathering the live metadata failed: " + "; ".join(failed[:4]))
     out = GatheredMetadata(payload_bytes=len(pickle.dumps(mine)))
     errors: list[str] = []
-    for dev, (a, b) in enumerate(everyone):
-        out.src_objects += [(k, dev, main) for k, main in a[4]]
-        out.dst_objects += [(k, dev) for k, _ in b[4]]
+    for a, b in everyone:
+        out.src_objects += a[4]
+        out.dst_objects += [(k, dev) for k, dev, _ in b[4]]
         for (recs, pads, shapes, bufs, _), records, holdings, all_shapes, side in (
                 (a, out.src, out.src_padding, out.src_shapes, "A"),
                 (b, out.dst, out.dst_padding, out.dst_shapes, "B")):
