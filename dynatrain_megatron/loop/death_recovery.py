@@ -48,9 +48,7 @@ def fit_layout(spec: ModelSpec, train: TrainConfig, old: Layout, n: int) -> Layo
     """The layout to shrink to on at most `n` ranks: the old one's model parallelism with
     the largest DP that fits (and divides the global batch); failing that, smaller TP/PP."""
     def ok(lay: Layout) -> bool:
-        per, batch = train.micro_batch_size * lay.dp, train.global_batch_size
-        batch = train.running_batch_size(batch, lay.dp)
-        if lay.world_size > n or batch % per or batch < per:
+        if lay.world_size > n or not train.splits_over(lay.dp):
             return False
         return not lay.model_errors(spec)
 

@@ -57,6 +57,13 @@ class TrainConfig:
         per = self.micro_batch_size * dp
         return batch // per * per
 
+    def splits_over(self, dp: int) -> bool:
+        """Whether the global batch as trained at `dp` (`running_batch_size`) is a whole
+        number, at least one, of micro-batches on each of `dp` ranks."""
+        per = self.micro_batch_size * dp
+        batch = self.running_batch_size(self.global_batch_size, dp)
+        return batch >= per and batch % per == 0
+
     def batch_sizes(self) -> tuple[int, ...]:
         """Every global batch size the job trains with: the ramp's, then the global one."""
         if self.rampup_batch_size is None:

@@ -36,12 +36,10 @@ class StepResult:
 def num_micro_batches(train: TrainConfig, dp: int) -> int:
     """Micro-batches per step at `dp` (of the batch rounded down to a multiple of micro batch
     * DP with `train.decrease_batch_size_if_needed`)."""
-    per = train.micro_batch_size * dp
-    batch = train.running_batch_size(train.global_batch_size, dp)
-    if batch % per or batch < per:
+    if not train.splits_over(dp):
         raise ValueError(f"global_batch_size {train.global_batch_size} not divisible by "
                          f"micro_batch_size*dp = {train.micro_batch_size}*{dp}")
-    return batch // per
+    return train.running_batch_size(train.global_batch_size, dp) // (train.micro_batch_size * dp)
 
 
 def set_num_microbatches_calculator(train: TrainConfig, dp: int, consumed_samples: int = 0) -> None:
