@@ -46,6 +46,7 @@ def permuted_switch_cases(root: str, steps_after: int = 3, leak_switches: int = 
     permuted switches (process groups and RSS flat)."""
     from dynatrain_megatron.mcore import dist_ckpt
     from dynatrain_megatron.mcore.builders import MegatronBuilder
+    from dynatrain_megatron.mcore.held_memory import layout_tensors
     from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.vps import Layout
@@ -140,6 +141,7 @@ def _leak_loop(n: int) -> dict:
     import psutil
 
     from dynatrain_megatron.mcore.builders import MegatronBuilder
+    from dynatrain_megatron.mcore.held_memory import layout_tensors
     from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.vps import Layout
@@ -152,16 +154,27 @@ def _leak_loop(n: int) -> dict:
     tr = start_job(s, layouts[0], train)
     tr.step()
     start = gather_layout_state(s, tr)
+    # the first layout's objects, held as Megatron-LM's pretrain() holds them in its
+    # locals for the whole run: the switch must free their memory all the same
+    held = (list(tr.objs.model), tr.objs.optimizer)
+
+    def held_bytes() -> int:
+        return sum(st.nbytes() for st in {t.untyped_storage()._cdata: t.untyped_storage()
+                                          for t in layout_tensors(*held)}.values())
+
+    held_before = held_bytes()
     proc = psutil.Process()
     rss, groups, devices = [], [], []
     for i in range(n):
         tr, res = switch_trainer(tr, builder, tr.objs.layout, tr.objs.groups.placement,
                                  layouts[(i + 1) % 2], ranks_per_node=4)
+        if i == 0:
+            held_after = held_bytes()
         gc.collect()
         rss.append(proc.memory_info().rss)
         groups.append(len(dist.distributed_c10d._world.pg_map))
         devices.append(res.placement.devices)
     end = gather_layout_state(s, tr)
     release(tr.objs)
-    return dict(rss=rss, groups=groups, devices=devices,
+    return dict(rss=rss, groups=groups, devices=devices, held=(held_before, held_after),
                 diff=None if start is None else G.states_equal(start, end))

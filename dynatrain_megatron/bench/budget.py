@@ -183,7 +183,7 @@ def _background(k: dict, W: int, c: BudgetConstants) -> list[Term]:
     t.append(Term("B's objects built", c.b_objects_s, "background", "modelled",
                   SOURCES["b_objects_s"]))
     t.append(Term("B's data iterators built", c.data_iterator_s, "background", "modelled",
-                  "megatron_lm/data_ahead.DataAhead.build, in the preparation thread after B's "
+                  "megatron_lm/data_ahead.DataAhead.build, in the preparation thread before B's "
                   "objects, at the consumed-sample count noted at the last step boundary "
                   "(a scheduled switch: at its own count); " + SOURCES["data_iterator_s"]))
     t.append(Term("plan + schedule (preparation)", 0.0, "background", "measured",

@@ -72,7 +72,7 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
         # be collective: mcore.session.release)
         release(old, collect_later=release_a_later,
                 groups_later=release_a_later and set(src_placement.devices) <= set(
-                    res.placement.devices))
+                    res.placement.devices), free=True, keep=res.objs)
     timings["release_a"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if res.objs is None:

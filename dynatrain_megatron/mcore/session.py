@@ -17,6 +17,7 @@ from ..transition.transport import drop_in_background
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from .builders import MegatronBuilder, TrainingObjects
+from .held_memory import cut_callbacks, layout_tensors, release_storages
 from .train_config import TrainConfig
 from .training import Trainer
 
@@ -101,7 +102,8 @@ def freeze_long_lived_objects() -> None:
 
 
 def release(objs: TrainingObjects, broken: bool = False, collect_later: bool = False,
-            groups_later: bool = False) -> None:
+            groups_later: bool = False, free: bool = False,
+            keep: Optional[TrainingObjects] = None) -> None:
     """Drop a layout's objects, free their memory now, and destroy their process groups
     (`broken`: a rank died and the groups may be unusable; see ParallelGroups.destroy).
     `collect_later`: the caller runs the collection that frees the memory itself, later
@@ -113,15 +115,26 @@ def release(objs: TrainingObjects, broken: bool = False, collect_later: bool = F
     layout on gloo); only where every rank of the layout runs that collection at the same
     step boundary, as a communicator's destroy may be collective (NCCL).
 
-    megatron's objects reference each other in cycles (the TransformerConfig holds bound
-    methods of the DDP wrappers, which hold the config), so dropping references is not
-    enough: without a collection the old layout's weights, grads and optimizer state stay
-    allocated until Python's GC happens to run, and repeated switches pile them up.
+    Dropping references is not enough to free the memory: megatron's objects reference
+    each other in cycles, and Megatron-LM's own frames and module globals keep the first
+    layout's objects for the whole run (`held_memory`). The model config's callbacks into
+    the layout are cut here, and with `free` (a switch that committed: nothing reads A's
+    tensors any more) the layout's weights, grads and optimizer state are freed in place,
+    except storages `keep` (the layout that goes on) uses; the collection then only runs
+    where a storage could not be freed so (`collect_released`). Without `free` (the
+    caller may still read the tensors, e.g. a death's recovery from them) the collection
+    frees what nothing references any more.
     """
     cfg = objs.config
-    for name in ("finalize_model_grads_func", "no_sync_func", "param_sync_func", "grad_sync_func"):
-        if hasattr(cfg, name):
-            setattr(cfg, name, None)
+    cut_callbacks(cfg)
+    if not free:
+        _UNFREED[0] += 1
+    else:
+        kept = (layout_tensors(keep.model, keep.optimizer) if keep is not None else ())
+        freed = release_storages(objs.model, objs.optimizer, keep=kept)
+        _UNFREED[0] += freed.unknown
+        log.debug("dynatrain: released %s: %.1f MB in %d storages freed", objs.layout,
+                  freed.bytes / 1e6, freed.storages)
     overlapped = bool(getattr(cfg, "tp_comm_overlap", False))
     later = groups_later and collect_later and not broken
     if later:
@@ -147,13 +160,17 @@ def release(objs: TrainingObjects, broken: bool = False, collect_later: bool = F
 
 # released layouts' groups whose destroy waits for `collect_released` (`release`)
 _GROUPS_LATER: list = []
+# released layouts (or tensors of them) whose memory `release` did not free itself since
+# the last collection: the collection runs while this is not 0
+_UNFREED = [0]
 
 
 def collect_released(broken: bool = False) -> None:
     """Free what a released layout held: its process groups left to this point
     (`release(groups_later=True)`; `broken`: a rank died since, see
-    ParallelGroups.destroy), its reference cycles, and what the allocator kept of their
-    memory (process_env.release_free_memory)."""
+    ParallelGroups.destroy), its reference cycles where `release` could not free a
+    tensor's storage itself, and what the allocator kept of that memory
+    (process_env.release_free_memory)."""
     import gc
 
     while _GROUPS_LATER:
@@ -164,7 +181,9 @@ def collect_released(broken: bool = False) -> None:
             handles.clear()
         else:
             drop_in_background(handles)
-    gc.collect()
+    if _UNFREED[0]:
+        gc.collect()
+        _UNFREED[0] = 0
     process_env.release_free_memory()
 
 

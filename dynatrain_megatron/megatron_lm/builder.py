@@ -84,7 +84,7 @@ class MegatronLMBuilder(MegatronBuilder):
     `args`: the job's validated args at its first layout (never modified; its rank order is
     the builder's `rank_order`); `intents`: what
     Megatron-LM's validation turns on or off by layout; `model_provider`: the script's
-    (`script_model_provider()`); `data_ahead`: where B's data iterators are built after a
+    (`script_model_provider()`); `data_ahead`: where B's data iterators are built with a
     background build of B (`data_ahead.DataAhead`; None: at the switch)."""
 
     args: Any = None
@@ -140,12 +140,18 @@ class MegatronLMBuilder(MegatronBuilder):
 
     def build_detached(self, layout: Layout, groups: ParallelGroups) -> TrainingObjects:
         """B's objects without weight initialisation, in this thread's views (module doc):
-        A's globals, args and RNGs are untouched, so this may run while A trains. B's data
-        iterators follow, where they can be built ahead (`data_ahead`)."""
+        A's globals, args and RNGs are untouched, so this may run while A trains.
+
+        B's data iterators come first, where they can be built ahead (`data_ahead`): their
+        DataLoader workers are forked from this process, and after a fork every page the
+        process then writes is copied once (copy-on-write faults). Forked before B's
+        objects exist, B's memory is never shared with the workers, so neither the
+        transfer nor B's first step pays those faults, and A's steps until the switch
+        take the ones on the memory A and B both use (the allocator's heap)."""
+        if self.data_ahead is not None:
+            self.data_ahead.build(layout, groups, layout.vpp)
         objs = self._build(layout, groups, init_weights=False)
         _buffers_as_loaded(objs.model)
-        if self.data_ahead is not None:
-            self.data_ahead.build(layout, groups, len(objs.model))
         return objs
 
     def build_weights_detached(self, layout: Layout, groups: ParallelGroups) -> TrainingObjects:

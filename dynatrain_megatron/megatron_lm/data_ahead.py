@@ -18,8 +18,8 @@ samples from the count `c` it starts at, so a loader started at `c0` and advance
 `(c1 - c0) / (mbs*dp)` micro-batches yields what one started at `c1` yields. The other
 samplers (`cyclic`: shuffled per epoch, `external`) are built at the switch.
 
-So `DataAhead.build` runs in the preparation's background thread, right after B's objects
-are built (`builder.MegatronLMBuilder.build_detached`), inside:
+So `DataAhead.build` runs in the preparation's background thread, right before B's objects
+are built (`builder.MegatronLMBuilder.build_detached` says why before), inside:
 * a view of megatron-core's `parallel_state` set to B's groups and Megatron-LM's `args` set
   to B at that count (`compat.parallel_state_view`), which the data builders read;
 * B's preparation group (`elastic.groups.ParallelGroups.background`) as the thread's
@@ -162,7 +162,7 @@ class DataAhead:
         return note.consumed_train + (at - note.iteration) * gbs, ""
 
     def build(self, layout: Layout, groups: Any, num_chunks: int) -> None:
-        """In the preparation's thread, after B's objects: Megatron-LM's iterators for B at
+        """In the preparation's thread, before B's objects: Megatron-LM's iterators for B at
         the switch's consumed samples, kept for `take`. A failure of Megatron-LM's build
         leaves it to the switch, as without this (logged, not raised)."""
         self.drop()
