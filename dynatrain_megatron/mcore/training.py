@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..transition.scalars import quiet
 from ..transition.transport import collective_device
 from ..vps.model_spec import ModelSpec
 from .builders import TrainingObjects
@@ -55,10 +56,11 @@ def set_num_microbatches_calculator(train: TrainConfig, dp: int, consumed_sample
         nmc.init_num_microbatches_calculator(rank, ramp, train.global_batch_size,
                                              train.micro_batch_size, dp,
                                              train.decrease_batch_size_if_needed)
-    else:
-        nmc.reconfigure_num_microbatches_calculator(rank, ramp, train.global_batch_size,
-                                                    train.micro_batch_size, dp,
-                                                    train.decrease_batch_size_if_needed)
+    else:  # without its line per switch ("setting number of microbatches to ...")
+        with quiet(nmc.__name__):
+            nmc.reconfigure_num_microbatches_calculator(rank, ramp, train.global_batch_size,
+                                                        train.micro_batch_size, dp,
+                                                        train.decrease_batch_size_if_needed)
     if ramp is not None:
         nmc.update_num_microbatches(consumed_samples, consistency_check=True)
 
