@@ -72,10 +72,11 @@ SOURCES = {
                           "allocator growth (B's communicators are warm); measured on CPU "
                           "+3.6 s for a 10M GPT, of which ~1.9 s a restarted job's first "
                           "iteration pays as well (docs/bench/stall.md); to measure on GPUs",
-    "deferred_collect_s": "measured on CPU: A's memory collected after B's first steps, "
-                          "2.4-4.1 s per rank for a 10M GPT on 2 loaded cores "
-                          "(docs/bench/stall.md); a full collection's time follows the "
-                          "Python heap, not the tensor bytes; to measure on GPUs",
+    "deferred_collect_s": "measured on CPU: what is left of A's release after B's first "
+                          "steps (A's groups' destroy, the allocator's trim), 0.03-0.045 s "
+                          "per rank for a 10M GPT on 2 cores; A's tensors are freed in the "
+                          "pause (mcore/held_memory.release_storages, 0.004 s) and no full "
+                          "collection runs (docs/bench/stall.md); to measure on GPUs",
     "step_skew_fraction": "assumed: after the optimizer step's collectives ranks reach the "
                           "boundary within 0.1% of a step of each other",
     "storage_gbps": "the checkpoint model of `dynatrain plan` (routing/cost.py)",
@@ -100,7 +101,7 @@ class BudgetConstants:
     nccl_destroy_s: float = 5e-3
     release_rebind_s: float = 0.055
     first_step_extra_s: float = 2.0
-    deferred_collect_s: float = 2.4
+    deferred_collect_s: float = 0.05
     step_skew_fraction: float = 0.001
     nic_gbps: float = 50.0
     nvlink_gbps: float = 450.0

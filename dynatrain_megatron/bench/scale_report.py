@@ -234,7 +234,8 @@ def write_scale(rows: list[dict], out: Path, val=None, sens=None,
         "CPU and the interpreter lock; 1.95x on 2 CPU cores, docs/bench/stall.md) is not "
         "modelled. Conditional terms (an evaluation between the build and the switch makes "
         "B's data iterators built in the pause) are listed, not summed. **After B's first "
-        "steps** the training thread collects A's memory (deferred out of the stall). RLHF "
+        "steps** the training thread finishes A's release (its groups' destroy; A's tensors "
+        "were freed in the pause, in place). RLHF "
         "rows are weights-only switches (`api.ElasticJob.weights_to`), outside the training "
         "loop: its terms are none there. " + plan_note,
         "",
