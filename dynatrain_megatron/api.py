@@ -263,7 +263,9 @@ class ElasticJob:
     def switch(self, target: Target, *, iteration: int = 0, consumed_samples: int = 0,
                preparation: Optional[Preparation] = None) -> Switched:
         """Switch the whole training state to `target` (collective, at a step boundary) and
-        return the objects to train with; the old ones are released. `iteration` and
+        return the objects to train with; the old ones are released: their weights,
+        gradients and optimizer state are freed in place (empty tensors from then on, also
+        where the caller still holds them), so the devices hold one layout. `iteration` and
         `consumed_samples` are carried with the other scalars (optimizer step, scheduler,
         grad scaler). `preparation`: from `prepare(target)`.
 
@@ -287,7 +289,7 @@ class ElasticJob:
                              dst_devices=tuple(range(dst.world_size)), **kw)
         if res.aborted:
             raise SwitchAborted(res.aborted)
-        release(old)
+        release(old, free=True, keep=res.objs)  # its tensors emptied, whoever holds them
         self._objs = res.objs
         r = res.report
         return Switched(str(dst), tuple(res.placement.devices), res.objs.model,
@@ -314,7 +316,7 @@ class ElasticJob:
         dst = self._target(target)
         kept, self._kept = self._kept, None
         if kept is not None and kept.layout != dst:
-            release(kept)
+            release(kept, free=True, keep=self._objs)
             kept = None
         a = self._objs
         rng = RngSnapshot.take()
@@ -345,8 +347,9 @@ class ElasticJob:
     def weights_back(self, *, keep: bool = False) -> LayoutInfo:
         """End a weights-only switch (collective): make the training layout current again
         with the RNG states it had and the parked optimizer state restored; the training
-        state is bit for bit what it was. The target's model chunks and groups are freed,
-        or with `keep` kept (their memory too) for the next `weights_to` the same target,
+        state is bit for bit what it was. The target's model chunks and groups are freed
+        (their weights in place: empty tensors from then on, also where the caller still
+        holds `gen.model`), or with `keep` kept (their memory too) for the next `weights_to` the same target,
         which then only moves the weights: an RL loop that generates at the same layout
         every round builds it once. `release_kept_weights()` frees them.
 
@@ -378,13 +381,13 @@ class ElasticJob:
         """
         kept, self._kept = self._kept, None
         if kept is not None:
-            release(kept)
+            release(kept, free=True, keep=self._objs)
 
     # ------------------------------------------------------------------ internals
     def _back_to_training(self, gen: Optional[TrainingObjects], rng: RngSnapshot,
                           parked: Optional[ParkedState]) -> None:
         if gen is not None:
-            release(gen)
+            release(gen, free=True, keep=self._objs)
         install(self._objs.groups)
         if parked is not None:
             parked.restore()

@@ -44,6 +44,14 @@ def _at_weights(s, gen, full_before) -> dict:
                 bytes_moved=gen.bytes_moved, parked=gen.parked_bytes)
 
 
+def _held_bytes(model, optimizer) -> int:
+    """Bytes still allocated in the storages of a layout's tensors."""
+    from dynatrain_megatron.mcore.held_memory import layout_tensors
+
+    return sum(st.nbytes() for st in {t.untyped_storage()._cdata: t.untyped_storage()
+                                      for t in layout_tensors(model, optimizer)}.values())
+
+
 def api_cases(root: str) -> dict:
     from dynatrain_megatron import ElasticJob, SwitchAborted  # the package's lazy exports
     from dynatrain_megatron.adapters.offload import optimizer_storages
@@ -110,7 +118,10 @@ def api_cases(root: str) -> dict:
         out["keep"]["switch_refused"] = str(e)
     out["keep"]["optimizer_untouched"] = storage_fingerprint(tr.objs.model,
                                                              tr.objs.optimizer) == fp
+    gen_bytes = _held_bytes(gen.model, None)
     job.weights_back()
+    # G's chunks are freed in place though `gen` still holds them
+    out["keep"]["gen_freed"] = all_ranks(gen_bytes > 0 and _held_bytes(gen.model, None) == 0)
     after = gather_layout_state(s, tr)
     out["keep"]["state_diff"] = None if before is None else G_.states_equal(before, after)
     out["keep"]["scalars"] = _scalars(tr.objs) == scalars
@@ -168,7 +179,11 @@ def api_cases(root: str) -> dict:
     # -- a whole-state switch, planned first
     plan = job.plan(B)
     before, scalars = gather_layout_state(s, tr), _scalars(tr.objs)
+    old = (list(tr.objs.model), tr.objs.optimizer)  # held across the switch, as a loop would
+    old_bytes = _held_bytes(*old)
     sw = job.switch(B, iteration=tr.iteration, consumed_samples=tr.consumed_samples)
+    old_freed = all_ranks(old_bytes > 0 and _held_bytes(*old) == 0)
+    del old
     tr.rebind(job.objects)
     after = gather_layout_state(s, tr)
     out["switch"] = dict(layout=sw.layout, plan=(plan.bytes_moved, plan.lower_bound_bytes,
@@ -178,7 +193,8 @@ def api_cases(root: str) -> dict:
                          objects=sw.model is tr.objs.model and sw.optimizer is tr.objs.optimizer,
                          diff=None if before is None else G_.states_equal(before, after),
                          scalars=_scalars(tr.objs) == scalars,
-                         current=job.current().layout, background=sw.prepared_in_background)
+                         current=job.current().layout, background=sw.prepared_in_background,
+                         old_freed=old_freed)
     tr.step()
 
     # -- prepared in the background while training, then switched

@@ -37,6 +37,7 @@ def test_weights_to_and_back(api, mode):
     assert r["scalars"] is True and r["rng"] is True
     if mode == "keep":
         assert r["parked"] == 0 and r["optimizer_untouched"] is True
+        assert r["gen_freed"] is True  # freed by weights_back though `gen` holds them
         assert r["current"] == G
         assert "weights are at tp4pp1dp1" in r["switch_refused"]
         assert api["plan_w"][0] == ("param",)
@@ -58,6 +59,7 @@ def test_plan_then_switch(api):
     assert r["plan"][:3] == r["done"], (r["plan"], r["done"])  # the plan is what ran
     assert r["plan"][0] == r["plan"][1] > 0 and r["plan"][3] >= 1
     assert r["iteration"] == (5, 40) and r["background"] is False
+    assert r["old_freed"] is True  # A's tensors freed though the caller still held them
 
 
 def test_prepare_then_switch_and_cancel(api):
