@@ -126,7 +126,8 @@ def release(objs: TrainingObjects, broken: bool = False, collect_later: bool = F
     frees what nothing references any more.
     """
     cfg = objs.config
-    cut_callbacks(cfg)
+    if keep is None or keep.config is not cfg:  # a config B goes on with keeps its own
+        cut_callbacks(cfg)
     if not free:
         _UNFREED[0] += 1
     else:
