@@ -19,7 +19,7 @@ from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from ..vps.placement import Placement
 from ..mcore.builders import MegatronBuilder, TrainingObjects
-from ..mcore.session import freeze_long_lived_objects, release
+from ..mcore.session import release
 from ..mcore.training import Trainer
 
 log = logging.getLogger("dynatrain")
@@ -51,8 +51,6 @@ def switch_trainer(trainer: Optional[Trainer], builder: MegatronBuilder, src: La
     """
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
-    if trainer is None:
-        freeze_long_lived_objects()  # a joining rank: as start_job does on the others
     old = trainer.objs if trainer is not None else None
     scalars = (read_scalars(old, trainer.iteration, trainer.consumed_samples)
                if trainer is not None else None)

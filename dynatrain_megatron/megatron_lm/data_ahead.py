@@ -11,7 +11,8 @@ switch lands. For a scheduled switch that number is fixed when the preparation s
 count noted at the last step boundary plus one global batch per step until the switch.
 A requested switch lands at the first step boundary where B is ready everywhere, so its
 count is not known in advance: its iterators are built at the count noted when the build
-starts and, at the switch, advanced by the samples A consumed since (`advance`). That is
+starts (the largest any rank of B noted: a rank back from standby noted its own before it
+left) and, at the switch, advanced by the samples A consumed since (`advance`). That is
 exact for Megatron-LM's sequential sampler (`--dataloader-type single`, its default): it
 hands data-parallel rank r the micro-batch `[c + r*mbs, c + (r+1)*mbs)` of every `mbs*dp`
 samples from the count `c` it starts at, so a loader started at `c0` and advanced by
@@ -39,6 +40,7 @@ and jobs with `--phase-transition-iterations` (the count per phase follows other
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import threading
@@ -171,13 +173,18 @@ class DataAhead:
         group = _group_of(groups)
         if group is None:
             return
-        from ..elastic.communicators import everyone_ok
+        from ..elastic.communicators import agreed_max, everyone_ok
 
         # B's ranks build together or not at all (the build's collectives run over B)
         if not everyone_ok(consumed >= 0, group):
             log.debug("B's data iterators are built at the switch: %s", why or "so says "
                       "another rank")
             return
+        # a rank back from standby noted its counts at its last step before it left: every
+        # rank of B builds at the counts of the ranks that trained on (the largest), so
+        # none has more micro-batches to skip at the switch than the others
+        consumed, valid = agreed_max([consumed, note.consumed_valid], group)
+        note = dataclasses.replace(note, consumed_train=consumed, consumed_valid=valid)
         self._for = groups  # every rank of B: `take` votes on these groups
         t0 = time.perf_counter()
         try:
