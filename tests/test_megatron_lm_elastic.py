@@ -131,6 +131,14 @@ def test_switches_and_standby_inside_megatron_lm(run):
     gbs = int(FLAGS[FLAGS.index("--global-batch-size") + 1])
     assert {int(t1) for t1 in at_switch} <= {i * gbs for i, _, _ in switches}, again
     assert bool(again) == (not all("data_iterators" in p for p in prepared)), (again, prepared)
+    # built ahead at one count on every rank of B, those back from standby too (the
+    # largest any rank noted): each skips as many micro-batches at the switch
+    skipped: dict[str, set[tuple[str, str]]] = {}
+    for start, k, target in re.findall(r"B's data iterators built ahead at (\d+) consumed "
+                                       r"samples, advanced by (\d+) micro-batches to (\d+)",
+                                       text):
+        skipped.setdefault(target, set()).add((start, k))
+    assert all(len(v) == 1 for v in skipped.values()), skipped
     # rank 0 also reports the steps taken while the others were on standby
     assert {int(i) for i in re.findall(r"dynatrain: iteration (\d+) done at tp1pp2dp1 on 2 "
                                        r"of 4 ranks", text)} == (set(range(inn, out))
