@@ -202,4 +202,3 @@ def warm_up_pipeline(groups, in_background: bool) -> bool:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     return True
-

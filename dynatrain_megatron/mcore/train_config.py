@@ -5,6 +5,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+def running_batch(batch: int, micro_batch_size: int, dp: int, decrease: bool) -> int:
+    """The global batch `batch` as trained at `dp`: rounded down to a multiple of micro
+    batch * DP where the job decreases it if needed (Megatron-LM's
+    `--decrease-batch-size-if-needed`), else itself."""
+    if not decrease:
+        return batch
+    per = micro_batch_size * dp
+    return batch // per * per
+
+
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
     """What Megatron-LM takes as --micro-batch-size, --global-batch-size, --lr, ... ."""
@@ -50,12 +60,9 @@ class TrainConfig:
                              f"{self.micro_batch_size} != 0")
 
     def running_batch_size(self, batch: int, dp: int) -> int:
-        """The global batch `batch` as trained at `dp`: rounded down to a multiple of micro
-        batch * DP with `decrease_batch_size_if_needed`, else itself."""
-        if not self.decrease_batch_size_if_needed:
-            return batch
-        per = self.micro_batch_size * dp
-        return batch // per * per
+        """The global batch `batch` as trained at `dp` (`running_batch`)."""
+        return running_batch(batch, self.micro_batch_size, dp,
+                             self.decrease_batch_size_if_needed)
 
     def splits_over(self, dp: int) -> bool:
         """Whether the global batch as trained at `dp` (`running_batch_size`) is a whole

@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ..mcore.train_config import running_batch
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from .arguments import arg_value, args_for_layout
@@ -158,9 +159,10 @@ class DataAhead:
             return note.consumed_train, ""
         if at < note.iteration:
             return -1, f"the switch iteration {at} is behind the loop ({note.iteration})"
-        gbs = int(arg_value(self.args, "global_batch_size"))
-        if arg_value(self.args, "decrease_batch_size_if_needed", False):  # rounded at A's DP
-            gbs -= gbs % (int(self.args.micro_batch_size) * int(self.args.data_parallel_size))
+        gbs = running_batch(int(arg_value(self.args, "global_batch_size")),  # at A's DP
+                            int(arg_value(self.args, "micro_batch_size", 1)),
+                            int(arg_value(self.args, "data_parallel_size", 1)),
+                            bool(arg_value(self.args, "decrease_batch_size_if_needed", False)))
         return note.consumed_train + (at - note.iteration) * gbs, ""
 
     def build(self, layout: Layout, groups: Any, num_chunks: int) -> None:
