@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from rank_cases import gather_layout_state, spec_variant, switch_train_config
-from rank_checks import all_ranks, rng_states, same_rng
+from rank_checks import all_ranks, layout_bytes, rng_states, same_rng
 
 A, G, G2, B, C = "tp2pp2dp1", "tp4pp1dp1", "tp2pp1dp2", "tp1pp4dp1", "tp2pp1dp2"
 F = "tp1pp1dp4"  # a switch to F fails on rank 1 before its commit (FAULTS)
@@ -42,14 +42,6 @@ def _at_weights(s, gen, full_before) -> dict:
     wrapped = any(hasattr(m, "ddp_config") or hasattr(m, "buffers_") for m in gen.model)
     return dict(layout=str(layout), mismatches=all_ranks(not bad), wrapped=wrapped,
                 bytes_moved=gen.bytes_moved, parked=gen.parked_bytes)
-
-
-def _held_bytes(model, optimizer) -> int:
-    """Bytes still allocated in the storages of a layout's tensors."""
-    from dynatrain_megatron.mcore.held_memory import layout_tensors
-
-    return sum(st.nbytes() for st in {t.untyped_storage()._cdata: t.untyped_storage()
-                                      for t in layout_tensors(model, optimizer)}.values())
 
 
 def api_cases(root: str) -> dict:
@@ -118,10 +110,10 @@ def api_cases(root: str) -> dict:
         out["keep"]["switch_refused"] = str(e)
     out["keep"]["optimizer_untouched"] = storage_fingerprint(tr.objs.model,
                                                              tr.objs.optimizer) == fp
-    gen_bytes = _held_bytes(gen.model, None)
+    gen_bytes = layout_bytes(gen.model, None)
     job.weights_back()
     # G's chunks are freed in place though `gen` still holds them
-    out["keep"]["gen_freed"] = all_ranks(gen_bytes > 0 and _held_bytes(gen.model, None) == 0)
+    out["keep"]["gen_freed"] = all_ranks(gen_bytes > 0 and layout_bytes(gen.model, None) == 0)
     after = gather_layout_state(s, tr)
     out["keep"]["state_diff"] = None if before is None else G_.states_equal(before, after)
     out["keep"]["scalars"] = _scalars(tr.objs) == scalars
@@ -180,9 +172,9 @@ def api_cases(root: str) -> dict:
     plan = job.plan(B)
     before, scalars = gather_layout_state(s, tr), _scalars(tr.objs)
     old = (list(tr.objs.model), tr.objs.optimizer)  # held across the switch, as a loop would
-    old_bytes = _held_bytes(*old)
+    old_bytes = layout_bytes(*old)
     sw = job.switch(B, iteration=tr.iteration, consumed_samples=tr.consumed_samples)
-    old_freed = all_ranks(old_bytes > 0 and _held_bytes(*old) == 0)
+    old_freed = all_ranks(old_bytes > 0 and layout_bytes(*old) == 0)
     del old
     tr.rebind(job.objects)
     after = gather_layout_state(s, tr)

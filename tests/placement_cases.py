@@ -46,7 +46,6 @@ def permuted_switch_cases(root: str, steps_after: int = 3, leak_switches: int = 
     permuted switches (process groups and RSS flat)."""
     from dynatrain_megatron.mcore import dist_ckpt
     from dynatrain_megatron.mcore.builders import MegatronBuilder
-    from dynatrain_megatron.mcore.held_memory import layout_tensors
     from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.vps import Layout
@@ -141,7 +140,7 @@ def _leak_loop(n: int) -> dict:
     import psutil
 
     from dynatrain_megatron.mcore.builders import MegatronBuilder
-    from dynatrain_megatron.mcore.held_memory import layout_tensors
+    from rank_checks import layout_bytes
     from dynatrain_megatron.loop.switching import switch_trainer
     from dynatrain_megatron.testing import gather as G
     from dynatrain_megatron.vps import Layout
@@ -157,19 +156,14 @@ def _leak_loop(n: int) -> dict:
     # the first layout's objects, held as Megatron-LM's pretrain() holds them in its
     # locals for the whole run: the switch must free their memory all the same
     held = (list(tr.objs.model), tr.objs.optimizer)
-
-    def held_bytes() -> int:
-        return sum(st.nbytes() for st in {t.untyped_storage()._cdata: t.untyped_storage()
-                                          for t in layout_tensors(*held)}.values())
-
-    held_before = held_bytes()
+    held_before = layout_bytes(*held)
     proc = psutil.Process()
     rss, groups, devices = [], [], []
     for i in range(n):
         tr, res = switch_trainer(tr, builder, tr.objs.layout, tr.objs.groups.placement,
                                  layouts[(i + 1) % 2], ranks_per_node=4)
         if i == 0:
-            held_after = held_bytes()
+            held_after = layout_bytes(*held)
         gc.collect()
         rss.append(proc.memory_info().rss)
         groups.append(len(dist.distributed_c10d._world.pg_map))

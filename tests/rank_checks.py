@@ -1,6 +1,6 @@
 """Checks a test's ranks share, with no import at module level (a Megatron-LM job imports
 this beside the checkout's own megatron-core): agreement of a flag over the world, and the
-RNG states a switch must leave as they were."""
+RNG states a switch must leave as they were, the bytes a layout's tensors still hold."""
 from __future__ import annotations
 
 
@@ -28,3 +28,17 @@ def same_rng(a: tuple, b: tuple) -> bool:
 
     return torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys() and all(
         torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes still allocated in the distinct storages of `tensors` (a released layout's:
+    0 once it is freed in place, `mcore.held_memory`)."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in tensors}
+    return sum(s.nbytes() for s in storages.values())
+
+
+def layout_bytes(model, optimizer) -> int:
+    """`storage_bytes` of every tensor that holds a layout's memory."""
+    from dynatrain_megatron.mcore.held_memory import layout_tensors
+
+    return storage_bytes(layout_tensors(model, optimizer))

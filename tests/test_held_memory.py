@@ -7,6 +7,7 @@ import torch
 
 from dynatrain_megatron.mcore.held_memory import (Freed, cut_callbacks, layout_tensors,
                                                   release_storages)
+from rank_checks import storage_bytes
 
 
 class _Buffer:
@@ -50,11 +51,6 @@ class _Chained:
         self.chained_optimizers = [type("Dist", (), {"optimizer": o})() for o in inner]
 
 
-def _bytes_of(tensors) -> int:
-    return sum(s.nbytes() for s in {t.untyped_storage()._cdata: t.untyped_storage()
-                                    for t in tensors}.values())
-
-
 def test_every_storage_of_the_layout_is_freed_though_its_objects_are_still_held():
     chunk = _Chunk()
     shards = [torch.randn(6, requires_grad=True)]  # an fp32 shard, Adam state after a step
@@ -63,13 +59,13 @@ def test_every_storage_of_the_layout_is_freed_though_its_objects_are_still_held(
     tensors = list(layout_tensors([chunk], opt))
     # flat param/grad buffers, the registered buffer, the expert buffers, the shard, its
     # grad and its two Adam moments (the step count is a tensor too)
-    expected = _bytes_of(tensors)
-    assert expected == 4 * (12 + 12 + 3 + 5 + 5 + 6 + 6 + 6 + 6) + _bytes_of(
+    expected = storage_bytes(tensors)
+    assert expected == 4 * (12 + 12 + 3 + 5 + 5 + 6 + 6 + 6 + 6) + storage_bytes(
         [opt.chained_optimizers[0].optimizer.state[shards[0]]["step"]])
     storages = len({t.untyped_storage()._cdata for t in tensors})
     freed = release_storages([chunk], opt)
     assert freed == Freed(expected, storages, 0)
-    assert _bytes_of(tensors) == 0
+    assert storage_bytes(tensors) == 0
     # empty shells: code still holding a tensor sees zero elements, never freed memory
     assert chunk.w.numel() == chunk.buffers[0].param_data.numel() == 0
     assert chunk.w.main_grad.numel() == 0 and chunk.w.requires_grad
@@ -81,12 +77,12 @@ def test_storages_the_next_layout_shares_are_kept_bit_for_bit():
     opt = _Chained(_adam_after_a_step([chunk.b]))
     shared = chunk.buffers[0].param_data  # B's tensor on A's storage
     before = shared.clone()
-    everything = _bytes_of(layout_tensors([chunk], opt))
+    everything = storage_bytes(layout_tensors([chunk], opt))
     freed = release_storages([chunk], opt, keep=[shared[:4]])
     assert torch.equal(shared, before)
     assert chunk.buffers[0].grad_data.untyped_storage().nbytes() == 0
     assert freed.bytes == everything - shared.untyped_storage().nbytes()
-    assert _bytes_of(layout_tensors([chunk], opt)) == shared.untyped_storage().nbytes()
+    assert storage_bytes(layout_tensors([chunk], opt)) == shared.untyped_storage().nbytes()
     # the second release finds nothing left to free
     assert release_storages([chunk], opt, keep=[shared]) == Freed(0, 0, 0)
 
