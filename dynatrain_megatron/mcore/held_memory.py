@@ -111,9 +111,12 @@ def layout_tensors(model: Iterable[Any], optimizer: Any) -> Iterator[torch.Tenso
     yield from _optimizer_tensors(optimizer)
 
 
-def _storages(tensors: Iterable[torch.Tensor]) -> tuple[dict[int, Any], int]:
-    """{address of the storage object: storage} and how many tensors had none to free
-    (meta tensors, tensor subclasses without a plain storage)."""
+def _storages(tensors: Iterable[torch.Tensor]
+              ) -> tuple[list[tuple[torch.Tensor, int]], dict[int, Any], int]:
+    """(tensor, address of its storage object) for every tensor with a plain storage,
+    {address: storage}, and how many tensors had none to free (tensor subclasses without
+    one); meta tensors are left out."""
+    pairs: list[tuple[torch.Tensor, int]] = []
     out: dict[int, Any] = {}
     unknown = 0
     for t in tensors:
@@ -124,8 +127,9 @@ def _storages(tensors: Iterable[torch.Tensor]) -> tuple[dict[int, Any], int]:
         except (RuntimeError, NotImplementedError, TypeError):
             unknown += 1
             continue
+        pairs.append((t, s._cdata))
         out.setdefault(s._cdata, s)
-    return out, unknown
+    return pairs, out, unknown
 
 
 @dataclass(frozen=True)
@@ -150,15 +154,15 @@ def release_storages(model: Iterable[Any], optimizer: Any,
     zero bytes, which frees it under the views found nowhere (e.g. DDP's bucket views).
     On a GPU the caching allocator gets the memory back at once; on the CPU the C
     allocator does."""
-    tensors = [t for t in layout_tensors(model, optimizer) if t.device.type != "meta"]
-    mine, unknown = _storages(tensors)
-    kept, _ = _storages(keep)
+    pairs, mine, unknown = _storages(layout_tensors(model, optimizer))
+    _, kept, _ = _storages(keep)
     free = {k: s for k, s in mine.items() if k not in kept and s.nbytes() > 0}
     with torch.no_grad():
-        for t in tensors:
+        for t, key in pairs:
+            if key not in free:
+                continue
             try:
-                if t.untyped_storage()._cdata in free:
-                    t.set_()
+                t.set_()
             except (RuntimeError, NotImplementedError, TypeError):
                 unknown += 1
     nbytes = count = 0
