@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from .. import process_env
 from ..compat import prepare_runtime
-from ..elastic.communicators import create_control_group, warm_up_default
+from ..elastic.communicators import (control_group, create_control_group, everyone_ok,
+                                      warm_up_default)
 from ..elastic.groups import Placement, build_groups
 from ..transition.transport import drop_in_background
 from ..vps.layout import Layout
@@ -68,6 +69,9 @@ def start_job(spec: ModelSpec, layout: Layout | str, train: TrainConfig,
     lay = resolve_layout(spec, layout, n)
     freeze_long_lived_objects()
     groups = build_groups(lay, placement)
+    # every rank has connected every group before a standby rank destroys them: gloo's
+    # full-mesh set-up of a peer still connecting fails when the other end closes first
+    everyone_ok(True, control_group())
     if groups.virtual_rank is None:
         groups.destroy()
         return None
