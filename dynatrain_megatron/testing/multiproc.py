@@ -5,12 +5,16 @@ that imported torch and megatron-core once per calling process, so a group does 
 a fresh interpreter's imports per rank. Callers still run many cases inside one group:
 each group pays its process-group setup and the first-use costs of megatron. A failing
 rank's traceback is re-raised in the parent (the first failure wins), and a timeout names
-the ranks that never reported.
+the ranks that never reported after each of them printed the stacks of all its threads
+(`faulthandler`, to its stderr, which the test's report shows): a hang in CI names where.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
+import signal
+import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
@@ -61,6 +65,7 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    faulthandler.register(_DUMP_SIGNAL, all_threads=True)  # `_dump_stacks`
     try:
         from ..mcore.session import init_distributed
 
@@ -76,6 +81,22 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+_DUMP_SIGNAL = signal.SIGUSR1
+
+
+def _dump_stacks(procs, ranks: Sequence[int]) -> None:
+    """Ask each of `ranks` still alive to print every thread's stack (faulthandler), and
+    give them a moment to do it before they are killed."""
+    alive = [procs[r] for r in ranks if procs[r].is_alive() and procs[r].pid is not None]
+    for p in alive:
+        try:
+            os.kill(p.pid, _DUMP_SIGNAL)
+        except OSError:
+            pass
+    if alive:
+        time.sleep(2.0)
 
 
 # imported once by the fork server, so that every rank forked from it starts with them:
@@ -140,15 +161,15 @@ def _run_on_ranks(fn: Callable, nproc: int, args: Sequence[Any], timeout: float,
         p.start()
     results: dict[int, Any] = {}
     failure: Optional[str] = None
-    import time
-
     deadline = time.monotonic() + timeout
     try:
         while len(results) < nproc and failure is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(nproc)) - set(results))
-                failure = f"timeout after {timeout:.0f}s; ranks {missing} did not finish"
+                failure = (f"timeout after {timeout:.0f}s; ranks {missing} did not finish "
+                           f"(their stacks: the captured stderr)")
+                _dump_stacks(procs, missing)
                 break
             try:
                 rank, status, payload = q.get(timeout=min(remaining, 1.0))
