@@ -112,3 +112,29 @@ def test_lost_state_follows_the_virtual_rank_of_a_permuted_placement():
         assert rep.lost_elements == _oracle(lay, [vr])
         other = lost_state(SPEC, lay, [dead_device])  # read as a virtual rank: other layers
         assert sorted(map(str, other.lost)) != sorted(map(str, rep.lost))
+
+
+def test_survivors_at_two_iterations_recover_the_newest_whole_one_never_a_mix():
+    """Rank 3 of tp1pp2doi2dp2 (stages {0, 1} and {2, 3}) dies inside a step: a survivor
+    whose update needed no collective with it finished iteration 5, one that failed before
+    its update holds 4, one inside its update holds neither. The recovery takes the newest
+    iteration every piece of state has a holder at, with every other survivor's state out
+    of it, or none."""
+    from dynatrain_megatron.loop.death_recovery import newest_whole_state
+
+    lay = Layout.parse("tp1pp2doi2dp2", 4)
+
+    def whole(positions):
+        return newest_whole_state(
+            positions, lambda out: lost_state(SPEC, lay, out, kinds=OPT_KINDS).recoverable,
+            range(4))
+
+    # both stages at 5 (ranks 0 and 2): rank 1's older state is no source
+    assert whole({0: 5, 1: 4, 2: 5}) == (5, (1, 3))
+    # stage 1 only at 4 (rank 2), stage 0 at 5 and 4: iteration 4, from ranks 1 and 2
+    assert whole({0: 5, 1: 4, 2: 4}) == (4, (0, 3))
+    # rank 1 inside its update (left out), stage 0 at 5 only, stage 1 at 4 only: none
+    assert whole({0: 5, 2: 4}) is None
+    # all at one iteration: every survivor a source
+    assert whole({0: 4, 1: 4, 2: 4}) == (4, (3,))
+    assert whole({}) is None

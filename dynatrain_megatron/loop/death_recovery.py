@@ -76,8 +76,8 @@ class HostLoop:
     re-formed world and load the loop's own last checkpoint into it (instead of
     `--dynatrain-recovery-checkpoint`). `mid_update`: this rank may have applied part of an
     optimizer update since the last step boundary (it failed after the step's vote,
-    `megatron_lm/step_guard.py`): the survivors' memory may then hold two iterations, and
-    the recovery resumes from the checkpoint."""
+    `megatron_lm/step_guard.py`): its state is no source of the recovery, which resumes from
+    the checkpoint unless the other survivors hold one iteration's state whole."""
 
     let_go: Callable[[], None]
     resume: Callable[[Layout], Trainer]
@@ -112,8 +112,9 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     If every piece of optimizer state of the dead ranks has a replica on a survivor (a
     partial distributed optimizer, `doi` > 1), all survivors re-form the world and switch
     from A, with the dead ranks' state taken from its replicas, to the largest layout
-    that fits them: nothing is lost and training goes on from the current iteration.
-    Survivors B does not need stay in the new world (standby). Otherwise only B's ranks
+    that fits them: nothing is lost and training goes on from the current iteration (the
+    newest whose state the survivors hold whole: a death inside a step may leave them at
+    two, `newest_whole_state`). Survivors B does not need stay in the new world (standby). Otherwise only B's ranks
     re-form the world and load the last checkpoint; the lost tensors are named.
     `choose` (auto-layout): survivors -> (layout, note) replaces "the largest layout that
     fits" (`fit_layout`). `host`: the hooks of a host training loop (`HostLoop`).
@@ -140,16 +141,29 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     def dead_of(survivors) -> list[int]:
         return [d for d in pa.devices if d not in survivors]
 
-    if host is not None and host.mid_update:  # read by every survivor's `in_memory`
-        store.set(_mid_update_key(generation, old_rank), "1")
+    # what this rank's memory holds, read by every survivor's `in_memory` (set before this
+    # rank joins the roster, so every survivor the roster names has set it)
+    mixed = (host is not None and host.mid_update) or getattr(trainer, "mid_update", False)
+    store.set(_state_key(generation, old_rank),
+              _MIXED if mixed else (str(scalars.iteration) if held is not None else _NONE))
 
-    def mid_update(survivors) -> list[int]:
-        return [r for r in survivors if store.check([_mid_update_key(generation, r)])]
+    def positions(survivors) -> dict[int, Optional[int]]:
+        out = {}
+        for r in survivors:
+            key = _state_key(generation, r)
+            value = store.get(key).decode() if store.check([key]) else _NONE
+            out[r] = int(value) if value.isdigit() else (-1 if value == _MIXED else None)
+        return out
+
+    def whole(survivors) -> Optional[tuple[int, tuple[int, ...]]]:
+        pos = positions(survivors)
+        return newest_whole_state(
+            {r: p for r, p in pos.items() if p is not None and p >= 0},
+            lambda out: lost_state(spec, src, out, pa, bs, kinds=OPT_KINDS).recoverable,
+            pa.devices)
 
     def in_memory(survivors) -> bool:
-        if mid_update(survivors):
-            return False
-        return lost_state(spec, src, dead_of(survivors), pa, bs, kinds=OPT_KINDS).recoverable
+        return whole(survivors) is not None
 
     def target(n: int) -> tuple[Layout, str]:
         if choose is not None:
@@ -167,14 +181,21 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     nw = reform_world(store, old_rank, old_world, generation, keep, quiet_seconds=QUIET_SECONDS,
                       max_wait_seconds=MAX_WAIT_SECONDS)
     what = lost_state(spec, src, dead_of(nw.survivors), pa, bs).describe()
-    updating = mid_update(nw.survivors)
+    pos = positions(nw.survivors)
+    updating = sorted(r for r, p in pos.items() if p == -1)
     if updating:
         what = (f"ranks {updating} were inside the optimizer update of the step after the "
                 f"last boundary (their state may be part-updated); {what}")
+    found = whole(nw.survivors)
+    behind = sorted(r for r, p in pos.items()
+                    if p is not None and p >= 0 and found and p != found[0])
+    if behind:
+        what = (f"ranks {behind} hold an older iteration than {found[0]} (their update of "
+                f"it never started); {what}")
     dst, note = target(len(nw.survivors))
     if note:
         log.warning("%s", note)
-    mode = "memory" if in_memory(nw.survivors) else "checkpoint"
+    mode = "memory" if found is not None else "checkpoint"
     log.error("ranks %s died: %s; recovering %s at %s", list(nw.dead), what,
               "from the survivors' memory" if mode == "memory" else "from the last checkpoint",
               dst)
@@ -182,8 +203,10 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
         log.warning("rank %d is not needed by the new layout: leaving", old_rank)
         return Recovery(None, nw, what, mode, dst, note=note)
     if mode == "memory":
+        if old_rank in found[1]:  # this rank's state is not the iteration recovered
+            held = scalars = None
         rec = _recover_in_memory(spec, train, src, pa, dst, nw, held, scalars, what, timeout,
-                                 builder)
+                                 builder, not_sources=found[1])
         return replace(rec, note=note)
     held = None
     if host is not None:
@@ -204,9 +227,33 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     return Recovery(new, nw, what, mode, dst, note=note)
 
 
-def _mid_update_key(generation: int, old_rank: int) -> str:
-    """A survivor's mark in the rendezvous store: it failed inside an optimizer update."""
-    return f"dynatrain/gen{generation}/mid-update/{old_rank}"
+# a survivor's entry in the rendezvous store: the iteration of the state it holds, or
+_MIXED = "mixed"  # it failed inside an optimizer update (part one iteration, part the next)
+_NONE = "none"  # it holds none (on standby)
+
+
+def _state_key(generation: int, old_rank: int) -> str:
+    """Where a survivor says what its memory holds (`recover_after_death`)."""
+    return f"dynatrain/gen{generation}/state/{old_rank}"
+
+
+def newest_whole_state(positions: dict[int, int], recoverable: Callable[[list[int]], bool],
+                       devices) -> Optional[tuple[int, tuple[int, ...]]]:
+    """The newest iteration whose whole state the survivors hold, and A's devices that are
+    no source of it (the dead, and the survivors at another iteration or holding none);
+    None where no iteration is whole. `positions`: survivor -> the iteration of the state it
+    holds (not those in the middle of an update, nor those holding none); `recoverable`:
+    whether A's state is whole without a list of its devices.
+
+    A death inside a step is seen by each survivor wherever it is: one whose update needed
+    no collective with the dead rank (another distributed-optimizer instance) finishes
+    that iteration, one that failed before its update keeps the last; state of two
+    iterations must never be put together."""
+    for it in sorted(set(positions.values()), reverse=True):
+        out = tuple(d for d in devices if positions.get(d) != it)
+        if recoverable(list(out)):
+            return it, out
+    return None
 
 
 def let_go_of_layout(trainer: Optional[Trainer], spec: ModelSpec, placement: Placement,
@@ -260,10 +307,13 @@ def switch_from_held(spec: ModelSpec, train: TrainConfig, src: Layout, src_place
 def _recover_in_memory(spec: ModelSpec, train: TrainConfig, src: Layout, pa: Placement,
                        dst: Layout, nw: NewWorld, held, scalars, what: str,
                        timeout: Optional[float],
-                       builder: Optional[MegatronBuilder] = None) -> Recovery:
+                       builder: Optional[MegatronBuilder] = None,
+                       not_sources: tuple[int, ...] = ()) -> Recovery:
     """The switch A -> B on the re-formed world: A's devices renumbered to their new
-    ranks, the dead ones on placeholder devices past the world that send nothing."""
-    new_rank = {old: i for i, old in enumerate(nw.members)}
+    ranks, the dead ones and `not_sources` (survivors whose state is not the iteration
+    recovered, `newest_whole_state`) on placeholder devices past the world that send
+    nothing."""
+    new_rank = {old: i for i, old in enumerate(nw.members) if old not in set(not_sources)}
     n = len(nw.members)
     placeholders = iter(range(n, n + len(pa.devices)))
     src_pl = Placement(tuple(new_rank[d] if d in new_rank else next(placeholders)

@@ -90,6 +90,9 @@ class Trainer:
                        if torch.cuda.is_available() else torch.device("cpu"))
         self.iteration = iteration
         self.consumed_samples = consumed_samples
+        # inside the optimizer's update of the step after `iteration`: a failure there may
+        # leave this rank's state part one iteration, part the next (loop/death_recovery)
+        self.mid_update = False
         self.objs: TrainingObjects
         self.rebind(objs)
 
@@ -138,6 +141,7 @@ class Trainer:
             p2p_communicator=self.p2p,
             pg_collection=o.groups.pg_collection,
         )
+        self.mid_update = True
         ok, grad_norm, _ = o.optimizer.step()
         if not ok:
             raise RuntimeError(f"optimizer step failed at iteration {self.iteration}")
@@ -145,6 +149,7 @@ class Trainer:
         o.scheduler.step(increment=batch)
         self.iteration += 1
         self.consumed_samples += batch
+        self.mid_update = False  # the state is the new iteration's, whatever fails next
         loss = self._global_loss(losses)
         lr = o.optimizer.param_groups[0]["lr"]
         return StepResult(self.iteration, loss, float(grad_norm or 0.0), lr,
