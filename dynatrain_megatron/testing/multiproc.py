@@ -5,15 +5,17 @@ that imported torch and megatron-core once per calling process, so a group does 
 a fresh interpreter's imports per rank. Callers still run many cases inside one group:
 each group pays its process-group setup and the first-use costs of megatron. A failing
 rank's traceback is re-raised in the parent (the first failure wins), and a timeout names
-the ranks that never reported after each of them printed the stacks of all its threads
-(`faulthandler`, to its stderr, which the test's report shows): a hang in CI names where.
+the ranks that never reported and carries the stacks of all their threads (`faulthandler`,
+written to a private file per rank on a signal): a hang in CI says where.
 """
 from __future__ import annotations
 
 import faulthandler
 import os
 import queue
+import shutil
 import signal
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
@@ -50,7 +52,7 @@ class RankFailure(RuntimeError):
 
 
 def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
-           q, env: dict[str, str], cwd: str) -> None:
+           q, env: dict[str, str], cwd: str, stacks: str) -> None:
     # a rank forked from the fork server would otherwise see the server's environment and
     # directory (those of the first call), not the caller's at this call
     os.environ.clear()
@@ -65,7 +67,10 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    faulthandler.register(_DUMP_SIGNAL, all_threads=True)  # `_dump_stacks`
+    # `_dump_stacks`: the file stays open for the process's life (faulthandler writes to
+    # its descriptor from the signal handler)
+    _STACKS.append(open(stacks, "w", encoding="utf-8"))
+    faulthandler.register(_DUMP_SIGNAL, file=_STACKS[-1], all_threads=True)
     try:
         from ..mcore.session import init_distributed
 
@@ -84,19 +89,28 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
 
 
 _DUMP_SIGNAL = signal.SIGUSR1
+_STACKS: list = []  # a rank's open stack file
 
 
-def _dump_stacks(procs, ranks: Sequence[int]) -> None:
-    """Ask each of `ranks` still alive to print every thread's stack (faulthandler), and
-    give them a moment to do it before they are killed."""
-    alive = [procs[r] for r in ranks if procs[r].is_alive() and procs[r].pid is not None]
-    for p in alive:
+def _dump_stacks(procs, ranks: Sequence[int], files: Sequence[str]) -> str:
+    """Ask each of `ranks` still alive to write every thread's stack (faulthandler) to its
+    file, give them a moment, and return what they wrote."""
+    alive = [r for r in ranks if procs[r].is_alive() and procs[r].pid is not None]
+    for r in alive:
         try:
-            os.kill(p.pid, _DUMP_SIGNAL)
+            os.kill(procs[r].pid, _DUMP_SIGNAL)
         except OSError:
             pass
     if alive:
         time.sleep(2.0)
+    out = []
+    for r in alive:
+        try:
+            with open(files[r], encoding="utf-8", errors="replace") as f:
+                out.append(f"--- rank {r}:\n{f.read()[-6000:]}")
+        except OSError as e:
+            out.append(f"--- rank {r}: no stacks ({e})")
+    return "\n".join(out)
 
 
 # imported once by the fork server, so that every rank forked from it starts with them:
@@ -154,8 +168,10 @@ def _run_on_ranks(fn: Callable, nproc: int, args: Sequence[Any], timeout: float,
     ctx = _context()
     q = ctx.Queue()
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    procs = [ctx.Process(target=_child, args=(r, nproc, port, fn, args, q, child_env, os.getcwd()),
-                         daemon=False)
+    stacks_dir = tempfile.mkdtemp(prefix="dynatrain-stacks-")  # private (0700), ours
+    files = [os.path.join(stacks_dir, f"rank{r}") for r in range(nproc)]
+    procs = [ctx.Process(target=_child, args=(r, nproc, port, fn, args, q, child_env, os.getcwd(),
+                                              files[r]), daemon=False)
              for r in range(nproc)]
     for p in procs:
         p.start()
@@ -167,9 +183,8 @@ def _run_on_ranks(fn: Callable, nproc: int, args: Sequence[Any], timeout: float,
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(nproc)) - set(results))
-                failure = (f"timeout after {timeout:.0f}s; ranks {missing} did not finish "
-                           f"(their stacks: the captured stderr)")
-                _dump_stacks(procs, missing)
+                failure = (f"timeout after {timeout:.0f}s; ranks {missing} did not finish; "
+                           f"their stacks:\n{_dump_stacks(procs, missing, files)}")
                 break
             try:
                 rank, status, payload = q.get(timeout=min(remaining, 1.0))
@@ -205,6 +220,7 @@ def _run_on_ranks(fn: Callable, nproc: int, args: Sequence[Any], timeout: float,
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(stacks_dir, ignore_errors=True)
     if failure is not None:
         raise RankFailure(failure)
     return [results[r] for r in range(nproc)]
