@@ -105,7 +105,8 @@ def test_rank_killed_in_a_transfer_round_leaves_a_and_is_recovered_in_memory(in_
 
 
 def _main_job_with_a_death(run, faults: dict, extra_argv: tuple[str, ...] = (),
-                           dst: str = "tp1pp2dp1") -> tuple[list, dict]:
+                           dst: str = "tp1pp2dp1", src: str = "tp1pp2doi2dp2",
+                           ) -> tuple[list, dict]:
     """The training entry point on 4 ranks (tp1pp2doi2dp2: two optimizer instances, so a
     lost rank's state is replicated), a rendezvous directory, and `faults` (rank 3 killed);
     returns the per-rank results and the job's summary, after checking that the survivors
@@ -128,7 +129,7 @@ def _main_job_with_a_death(run, faults: dict, extra_argv: tuple[str, ...] = (),
     assert summary["iteration"] == 8 and summary["layout"] == dst
     [rec] = summary["recoveries"]
     assert rec["mode"] == "memory" and 3 in rec["dead"]
-    assert rec["src"] == "tp1pp2doi2dp2" and rec["dst"] == dst
+    assert rec["src"] == src and rec["dst"] == dst
     return out, summary
 
 
@@ -139,6 +140,15 @@ def test_main_job_survives_a_killed_rank_and_finishes_in_memory(tmp_path):
     _, summary = _main_job_with_a_death(tmp_path / "run", {
         "fail_rank": 3, "fail_phase": "step", "iteration": 4, "kill": True, "exit_code": 0})
     assert summary["recoveries"][0]["iteration"] == 4
+
+
+def test_the_survivors_keep_the_jobs_virtual_stages(tmp_path):
+    """The default rule keeps what of the job's layout fits the survivors: a job with two
+    virtual stages per rank recovers in memory at tp1pp2vpp2 (it used to drop them)."""
+    _main_job_with_a_death(tmp_path / "run", {
+        "fail_rank": 3, "fail_phase": "step", "iteration": 4, "kill": True, "exit_code": 0},
+        extra_argv=("--num-layers-per-virtual-pipeline-stage", "1"),
+        src="tp1pp2vpp2doi2dp2", dst="tp1pp2vpp2dp1")
 
 
 def test_with_auto_layout_the_survivors_move_to_the_advisors_layout(tmp_path):

@@ -138,3 +138,24 @@ def test_survivors_at_two_iterations_recover_the_newest_whole_one_never_a_mix():
     # all at one iteration: every survivor a source
     assert whole({0: 4, 1: 4, 2: 4}) == (4, (3,))
     assert whole({}) is None
+
+
+@pytest.mark.parametrize("model,old,survivors,want", [
+    ("tiny-gpt", "tp1pp2doi2dp4", 7, "tp1pp2doi2dp2"),   # the replicas kept where they fit
+    ("tiny-gpt", "tp1pp2doi2dp2", 3, "tp1pp2dp1"),       # ... dropped where not
+    ("tiny-gpt", "tp1pp2vpp2dp2", 3, "tp1pp2vpp2dp1"),   # the virtual stages at the same PP
+    ("tiny-gpt", "tp2pp2ppf1dp2", 7, "tp2pp2ppf1dp1"),   # the recipe's uneven stages
+    ("tiny-gpt", "tp2pp2dp2", 3, "tp2pp1dp1"),           # a smaller PP: an even split
+    ("tiny-moe", "tp1pp1ep4etp1dp4", 3, "tp1pp1ep2etp1dp2"),  # the largest EP that fits
+    ("tiny-moe", "tp2pp1ep2etp1dp2", 3, "tp2pp1ep2etp1dp1"),  # its own expert TP
+])
+def test_survivors_keep_what_of_the_old_layout_fits(model, old, survivors, want):
+    """Without auto-layout, the survivors' layout is the old one's TP/PP with the largest
+    DP that fits, and keeps the rest of the old layout where it fits (the recipe's stages,
+    its expert parallelism, the optimizer replicas the next death needs)."""
+    from dynatrain_megatron.configs import load_model
+    from dynatrain_megatron.loop.death_recovery import fit_layout
+    from dynatrain_megatron.mcore.train_config import TrainConfig
+
+    train = TrainConfig(micro_batch_size=1, global_batch_size=16)
+    assert str(fit_layout(load_model(model), train, Layout.parse(old), survivors)) == want

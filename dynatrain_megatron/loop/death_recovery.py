@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -46,7 +46,8 @@ MAX_WAIT_SECONDS = 180.0
 
 def fit_layout(spec: ModelSpec, train: TrainConfig, old: Layout, n: int) -> Layout:
     """The layout to shrink to on at most `n` ranks: the old one's model parallelism with
-    the largest DP that fits (and divides the global batch); failing that, smaller TP/PP."""
+    the largest DP that fits (and divides the global batch), keeping what else of the old
+    layout still fits (`_kept_axes`); failing that, smaller TP/PP."""
     def ok(lay: Layout) -> bool:
         if lay.world_size > n or not train.splits_over(lay.dp):
             return False
@@ -56,13 +57,34 @@ def fit_layout(spec: ModelSpec, train: TrainConfig, old: Layout, n: int) -> Layo
                                        if tp <= old.tp and pp <= old.pp]
     for tp, pp in mp_options:
         for dp in range(n // (tp * pp * old.cp), 0, -1):
-            try:
-                lay = Layout(tp=tp, pp=pp, dp=dp, cp=old.cp)
-            except LayoutError:
-                continue
-            if ok(lay):
-                return lay
+            for lay in _kept_axes(old, tp, pp, dp):
+                if ok(lay):
+                    return lay
     raise DynatrainError(f"no layout of {spec.name} fits {n} surviving ranks")
+
+
+def _kept_axes(old: Layout, tp: int, pp: int, dp: int) -> Iterator[Layout]:
+    """The valid layouts at (tp, pp, dp, old's cp), the most of `old` kept first: its
+    virtual stages and layer split (at the same PP: what the job's recipe chose, e.g.
+    stages that account for the embedding), its expert parallelism or else the largest
+    divisor of it that fits (an MoE layer's memory), and with each EP its distributed-
+    optimizer instances (the replicas the next death is recovered from in memory)."""
+    stages = (dict(vpp=old.vpp, ppf=old.ppf, ppl=old.ppl, split=old.split)
+              if pp == old.pp else {})
+    etp = old.etp if old.etp != old.tp else tp
+    # the old EP, else the largest of its divisors that fits
+    experts = [dict(ep=ep, etp=etp) for ep in range(old.ep, 0, -1) if old.ep % ep == 0]
+    tries = [{**stages, **e, **d} for e in experts for d in ({"doi": old.doi}, {})]
+    tries += [stages, {}]
+    seen: set[Layout] = set()
+    for kw in tries:
+        try:
+            lay = Layout(tp=tp, pp=pp, dp=dp, cp=old.cp, **kw)
+        except LayoutError:
+            continue
+        if lay not in seen:
+            seen.add(lay)
+            yield lay
 
 
 @dataclass(frozen=True)
