@@ -106,17 +106,18 @@ def test_rank_killed_in_a_transfer_round_leaves_a_and_is_recovered_in_memory(in_
 
 def _main_job_with_a_death(run, faults: dict, extra_argv: tuple[str, ...] = (),
                            dst: str = "tp1pp2dp1", src: str = "tp1pp2doi2dp2",
-                           ) -> tuple[list, dict]:
-    """The training entry point on 4 ranks (tp1pp2doi2dp2: two optimizer instances, so a
-    lost rank's state is replicated), a rendezvous directory, and `faults` (rank 3 killed);
+                           model: str = "tiny-gpt", pp: int = 2) -> tuple[list, dict]:
+    """The training entry point on 4 ranks (`src`, by default tp1pp2doi2dp2: two optimizer
+    instances, so a lost rank's state is replicated), a rendezvous directory, and `faults`
+    (rank 3 killed);
     returns the per-rank results and the job's summary, after checking that the survivors
     recovered in memory at `dst` and finished every iteration."""
     import json
     from pathlib import Path
 
-    cfg = Path(__file__).resolve().parent.parent / "configs/models/tiny-gpt.yaml"
+    cfg = Path(__file__).resolve().parent.parent / f"configs/models/{model}.yaml"
     argv = ["--model-config", str(cfg), "--tensor-model-parallel-size", "1",
-            "--pipeline-model-parallel-size", "2", "--num-distributed-optimizer-instances", "2",
+            "--pipeline-model-parallel-size", str(pp), "--num-distributed-optimizer-instances", "2",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "8",
             "--lr", "1e-2", "--log-interval", "100", "--dynatrain",
             "--dynatrain-signal-file", str(run / "switch.json"), "--dynatrain-log-dir", str(run),
@@ -149,6 +150,15 @@ def test_the_survivors_keep_the_jobs_virtual_stages(tmp_path):
         "fail_rank": 3, "fail_phase": "step", "iteration": 4, "kill": True, "exit_code": 0},
         extra_argv=("--num-layers-per-virtual-pipeline-stage", "1"),
         src="tp1pp2vpp2doi2dp2", dst="tp1pp2vpp2dp1")
+
+
+def test_an_moe_job_keeps_its_expert_parallelism(tmp_path):
+    """An MoE job (tp1pp1ep2etp1doi2dp4) whose rank 3 dies recovers in memory at ep2 on
+    two ranks (it used to drop to ep1: every expert on every rank) and trains to the end."""
+    _main_job_with_a_death(tmp_path / "run", {
+        "fail_rank": 3, "fail_phase": "step", "iteration": 4, "kill": True, "exit_code": 0},
+        extra_argv=("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"),
+        model="tiny-moe", pp=1, src="tp1pp1ep2etp1doi2dp4", dst="tp1pp1ep2etp1dp2")
 
 
 def test_with_auto_layout_the_survivors_move_to_the_advisors_layout(tmp_path):
