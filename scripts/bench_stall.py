@@ -144,9 +144,13 @@ def main() -> int:
     print("  parts: " + ", ".join(f"{n_} {v:.3f}" for n_, v in slow["parts"].items()))
     if slow.get("first_step_s") is not None:
         gc_first, gc_steady = (slow.get(k) or 0.0 for k in ("first_step_gc_s", "steady_step_gc_s"))
+        faults = ""
+        if slow.get("first_step_faults") is not None and slow.get("steady_step_faults") is not None:
+            faults = (f"; minor page faults {slow['first_step_faults']} / "
+                      f"{slow['steady_step_faults']}")
         print(f"  first step at B {slow['first_step_s']:.3f} s vs steady "
               f"{slow['steady_step_s']:.3f} s; garbage collection in them "
-              f"{gc_first:.3f} s / {gc_steady:.3f} s")
+              f"{gc_first:.3f} s / {gc_steady:.3f} s{faults}")
     if rec.get("prepared"):
         print("  prepared in the background while A trained: " + ", ".join(
             f"{n_} {v:.3f}" for n_, v in rec["prepared"].items()))

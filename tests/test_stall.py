@@ -72,6 +72,32 @@ def test_meter_splits_out_the_garbage_collection_of_each_step():
                        first_step_gc_s=-1.0)
 
 
+def test_meter_counts_the_page_faults_of_each_step():
+    """B's first step touching memory for the first time shows as its page faults against
+    a steady step's (the process's counter, read at each boundary)."""
+    from dynatrain_megatron.loop.stall import minor_faults
+
+    total = iter([100, 15100, 15100, 15300, 15300, 15450, 15450, 15700, 15700])
+    m = StallMeter(7, 2, "a", "b", started=0.0, fault_clock=lambda: next(total))
+    m.resume(now=1.0)
+    t = 1.0
+    for dt in (3.0, 1.0, 1.0, 1.0):
+        t += dt
+        m.step(t)
+        m.left(now=t)
+    b = m.finish()
+    assert (b.first_step_faults, b.steady_step_faults) == (15000, 200)  # median of 3
+    assert b.as_dict()["first_step_faults"] == 15000
+    with pytest.raises(StallError, match="steady_step_faults must be a non-negative int"):
+        StallBreakdown(iteration=1, rank=0, src="a", dst="b", window_s=0.1, parts=(),
+                       steady_step_faults=-3)
+    before = minor_faults()
+    import numpy as np
+
+    np.ones(8 << 20, dtype=np.uint8)  # 8 MiB touched for the first time
+    assert minor_faults() > before  # (fewer faults than pages with huge pages)
+
+
 def test_meter_without_steady_steps_leaves_the_first_step_unmeasured():
     m = StallMeter(7, 0, "a", "b", started=10.0)
     m.resume(now=10.3)

@@ -72,6 +72,11 @@ class StallBreakdown:
     # seconds Python's garbage collector ran in the first step at B / in a steady one
     first_step_gc_s: Optional[float] = None
     steady_step_gc_s: Optional[float] = None
+    # minor page faults of the process in the first step at B / in a steady one (memory
+    # the first step touches for the first time: on the CPU, the activations B needs beyond
+    # what A's steps left in the allocator)
+    first_step_faults: Optional[int] = None
+    steady_step_faults: Optional[int] = None
 
     def __post_init__(self) -> None:
         errs = []
@@ -91,6 +96,10 @@ class StallBreakdown:
                         ("steady_step_gc_s", self.steady_step_gc_s)):
             if v is not None and not (math.isfinite(v) and v >= 0):
                 errs.append(f"{what} must be finite and non-negative, got {v!r}")
+        for what, n in (("first_step_faults", self.first_step_faults),
+                        ("steady_step_faults", self.steady_step_faults)):
+            if n is not None and not (isinstance(n, int) and n >= 0):
+                errs.append(f"{what} must be a non-negative int, got {n!r}")
         if self.iteration < 0 or self.rank < 0:
             errs.append(f"iteration and rank must be non-negative, got {self.iteration}, "
                         f"{self.rank}")
@@ -128,7 +137,9 @@ class StallBreakdown:
                     unaccounted_s=round(self.unaccounted_s, 6),
                     first_step_s=_r(self.first_step_s), steady_step_s=_r(self.steady_step_s),
                     first_step_gc_s=_r(self.first_step_gc_s),
-                    steady_step_gc_s=_r(self.steady_step_gc_s), wall_start=self.wall_start)
+                    steady_step_gc_s=_r(self.steady_step_gc_s),
+                    first_step_faults=self.first_step_faults,
+                    steady_step_faults=self.steady_step_faults, wall_start=self.wall_start)
 
     def __str__(self) -> str:
         shown = ", ".join(f"{n} {v:.3f}" for n, v in self.parts if v >= 0.0005)
@@ -170,8 +181,12 @@ class StallMeter:
     # cumulative seconds in garbage collection (gc_clock.gc_seconds); per step in `gc`
     gc_clock: Optional[Callable[[], float]] = None
     gc: list[float] = field(default_factory=list)
+    # cumulative minor page faults (`minor_faults`); per step in `faults`
+    fault_clock: Optional[Callable[[], int]] = None
+    faults: list[int] = field(default_factory=list)
     _last: Optional[float] = None
     _last_gc: Optional[float] = None
+    _last_faults: Optional[int] = None
 
     def add(self, name: str, seconds: float) -> None:
         if name not in PART_NAMES:
@@ -187,8 +202,12 @@ class StallMeter:
         """Training goes on at B from now (called again by a host loop that does more
         before its first step: the latest call counts)."""
         self.resumed = time.perf_counter() if now is None else now
+        self._mark(now)
+
+    def _mark(self, now: Optional[float]) -> None:
         self._last = self.clock() if now is None else now
         self._last_gc = self.gc_clock() if self.gc_clock is not None else None
+        self._last_faults = self.fault_clock() if self.fault_clock is not None else None
 
     def step(self, now: Optional[float] = None) -> bool:
         """A step boundary after the switch: the step lasted from the previous boundary's
@@ -198,12 +217,13 @@ class StallMeter:
             self.steps.append(max(0.0, now - self._last))
             if self._last_gc is not None and self.gc_clock is not None:
                 self.gc.append(max(0.0, self.gc_clock() - self._last_gc))
+            if self._last_faults is not None and self.fault_clock is not None:
+                self.faults.append(max(0, self.fault_clock() - self._last_faults))
         return len(self.steps) > STEADY_STEPS
 
     def left(self, now: Optional[float] = None) -> None:
         """The hook returns to the training loop (the next step starts)."""
-        self._last = self.clock() if now is None else now
-        self._last_gc = self.gc_clock() if self.gc_clock is not None else None
+        self._mark(now)
 
     def finish(self) -> StallBreakdown:
         resumed = self.resumed if self.resumed is not None else time.perf_counter()
@@ -220,7 +240,17 @@ class StallMeter:
             first_step_s=first, steady_step_s=steady, wall_start=self.wall_start,
             first_step_gc_s=self.gc[0] if self.gc else None,
             steady_step_gc_s=statistics.median(self.gc[1:1 + STEADY_STEPS])
-            if len(self.gc) > 1 else None)
+            if len(self.gc) > 1 else None,
+            first_step_faults=self.faults[0] if self.faults else None,
+            steady_step_faults=int(statistics.median_low(self.faults[1:1 + STEADY_STEPS]))
+            if len(self.faults) > 1 else None)
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (first touches of memory, copy-on-write)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
 # the switch's phases (transition.switch) and switch_trainer's timings, as stall parts

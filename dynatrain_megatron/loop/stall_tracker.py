@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..safe_files import OutputDir
 from ..mcore.session import collect_released
 from .gc_clock import gc_seconds
-from .stall import StallMeter, stall_parts
+from .stall import StallMeter, minor_faults, stall_parts
 from .switch_log import SwitchLog, SwitchRecord, share_and_report
 
 
@@ -126,7 +126,8 @@ class StallTracker:
         this window's start; `extra`: what its report needs (`share_and_report`)."""
         self._meter = StallMeter(rec.iteration, dist.get_rank(), rec.src, rec.dst,
                                  started=self.entered, wall_start=self.entered_wall,
-                                 clock=self.step_clock, gc_clock=gc_seconds)
+                                 clock=self.step_clock, gc_clock=gc_seconds,
+                                 fault_clock=minor_faults)
         self._meter.add_all(self.laps, stall_parts(phases, timings))
         self._meter.resume()
         self._measured = (rec, extra)

@@ -126,6 +126,8 @@ def share_and_report(report: SwitchLog, rec: SwitchRecord, extra: dict,
              pause_s=round(e["pause_s"], 6), transfer_s=round(e["transfer_s"], 6),
              parts={n: round(v, 6) for n, v in e["b"].parts},
              unaccounted_s=round(e["b"].unaccounted_s, 6),
+             first_step_faults=e["b"].first_step_faults,
+             steady_step_faults=e["b"].steady_step_faults,
              # A's memory collected after B's first steps were measured (not in the stall)
              release_a_deferred_s=round(e["deferred_s"], 6)) for e in everyone])
     r = rec
