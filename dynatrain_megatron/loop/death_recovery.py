@@ -136,8 +136,9 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
     from A, with the dead ranks' state taken from its replicas, to the largest layout
     that fits them: nothing is lost and training goes on from the current iteration (the
     newest whose state the survivors hold whole: a death inside a step may leave them at
-    two, `newest_whole_state`). Survivors B does not need stay in the new world (standby). Otherwise only B's ranks
-    re-form the world and load the last checkpoint; the lost tensors are named.
+    two, `newest_whole_state`). Survivors B does not need stay in the new world (standby).
+    Otherwise only B's ranks re-form the world and load the last checkpoint; the lost
+    tensors are named.
     `choose` (auto-layout): survivors -> (layout, note) replaces "the largest layout that
     fits" (`fit_layout`). `host`: the hooks of a host training loop (`HostLoop`).
     `builder`: how B's objects are made (the job's own; default `MegatronBuilder`)."""
@@ -170,6 +171,7 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
               _MIXED if mixed else (str(scalars.iteration) if held is not None else _NONE))
 
     def positions(survivors) -> dict[int, Optional[int]]:
+        """survivor -> the iteration of its state; -1: inside an update; None: none."""
         out = {}
         for r in survivors:
             key = _state_key(generation, r)
@@ -209,11 +211,12 @@ def recover_after_death(trainer: Optional[Trainer], spec: ModelSpec, train: Trai
         what = (f"ranks {updating} were inside the optimizer update of the step after the "
                 f"last boundary (their state may be part-updated); {what}")
     found = whole(nw.survivors)
-    behind = sorted(r for r, p in pos.items()
-                    if p is not None and p >= 0 and found and p != found[0])
-    if behind:
-        what = (f"ranks {behind} hold an older iteration than {found[0]} (their update of "
-                f"it never started); {what}")
+    other = {r: p for r, p in pos.items()
+             if p is not None and p >= 0 and found and p != found[0]}
+    if other:
+        what = (f"ranks {sorted(other)} hold the state of iteration "
+                f"{', '.join(map(str, sorted(set(other.values()))))}, not of {found[0]}, the "
+                f"newest the survivors hold whole: they are no source of it; {what}")
     dst, note = target(len(nw.survivors))
     if note:
         log.warning("%s", note)
