@@ -69,7 +69,8 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
     torch.set_num_threads(1)
     # `_dump_stacks`: the file stays open for the process's life (faulthandler writes to
     # its descriptor from the signal handler)
-    _STACKS.append(open(stacks, "w", encoding="utf-8"))
+    # (a new file in the runner's private directory: no link followed, none replaced)
+    _STACKS.append(os.open(stacks, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     faulthandler.register(_DUMP_SIGNAL, file=_STACKS[-1], all_threads=True)
     try:
         from ..mcore.session import init_distributed
@@ -89,7 +90,7 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
 
 
 _DUMP_SIGNAL = signal.SIGUSR1
-_STACKS: list = []  # a rank's open stack file
+_STACKS: list = []  # a rank's open stack file (its descriptor)
 
 
 def _dump_stacks(procs, ranks: Sequence[int], files: Sequence[str]) -> str:
@@ -106,7 +107,8 @@ def _dump_stacks(procs, ranks: Sequence[int], files: Sequence[str]) -> str:
     out = []
     for r in alive:
         try:
-            with open(files[r], encoding="utf-8", errors="replace") as f:
+            fd = os.open(files[r], os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
                 out.append(f"--- rank {r}:\n{f.read()[-6000:]}")
         except OSError as e:
             out.append(f"--- rank {r}: no stacks ({e})")
