@@ -26,6 +26,7 @@ samples per split at every data-iterator build, seconds on a CPU.
 (a checkout) chooses Megatron-LM; default the latest supported release.
 
     python scripts/bench_stall.py [--work DIR] [--iters N] [--switch-after K] [--no-restart]
+                                  [--repeat N]
                                   [--megatron-flag=--timing-log-level=2 ...]
 """
 from __future__ import annotations
@@ -69,66 +70,13 @@ def iterations(text: str) -> dict[int, tuple[float, float]]:
                       float(ms) / 1000) for ts, it, ms in LINE.findall(text)}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--switch-after", type=int, default=4)
-    p.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
-    p.add_argument("--no-restart", action="store_true",
-                   help="only the switched job (no restart path, no restart ratio)")
-    p.add_argument("--megatron-flag", action="append", default=[], metavar="FLAG",
-                   help="one more Megatron-LM flag for every job (repeatable; "
-                        "--megatron-flag=--timing-log-level=2 splits each iteration)")
-    args = p.parse_args()
-    # the user's own launcher on both sides, as in scripts/megatron_lm_job.py
-    os.environ.setdefault("DYNATRAIN_TEST_LAUNCHER", "torchrun")
-    k, n = args.switch_after, args.iters
-    if not 2 <= k <= n - 4:
-        raise SystemExit("--switch-after K needs 2 <= K <= iters - 4 (steady steps at B)")
-    from dynatrain_megatron.megatron_lm.patch_tool import default_release, identify
-
-    choice = (os.environ.get("DYNATRAIN_MEGATRON_LM") or os.environ.get("MEGATRON_LM")
-              or default_release().name)
-    src = Path(choice) if "/" in choice else ROOT.parent / "shared/megatron-lm" / choice
-    release = identify(src).release  # an unsupported checkout is refused here, by name
-    work = Path(args.work or tempfile.mkdtemp(prefix="dynatrain-stall-"))
-    work.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tree = work / "Megatron-LM"
-    from dynatrain_megatron.megatron_lm.checkout import working_copy
-
-    shutil.rmtree(tree, ignore_errors=True)
-    working_copy(src, tree, patched=True)
-    for d in ("saved", "logs", "data-cache"):
-        shutil.rmtree(work / d, ignore_errors=True)
-    common = CPU_FLAGS + MODEL + ["--train-iters", str(n),
-                                  "--data-cache-path", str(work / "data-cache")]
-    common += [x for f in args.megatron_flag for x in f.split("=", 1)]
-    a, b = layout_flags(2, 2), layout_flags(1, 2)
-    sched = work / "schedule.yaml"
-    sched.write_text(f"- {{iteration: {k}, layout: tp1pp2dp2}}\n")
-
-    print(f"Megatron-LM {release.name} from {src}", flush=True)
-    print(f"1. switched in memory: tp2pp2 -> tp1pp2dp2 after iteration {k} (4 gloo ranks)",
-          flush=True)
-    sw = run_megatron_lm(tree, 4, common + a + [
-        "--dynatrain", "--dynatrain-schedule", str(sched),
-        "--dynatrain-log-dir", str(work / "logs")], work / "switched.log")
-    restart = None
-    if not args.no_restart:
-        print(f"2. Megatron-LM's restart: --save at {k}, exit, --load at tp1pp2dp2", flush=True)
-        saved = run_megatron_lm(tree, 4, common + a + [
-            "--save", str(work / "saved"), "--save-interval", str(k),
-            "--exit-interval", str(k)], work / "saved.log")
-        resumed = run_megatron_lm(tree, 4, common + b + ["--load", str(work / "saved")],
-                                  work / "resumed.log")
-        it_saved, it_res = iterations(saved), iterations(resumed)
-        steady_res = statistics.median(it_res[i][1] for i in range(k + 2, n + 1))
-        restart = it_res[k + 1][0] - it_saved[k][0] - steady_res
-
+def report_run(sw: str, logs: Path, k: int, n: int) -> tuple[float, float, float]:
+    """Print one switched job's figures (Megatron-LM's log `sw`, our `logs`); returns its
+    stall, slowest rank's pause and that rank's transfer."""
     it_sw = iterations(sw)
     steady = statistics.median(it_sw[i][1] for i in range(k + 2, n + 1))
     stall = it_sw[k + 1][1] - steady
-    records = [json.loads(line) for line in (work / "logs" / "switches.jsonl").read_text()
+    records = [json.loads(line) for line in (logs / "switches.jsonl").read_text()
                .splitlines()]
     rec = next(r for r in records if r.get("kind") == "switch")
     slow = rec["stall"]["slowest"]
@@ -173,14 +121,96 @@ def main() -> int:
               f"of the deferred release, slowest rank: {deferred:.3f} s")
         print(f"the job lost to the switch in all (stall + iteration {after}'s excess): "
               f"{stall + max(0.0, extra):7.3f} s")
+    return stall, pause, pauser["transfer_s"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--switch-after", type=int, default=4)
+    p.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the switched job this many times; the goals are judged on the "
+                        "medians (one iteration's time jitters on a busy machine)")
+    p.add_argument("--no-restart", action="store_true",
+                   help="only the switched job (no restart path, no restart ratio)")
+    p.add_argument("--megatron-flag", action="append", default=[], metavar="FLAG",
+                   help="one more Megatron-LM flag for every job (repeatable; "
+                        "--megatron-flag=--timing-log-level=2 splits each iteration)")
+    args = p.parse_args()
+    # the user's own launcher on both sides, as in scripts/megatron_lm_job.py
+    os.environ.setdefault("DYNATRAIN_TEST_LAUNCHER", "torchrun")
+    k, n = args.switch_after, args.iters
+    if not 2 <= k <= n - 4:
+        raise SystemExit("--switch-after K needs 2 <= K <= iters - 4 (steady steps at B)")
+    from dynatrain_megatron.megatron_lm.patch_tool import default_release, identify
+
+    choice = (os.environ.get("DYNATRAIN_MEGATRON_LM") or os.environ.get("MEGATRON_LM")
+              or default_release().name)
+    src = Path(choice) if "/" in choice else ROOT.parent / "shared/megatron-lm" / choice
+    release = identify(src).release  # an unsupported checkout is refused here, by name
+    work = Path(args.work or tempfile.mkdtemp(prefix="dynatrain-stall-"))
+    work.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tree = work / "Megatron-LM"
+    from dynatrain_megatron.megatron_lm.checkout import working_copy
+
+    shutil.rmtree(tree, ignore_errors=True)
+    working_copy(src, tree, patched=True)
+    for d in ("saved", "logs", "data-cache"):
+        shutil.rmtree(work / d, ignore_errors=True)
+    common = CPU_FLAGS + MODEL + ["--train-iters", str(n),
+                                  "--data-cache-path", str(work / "data-cache")]
+    common += [x for f in args.megatron_flag for x in f.split("=", 1)]
+    a, b = layout_flags(2, 2), layout_flags(1, 2)
+    sched = work / "schedule.yaml"
+    sched.write_text(f"- {{iteration: {k}, layout: tp1pp2dp2}}\n")
+
+    print(f"Megatron-LM {release.name} from {src}", flush=True)
+    print(f"1. switched in memory: tp2pp2 -> tp1pp2dp2 after iteration {k} (4 gloo ranks)",
+          flush=True)
+    if args.repeat < 1:
+        raise SystemExit("--repeat N needs N >= 1")
+    runs = []
+    for i in range(args.repeat):
+        logs = work / ("logs" if i == 0 else f"logs{i + 1}")
+        shutil.rmtree(logs, ignore_errors=True)
+        log_file = work / ("switched.log" if i == 0 else f"switched{i + 1}.log")
+        runs.append((run_megatron_lm(tree, 4, common + a + [
+            "--dynatrain", "--dynatrain-schedule", str(sched),
+            "--dynatrain-log-dir", str(logs)], log_file), logs))
+    restart = None
+    if not args.no_restart:
+        print(f"2. Megatron-LM's restart: --save at {k}, exit, --load at tp1pp2dp2", flush=True)
+        saved = run_megatron_lm(tree, 4, common + a + [
+            "--save", str(work / "saved"), "--save-interval", str(k),
+            "--exit-interval", str(k)], work / "saved.log")
+        resumed = run_megatron_lm(tree, 4, common + b + ["--load", str(work / "saved")],
+                                  work / "resumed.log")
+        it_saved, it_res = iterations(saved), iterations(resumed)
+        steady_res = statistics.median(it_res[i][1] for i in range(k + 2, n + 1))
+        restart = it_res[k + 1][0] - it_saved[k][0] - steady_res
+
+    figures = []
+    for i, (sw, logs) in enumerate(runs):
+        if args.repeat > 1:
+            print(f"\n== switched job, run {i + 1} of {args.repeat}")
+        figures.append(report_run(sw, logs, k, n))
+    stall, pause, transfer = (statistics.median(f[j] for f in figures) for j in range(3))
+    if args.repeat > 1:
+        print(f"\nover the {args.repeat} runs: stall " + ", ".join(
+            f"{f[0]:.3f}" for f in figures) + f" s (median {stall:.3f}); slowest pause "
+              + ", ".join(f"{f[1]:.3f}" for f in figures) + f" s (median {pause:.3f}); "
+              f"its transfer median {transfer:.3f} s; stall / pause " + ", ".join(
+                  f"{f[0] / f[1]:.2f}" for f in figures))
     goals = [("stall <= 1.25x the slowest pause", stall / pause, 1.25, stall <= 1.25 * pause),
-             ("pause <= 2x its transfer", pause / max(pauser["transfer_s"], 1e-9), 2.0,
-              pause <= 2 * pauser["transfer_s"])]
+             ("pause <= 2x its transfer", pause / max(transfer, 1e-9), 2.0,
+              pause <= 2 * transfer)]
     if restart is not None:
         print(f"restart (--save, exit, new job, --load) stall:       {restart:7.3f} s")
         goals.append(("restart / stall >= 50", restart / max(stall, 1e-9), 50.0,
                       restart >= 50 * stall))
-    print("\ngoal                                 ratio    target  met")
+    print("\ngoal" + (" (medians)" if args.repeat > 1 else "          ")
+          + "                       ratio    target  met")
     for what, ratio, target, ok in goals:
         print(f"{what:<36} {ratio:7.2f}  {target:7.2f}  {'yes' if ok else 'NO'}")
     print(f"\nlogs in {work}")
