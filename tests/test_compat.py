@@ -316,3 +316,27 @@ def test_grouped_gemm_stand_in_is_a_matmul_per_expert():
             print("refused:", e)
     """)
     assert out.startswith("refused: gmm: 3 batch sizes summing to 3 for 3 experts and 7 rows")
+
+
+def test_seeding_a_layout_draws_as_torch_manual_seed_and_reads_no_source_file():
+    """A switch seeds B's RNGs in its pause; `torch.manual_seed` would also queue lazy
+    seeds for devices never used (XPU, MTIA), recording the caller's stack, which reads
+    source files from disk: the pause must not, and the generators must end the same."""
+    out = _run("""
+        import traceback, types, torch
+        from dynatrain_megatron.compat import cpu
+        cpu.apply_if_needed()
+        from megatron.core.tensor_parallel import random as r
+        from dynatrain_megatron.mcore.builders import seed_rngs
+        torch.manual_seed(1234 + 100)
+        ref = torch.get_rng_state()
+        torch.manual_seed(5)
+        def captured(*a, **k):
+            raise AssertionError("a stack was captured while seeding")
+        traceback.format_stack = traceback.extract_stack = captured
+        coords = types.SimpleNamespace(tp=1, pp=1, ep=0, etp=0)
+        seed_rngs(1234, types.SimpleNamespace(coords=lambda: coords))
+        print(torch.equal(torch.get_rng_state(), ref),
+              sorted(r.get_cuda_rng_tracker().get_states()))
+    """)
+    assert out.startswith("True [") and "'model-parallel-rng'" in out, out

@@ -178,7 +178,7 @@ def _patch_rng_tracker() -> None:
             raise Exception(f"cuda rng state {name} already exists")
         self.seeds_.add(seed)
         saved = torch.get_rng_state()
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # no lazy seeding of other devices
         self.states_[name] = torch.get_rng_state()
         torch.set_rng_state(saved)
 

@@ -130,6 +130,17 @@ def layer_spec(spec: ModelSpec):
                                       normalization=spec.normalization)
 
 
+def seed_torch(seed: int) -> None:
+    """`torch.manual_seed` for the generators a Megatron job draws from: the CPU's and,
+    where CUDA is up, every GPU's. Without its lazy seeding of devices the process never
+    uses: for an uninitialised XPU or MTIA, `torch.manual_seed` records the caller's
+    stack, which reads every source file on it from disk (up to 30 ms in a switch's
+    pause on a loaded machine, `activate`)."""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
 def seed_rngs(seed: int, groups: ParallelGroups) -> None:
     """Megatron-LM's `_set_random_seed`: seed + 100*pp_rank, then the TP/EP tracker states.
 
@@ -144,7 +155,7 @@ def seed_rngs(seed: int, groups: ParallelGroups) -> None:
     s = seed + 100 * c.pp
     random.seed(s)
     np.random.seed(s)
-    torch.manual_seed(s)
+    seed_torch(s)
     model_parallel_cuda_manual_seed(s, tp_rank=c.tp, ep_rank=c.ep, etp_rank=c.etp,
                                     force_reset_rng=True)
 
