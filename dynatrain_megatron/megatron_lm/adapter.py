@@ -73,7 +73,7 @@ from ..vps.layout import GROUP_AXES, Layout
 from .arguments import (arg_value, args_for_layout, params_dtype_of, performance_differences,
                         rank_order_of, unsupported_args)
 from .description import check_live_state, describe_job
-from .data_ahead import DataAhead, retire_in_background
+from .data_ahead import DataAhead, build_now, retire_in_background
 from .step_guard import StepGuard
 from .support import plans_from_metadata, unlike_analytic
 from .transformer_config import JobIntents, settings_at
@@ -429,9 +429,11 @@ class MegatronLMSession:
         if ahead is not None:  # built in the background for exactly this switch
             train_it, valid_it, test_it = ahead
             self._note_prepared("data_iterators", self.data_ahead.last_seconds)
-        else:
-            with stand_in_world.stand_in(_stand_in_world(o, dist.get_world_size())):
-                train_it, valid_it, test_it = _rebuild_data_iterators(self.args, len(o.model))
+        else:  # every rank of B, its DataLoader workers all started (worker_start)
+            def build() -> tuple:
+                with stand_in_world.stand_in(_stand_in_world(o, dist.get_world_size())):
+                    return tuple(_rebuild_data_iterators(self.args, len(o.model)))
+            train_it, valid_it, test_it = build_now(o.groups, build)
         # the last iterators are dropped here: their worker processes end
         self.test_data_iterator = test_it
         self.latest = LoopObjects(o.model, o.optimizer, o.scheduler, train_it, valid_it,

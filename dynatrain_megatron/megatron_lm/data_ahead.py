@@ -49,9 +49,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..mcore.train_config import running_batch
+from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from .arguments import arg_value, args_for_layout
+from .worker_start import FAILED, started_build, worker_iterators
 
 log = logging.getLogger("dynatrain")
 
@@ -189,11 +191,19 @@ class DataAhead:
         note = dataclasses.replace(note, consumed_train=consumed, consumed_valid=valid)
         self._for = groups  # every rank of B: `take` votes on these groups
         t0 = time.perf_counter()
-        try:
-            built = self._build(layout, groups, num_chunks, consumed, note)
+        try:  # every DataLoader worker started on every rank of B, or built again
+            built, outcome = started_build(
+                lambda: self._build(layout, groups, num_chunks, consumed, note),
+                lambda b: b[0], lambda code: agreed_max([code], group)[0],
+                "B's data iterators built in the background",
+                stick_first=_stuck_worker_fault())
         except Exception as e:  # noqa: BLE001 - the switch builds them itself then
             log.warning("building B's data iterators in the background failed (%s: %s); "
                         "they are built at the switch", type(e).__name__, e)
+            return
+        if built is None:
+            log.info("B's data iterators are built at the switch (%s on another rank)",
+                     "the build failed" if outcome == FAILED else "workers never started")
             return
         self.last_seconds = time.perf_counter() - t0
         requested = getattr(decision, "at", None) is None
@@ -243,7 +253,7 @@ class DataAhead:
         names = list(counters)
         # MAX of [counters, v, -v]: v's largest and smallest, equal where every rank built
         *values, top, neg_bottom = agreed_max([int(counters[n]) for n in names] +
-                                              [valid, -valid], _switch_group(groups))
+                                              [valid, -valid], switch_group(groups))
         agreed = dict(zip(names, values))
         # every rank of B takes its own or none does (else one would build alone)
         if not top == -neg_bottom == agreed["consumed_valid_samples"]:
@@ -287,31 +297,6 @@ def advance(train: Any, micro_batches: int) -> None:
             next(inner)
 
 
-def _worker_iterators(obj: Any, out: list, depth: int = 0) -> list:
-    """The multi-process DataLoader iterators inside what Megatron-LM's builder returned:
-    lists (one per virtual stage), its RerunDataIterator wrapper, a DataLoader's
-    persistent iterator, and the `cyclic` generator's DataLoader."""
-    from torch.utils.data import DataLoader
-    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
-
-    if obj is None or depth > 4:
-        return out
-    if isinstance(obj, _MultiProcessingDataLoaderIter):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            _worker_iterators(o, out, depth + 1)
-    elif isinstance(obj, DataLoader):
-        _worker_iterators(getattr(obj, "_iterator", None), out, depth + 1)
-    elif getattr(obj, "gi_frame", None) is not None:  # cyclic_iter(dataloader)
-        for v in obj.gi_frame.f_locals.values():
-            if isinstance(v, (DataLoader, _MultiProcessingDataLoaderIter)):
-                _worker_iterators(v, out, depth + 1)
-    elif hasattr(obj, "iterable"):  # megatron's RerunDataIterator
-        _worker_iterators(obj.iterable, out, depth + 1)
-    return out
-
-
 def retire_in_background(*iterators: Any) -> Optional[threading.Thread]:
     """Stop the DataLoader workers of iterators the loop no longer uses (A's, after a
     switch) in a thread of their own: dropped by the training loop at B's first step,
@@ -319,7 +304,7 @@ def retire_in_background(*iterators: Any) -> Optional[threading.Thread]:
     until their workers are stopped; returns it (None when there were none)."""
     found: list = []
     for it in iterators:
-        _worker_iterators(it, found)
+        worker_iterators(it, found)
     if not found:
         return None
     for it in found:  # their exit (the workers' own) yields to the training processes
@@ -353,6 +338,34 @@ def lower_priority(processes: Any) -> None:
             log.debug("lowering the priority of data-loader worker %s: %s", pid, e)
 
 
+def build_now(groups: Any, build: Callable[[], tuple]) -> tuple:
+    """B's (train, valid, test) iterators built at the switch by `build` (Megatron-LM's, on
+    every rank of B: `groups`), their DataLoader workers all started (`worker_start`);
+    raises where that cannot be had (the build failed on some rank, or workers never
+    started in any attempt): the loop would otherwise wait for a batch forever."""
+    from ..elastic.communicators import agreed_max
+
+    group = switch_group(groups)
+    built, outcome = started_build(build, lambda b: b,
+                                   lambda code: agreed_max([code], group)[0],
+                                   "B's data iterators built at the switch")
+    if built is None:
+        raise DynatrainError("B's data iterators could not be built at the switch: " + (
+            "the build failed on another rank" if outcome == FAILED
+            else "their DataLoader workers never started"))
+    return built
+
+
+def _stuck_worker_fault() -> bool:
+    """Whether `DYNATRAIN_FAULTS` makes this rank's first worker of B never start."""
+    import torch.distributed as dist
+
+    from ..transition.faults import FaultPlan, plans_for
+
+    return any(p.fail_phase == "worker_start" and p.fail_rank == dist.get_rank()
+               for p in plans_for(FaultPlan.plans_from_env(), 0))
+
+
 def _stand_in_of(groups: Any, layout: Layout) -> Any:
     """The group that stands in for the world during the build: B's preparation group
     (`ParallelGroups.background`, B's ranks in global-rank order) where those are the
@@ -373,10 +386,11 @@ def _group_of(groups: Any) -> Any:
     return getattr(groups, "background", None)
 
 
-def _switch_group(groups: Any) -> Any:
+def switch_group(groups: Any) -> Any:
     """B's group over its ranks for the agreement at the switch (the main thread, nothing
     else running): its CPU twin under NCCL, else its own."""
     return getattr(groups, "layout_group_cpu", None) or getattr(groups, "layout_group", None)
 
 
-__all__ = ("BuiltAhead", "DataAhead", "StepNote", "retire_in_background")
+__all__ = ("BuiltAhead", "DataAhead", "StepNote", "build_now", "retire_in_background",
+           "switch_group")

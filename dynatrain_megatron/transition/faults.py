@@ -11,7 +11,10 @@ first pipeline send, data-parallel gradient reduction, optimizer step before and
 survivors' vote; placed by `megatron_lm/step_guard.py`), and after it, in iteration
 `iteration`'s log line, evaluation and `--save` ("log", "eval", "save";
 `megatron_lm/post_step.py`), and "startup": in Megatron-LM's start-up, as `pretrain()`
-registers the job before building its data iterators (`megatron_lm/seam.py`). With `kill`, the failing rank's
+registers the job before building its data iterators (`megatron_lm/seam.py`). And
+"worker_start": the first DataLoader worker forked while B's data iterators are built in
+the background on `fail_rank` never starts, as a fork beside running threads can leave
+one (`megatron_lm/worker_start.py`, which finds it and builds again). With `kill`, the failing rank's
 process exits on the spot instead of raising, as a crash would (its sockets close). With
 `dst_layout`, "prepare" and "commit" failures hit only a switch to that layout (say, a B
 that cannot be built on one rank), so a later switch of the same job goes through.
@@ -47,7 +50,7 @@ log = logging.getLogger("dynatrain")
 
 STEP_PHASES = ("forward", "backward", "pp_send", "grad_sync", "optimizer", "optimizer_update",
                "log", "eval", "save")
-PHASES = ("prepare", "round", "commit", "step", "startup") + STEP_PHASES
+PHASES = ("prepare", "round", "commit", "step", "startup", "worker_start") + STEP_PHASES
 
 
 class InjectedFault(DynatrainError):
