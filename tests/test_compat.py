@@ -274,6 +274,31 @@ def test_the_forked_checkpoint_manager_ends_with_a_rank_that_dies():
     assert not _alive(int(pid)), f"the manager {pid} outlived its rank"
 
 
+def test_a_forked_checkpoint_manager_that_never_starts_is_killed_and_forked_again():
+    """Forked mid-training beside gloo's threads, the manager's process can hang before it
+    runs (fork_watch: CPython < 3.12), and its parent would wait for its address forever,
+    at the job's first `--save`. Planted here: the first fork never starts."""
+    out = _run("""
+        from dynatrain_megatron import fork_watch
+        from dynatrain_megatron.compat import megatron_lm as M
+        fork_watch.START_TIMEOUT_S = 2.0
+        watches, pids = [], []
+        init, forked_pid = fork_watch.StartWatch.__init__, M._forked_pid
+        def first_sticks(self, stick_first=False):
+            watches.append(self)
+            init(self, stick_first=len(watches) == 1)
+        fork_watch.StartWatch.__init__ = first_sticks
+        M._forked_pid = lambda *a: pids.append(forked_pid(*a)) or pids[-1]
+        m = M.forked_manager()
+        q = m.Queue(); q.put(7)
+        print(q.get(), len(watches), pids[0] != pids[1], m._process.pid == pids[1], pids[0])
+        m.shutdown()
+    """)
+    value, watches, differ, second, first = out.splitlines()[-1].split()
+    assert (value, watches, differ, second) == ("7", "2", "True", "True")
+    assert not _alive(int(first))  # the stuck one was killed
+
+
 def _alive(pid: int) -> bool:
     """A process that exists and is not a zombie (its parent, init, reaps it)."""
     try:

@@ -14,9 +14,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from dynatrain_megatron import fork_watch
 from dynatrain_megatron.megatron_lm import worker_start
-from dynatrain_megatron.megatron_lm.worker_start import (FAILED, NOT_STARTED, OK, StartWatch,
-                                                          started_build, worker_pids)
+from dynatrain_megatron.fork_watch import StartWatch
+from dynatrain_megatron.megatron_lm.worker_start import (FAILED, NOT_STARTED, OK, started_build,
+                                                          worker_pids)
 
 
 def _iterators():
@@ -114,7 +116,7 @@ def test_a_build_that_raises_tells_the_other_ranks_before_it_raises():
 
 
 def test_workers_that_never_start_in_any_attempt_give_up(monkeypatch):
-    monkeypatch.setattr(worker_start, "_report_started", lambda: None)  # nobody reports
+    monkeypatch.setattr(fork_watch, "_report_started", lambda: None)  # nobody reports
     built = []
     its, outcome = started_build(lambda: built.append(_iterators()) or built[-1],
                                  lambda b: b, lambda code: code, "test", attempts=2,

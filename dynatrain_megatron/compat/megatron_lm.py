@@ -175,9 +175,12 @@ def _fork_checkpoint_results_queue() -> None:
         if original is None or not hasattr(fs, "_results_queue"):
             continue
 
-        def results_queue(*a: Any, **k: Any) -> Any:
+        def results_queue(*a: Any, _original: Callable = original, **k: Any) -> Any:
             if fs._results_queue is None:
-                fs._results_queue = forked_manager().Queue()
+                m = forked_manager()
+                if m is None:  # its forks never started: the release's own (spawned)
+                    return _original(*a, **k)
+                fs._results_queue = m.Queue()
             return fs._results_queue
 
         results_queue.__wrapped__ = original  # type: ignore[attr-defined]
@@ -187,9 +190,9 @@ def _fork_checkpoint_results_queue() -> None:
 _managers: list = []  # the forked managers, alive for the job (their queues' server)
 
 
-def forked_manager() -> Any:
+def forked_manager(attempts: int = 3) -> Optional[Any]:
     """A `multiprocessing` manager forked from this process, holding none of its sockets,
-    and ending with it.
+    and ending with it; None when its process never started in `attempts` forks.
 
     A forked child inherits every descriptor, the process groups' TCP connections among
     them: were this long-lived child to keep them open after its rank died, the peers would
@@ -197,15 +200,66 @@ def forked_manager() -> Any:
     timeout. Its first act (before its own listener exists) closes every inherited socket.
     A manager is shut down by its parent's exit handlers; a rank that dies without running
     them (killed, `os._exit`) would leave it running for good, so it also ends itself as
-    soon as its parent is gone (`_end_with_parent`)."""
+    soon as its parent is gone (`_end_with_parent`).
+
+    It is forked beside the job's running threads (the first `--save`, mid-training), so
+    it can hang before it runs (`fork_watch`), and `start` would wait for its address
+    forever: it starts in a thread of its own under a `fork_watch.StartWatch`, and a
+    process that never reports its start is killed and forked again."""
     import multiprocessing
     import os
+    import signal
+    import threading
     from multiprocessing.managers import SyncManager
 
-    m = SyncManager(ctx=multiprocessing.get_context("fork"))
-    m.start(initializer=_start_manager, initargs=(os.getpid(),))
-    _managers.append(m)
-    return m
+    from ..fork_watch import START_TIMEOUT_S, StartWatch
+
+    for attempt in range(1, attempts + 1):
+        m = SyncManager(ctx=multiprocessing.get_context("fork"))
+        failed: list = []
+        parent = os.getpid()
+
+        def start(m: Any = m, failed: list = failed) -> None:
+            try:
+                m.start(initializer=_start_manager, initargs=(parent,))
+            except BaseException as e:  # noqa: BLE001 - raised by the caller
+                failed.append(e)
+
+        with StartWatch() as watch:
+            t = threading.Thread(target=start, name="dynatrain-manager-start", daemon=True)
+            t.start()
+            pid = _forked_pid(m, t, START_TIMEOUT_S)
+            stuck = watch.not_started([pid], START_TIMEOUT_S) if pid is not None else set()
+        if stuck:  # its parent's wait for the address ends (EOF) when it is killed
+            os.kill(pid, signal.SIGKILL)
+            t.join()
+            m._process.join(1.0)
+            log.warning("the checkpoint writer's results-queue manager (pid %d) never "
+                        "started (a fork beside running threads): killed, %s", pid,
+                        "forked again" if attempt < attempts else "given up")
+            continue
+        t.join()
+        if failed:
+            raise failed[0]
+        _managers.append(m)
+        return m
+    return None
+
+
+def _forked_pid(m: Any, starting: Any, timeout: float) -> Optional[int]:
+    """The pid of manager `m`'s process once forked by the thread `starting`, None if
+    that thread ended without one (it failed) or none came within `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        process = getattr(m, "_process", None)
+        if process is not None and process.pid is not None:
+            return process.pid
+        if not starting.is_alive():
+            return None
+        time.sleep(0.001)
+    return None
 
 
 def _start_manager(parent: int) -> None:

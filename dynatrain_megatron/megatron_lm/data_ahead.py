@@ -36,6 +36,9 @@ otherwise they are dropped (their workers end) and the loop builds them as befor
 the stall. Not built ahead: a requested switch with a sampler other than `single`, B built
 in the pause, B on ranks other than the job's first ones (a stand-in world must be those),
 and jobs with `--phase-transition-iterations` (the count per phase follows other rules).
+Built ahead or at the switch, every DataLoader worker of B must be seen to start on every
+rank of B, or the iterators are built again (`worker_start`: a fork beside running
+threads can leave a worker that never starts, and B's first step would wait for it).
 """
 from __future__ import annotations
 
