@@ -276,7 +276,7 @@ def test_the_forked_checkpoint_manager_ends_with_a_rank_that_dies():
 
 def test_a_forked_checkpoint_manager_that_never_starts_is_killed_and_forked_again():
     """Forked mid-training beside gloo's threads, the manager's process can hang before it
-    runs (fork_watch: CPython < 3.12), and its parent would wait for its address forever,
+    runs (fork_watch: CPython gh-112275), and its parent would wait for its address forever,
     at the job's first `--save`. Planted here: the first fork never starts."""
     out = _run("""
         from dynatrain_megatron import fork_watch

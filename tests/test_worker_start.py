@@ -1,5 +1,5 @@
 """DataLoader workers that never start (megatron_lm/worker_start.py): a child stuck right
-after its fork (as CPython < 3.12 leaves one forked beside a gloo thread, gh-112275) is
+after its fork (as CPython without gh-112275's fix leaves one forked beside a gloo thread) is
 found, killed without torch raising in the main thread, and the build is done again; the
 iterators handed on yield the batches a clean build yields. Real torch DataLoaders with
 forked workers; the stuck child is made by the fault point "worker_start" (`stick_first`):

@@ -2,7 +2,7 @@
 
 B's data iterators are built by the preparation thread while A trains (`data_ahead`), so
 their DataLoader workers are forked beside running threads, and one can deadlock right
-after its fork (`fork_watch` says why: CPython < 3.12 with gloo's threads). Such a worker
+after its fork (`fork_watch` says why: CPython before gh-112275's fix, beside gloo's threads). Such a worker
 is alive, so the DataLoader never reports it, and never reads its index queue: the
 iterator would wait forever for its first batch, in B's first step (seen once in ~25 runs
 of `scripts/bench_stall.py`; the hung child's stack ended in `PyOS_AfterFork_Child`).
@@ -119,7 +119,7 @@ def started_build(build: Callable[[], T], iterators_of: Callable[[T], Any],
             return None, FAILED
         if stuck:  # the rank it happened on says so; the others follow quietly
             log.warning("%s: data-loader workers %s never started (a fork beside running "
-                        "threads, CPython < 3.12 gh-112275): killed, %s", what,
+                        "threads, CPython gh-112275): killed, %s", what,
                         sorted(stuck), f"built again (attempt {attempt + 1} of {attempts})"
                         if attempt < attempts else "given up")
         else:
