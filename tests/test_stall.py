@@ -294,3 +294,34 @@ def test_a_released_layouts_groups_wait_for_the_deferred_collection():
     assert c.groups.destroyed == [True]
     session.collect_released()
     assert c.groups.destroyed == [True]  # once
+
+
+def test_a_release_that_can_wait_runs_once_bs_first_steps_are_measured(tmp_path):
+    """`StallTracker.defer`: A's DataLoader workers retire once the switch's measurement
+    ends (reported, or dropped: another switch, a death, the end), not beside its last
+    agreement and B's first steps; at once when no switch is being measured."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from dynatrain_megatron.loop.stall_tracker import StallTracker
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        t, ran = StallTracker(None), []
+        t.defer(lambda: ran.append("at once"))
+        assert ran == ["at once"]
+        for broken in (False, True):
+            t.boundary()
+            t.begin(SimpleNamespace(iteration=3, src="tp2pp2", dst="tp1pp2dp2"), {}, {}, {})
+            t.defer(lambda: ran.append("A's workers"))
+            t.left()
+            t.next_step_boundary()  # after B's first step: still held
+            assert ran == ["at once"] + ["A's workers"] * broken
+            t.drop(broken=broken)
+            assert ran == ["at once"] + ["A's workers"] * (1 + broken)
+            t.drop()  # once
+            assert len(ran) == 2 + broken
+    finally:
+        dist.destroy_process_group()

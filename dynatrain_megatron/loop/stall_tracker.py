@@ -40,6 +40,8 @@ class StallTracker:
         self.on_return_from_standby: list[Callable[[], None]] = []
         self.step_clock: Callable[[], float] = time.perf_counter
         self.collect_pending = False  # A's memory is to be collected (`finish`)
+        # the rest of A's release that waits for B's measured steps (`defer`)
+        self._deferred: list[Callable[[], None]] = []
         gc_seconds()  # the collector's clock runs from the start (B's first step vs steady)
         self._meter: Optional[StallMeter] = None
         self._measured: Optional[tuple[SwitchRecord, dict]] = None
@@ -132,11 +134,24 @@ class StallTracker:
         self._meter.resume()
         self._measured = (rec, extra)
 
+    def defer(self, release: Callable[[], None]) -> None:
+        """Run `release`, a part of A's release that can wait, once the switch being
+        measured is reported or dropped: not beside the switch's last agreement and B's
+        first steps. At once when no switch is being measured."""
+        if self._measured is None:
+            release()
+        else:
+            self._deferred.append(release)
+
     def drop(self, broken: bool = False) -> None:
-        """Forget the switch being measured (its ranks cannot share it any more).
-        `broken`: a rank died; what A's release left to the deferred collection (its
-        groups among it) is freed now, its communicators aborted."""
+        """Forget the switch being measured (its ranks cannot share it any more) and run
+        what was deferred to its end (`defer`). `broken`: a rank died; what A's release
+        left to the deferred collection (its groups among it) is freed now, its
+        communicators aborted."""
         self._meter = self._measured = None
+        deferred, self._deferred = self._deferred, []
+        for release in deferred:
+            release()
         if broken and self.collect_pending:
             self.collect_pending = False
             collect_released(broken=True)

@@ -371,9 +371,11 @@ class MegatronLMSession:
         self._log_layout(t.iteration, out, world)
         o = t.objs
         if o is not before:
-            # A's iterators: their workers stop in a thread, not in B's first step
-            retire_in_background(loop.train_data_iterator, loop.valid_data_iterator,
-                                 self.test_data_iterator)
+            # A's iterators: their workers stop in a thread once B's first steps are
+            # measured: processes exiting beside the switch's last agreement and B's first
+            # step slowed both (docs/bench/stall.md)
+            its = (loop.train_data_iterator, loop.valid_data_iterator, self.test_data_iterator)
+            self.hook.stall.defer(lambda: retire_in_background(*its))
             self.rebind_loop(t, old_config)
             self.guard.at_boundary(t.iteration, o)
         if ending:  # train() exits with Megatron-LM's iterators: they go with its frames
