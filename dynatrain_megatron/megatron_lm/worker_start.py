@@ -2,10 +2,11 @@
 
 B's data iterators are built by the preparation thread while A trains (`data_ahead`), so
 their DataLoader workers are forked beside running threads, and one can deadlock right
-after its fork (`fork_watch` says why: CPython before gh-112275's fix, beside gloo's threads). Such a worker
-is alive, so the DataLoader never reports it, and never reads its index queue: the
-iterator would wait forever for its first batch, in B's first step (seen once in ~25 runs
-of `scripts/bench_stall.py`; the hung child's stack ended in `PyOS_AfterFork_Child`).
+after its fork (`fork_watch` says why: CPython before gh-112275's fix, beside gloo's
+threads). Such a worker is alive, so the DataLoader never reports it, and never reads its
+index queue: the iterator would wait forever for its first batch, in B's first step (seen
+once in ~25 runs of `scripts/bench_stall.py`; the hung child's stack ended in
+`PyOS_AfterFork_Child`).
 
 `started_build` runs a build under a `fork_watch.StartWatch`, compares the pids of the
 workers it forked with those that reported their start, agrees with the other ranks of
