@@ -56,7 +56,7 @@ from ..vps.errors import DynatrainError
 from ..vps.layout import Layout
 from ..vps.model_spec import ModelSpec
 from .arguments import arg_value, args_for_layout
-from .worker_start import FAILED, started_build, worker_iterators
+from .worker_start import FAILED, started_build, stop_workers, worker_iterators
 
 log = logging.getLogger("dynatrain")
 
@@ -314,11 +314,7 @@ def retire_in_background(*iterators: Any) -> Optional[threading.Thread]:
         lower_priority(getattr(it, "_workers", ()))
 
     def stop(its: list) -> None:
-        for it in its:
-            try:
-                it._shutdown_workers()
-            except Exception as e:  # noqa: BLE001 - their end is not the job's
-                log.debug("stopping a data-loader's workers: %s", e)
+        stop_workers(its)
         its.clear()
 
     t = threading.Thread(target=stop, args=(found,), name="dynatrain-retire-data",
