@@ -773,6 +773,32 @@ def test_a_layout_string_job_refuses_another_pp_at_the_request():
         emb.validate("tp1pp4vpp4", 4)  # (7 + 1) / 4 = 2 layers per stage, 4 chunks
 
 
+@pytest.mark.parametrize("source", ["heterogeneous_layers_config_path",
+                                    "heterogeneous_layers_config_encoded_json"])
+def test_heterogeneous_layers_refuse_virtual_stages_at_the_request(source):
+    """Megatron-LM (core_v0.19.0) builds heterogeneous layers' specs without the virtual
+    stage, which megatron-core asserts on: its restart at a vpp layout fails (seen with
+    tests/megatron_lm_heterogeneous.json at tp1pp2vpp2dp2), so a request for one is
+    rejected with the reason before anything is prepared, and a schedule naming one is
+    refused at start-up; layouts without virtual stages are completed as before."""
+    from dynatrain_megatron.elastic.controller import Controller
+    from dynatrain_megatron.megatron_lm.pipeline_split import PipelineRule
+
+    a = megatron_args(num_layers=4, tensor_model_parallel_size=4, pipeline_model_parallel_size=1)
+    setattr(a, source, "tests/megatron_lm_heterogeneous.json")
+    rule = PipelineRule.from_args(a)
+    ctl = Controller(mla.spec_from_megatron_args(megatron_args(num_layers=4)), None,
+                     complete=lambda lay: rule.complete(lay, 4))
+    with pytest.raises(DynatrainError, match=r"^vpp2: heterogeneous layers .* have no virtual "
+                                             r"pipeline stages in Megatron-LM"):
+        ctl.validate("tp1pp2vpp2", 4)
+    assert str(ctl.validate("tp1pp2", 4)) == "tp1pp2dp2"
+    ctl.schedule = [(3, "tp1pp2vpp2split1-1-1-1dp2")]  # a named split is no way round it
+    with pytest.raises(DynatrainError, match="schedule refused on 4 ranks: iteration 3: vpp2"):
+        ctl.check_schedule(4)
+    assert not PipelineRule.from_args(megatron_args(num_layers=4)).heterogeneous
+
+
 @pytest.mark.parametrize("over,flags", [
     (dict(spec=["my_specs", "layer"]), ["--spec"]),
     (dict(add_qkv_bias=True, add_bias_linear=False), ["--add-qkv-bias"]),

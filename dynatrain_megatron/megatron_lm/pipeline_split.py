@@ -34,12 +34,15 @@ class PipelineRule:
     """How the job splits its layers over model chunks. `layout`: its
     `--pipeline-model-parallel-layout` (None: none); `embedding`/`loss`: its
     `--account-for-embedding/loss-in-pipeline-split`; `mtp`: multi-token prediction layers
-    (a layout string places them, so none is written for such a job)."""
+    (a layout string places them, so none is written for such a job); `heterogeneous`: its
+    layers come from `--heterogeneous-layers-config-path` (or its encoded JSON), which
+    Megatron-LM builds without virtual stages."""
 
     layout: Optional[str] = None
     embedding: bool = False
     loss: bool = False
     mtp: int = 0
+    heterogeneous: bool = False
 
     def __post_init__(self) -> None:
         if self.layout is not None and (self.embedding or self.loss):
@@ -52,7 +55,10 @@ class PipelineRule:
         return cls(layout=None if text is None else str(text),
                    embedding=_flag(args, "account_for_embedding_in_pipeline_split"),
                    loss=_flag(args, "account_for_loss_in_pipeline_split"),
-                   mtp=int(getattr(args, "mtp_num_layers", None) or 0))
+                   mtp=int(getattr(args, "mtp_num_layers", None) or 0),
+                   heterogeneous=bool(
+                       getattr(args, "heterogeneous_layers_config_path", None)
+                       or getattr(args, "heterogeneous_layers_config_encoded_json", None)))
 
     def split(self, num_layers: int, pp: int, vpp: int) -> tuple[int, ...]:
         """Decoder layers of every chunk ((vp stage, pp rank), vp-major) at pp x vpp by this
@@ -79,7 +85,16 @@ class PipelineRule:
     def complete(self, layout: Layout, num_layers: int) -> Layout:
         """`layout` with the split a restart at it would make (unchanged where the request
         names its own `split`, `ppf` or `ppl`). DynatrainError where the rule cannot be
-        applied at its PP x VPP (a layout string of another length)."""
+        applied at its PP x VPP (a layout string of another length), and for virtual
+        stages of heterogeneous layers: Megatron-LM's GPT builder asks megatron-core for
+        their layer specs without the virtual stage (`megatron/training/models/gpt.py`,
+        core_v0.19.0), which asserts, so its own restart at such a layout fails too."""
+        if self.heterogeneous and layout.vpp > 1:
+            raise DynatrainError(
+                f"vpp{layout.vpp}: heterogeneous layers (--heterogeneous-layers-config-path) "
+                f"have no virtual pipeline stages in Megatron-LM (it builds their layer specs "
+                f"without the virtual stage; its own restart at this layout fails the same "
+                f"way): request a layout without vpp")
         if layout.split or layout.ppf or layout.ppl:
             return layout
         if self.layout is None and (self.embedding or self.loss) and layout.vpp == 1 \

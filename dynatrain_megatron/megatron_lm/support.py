@@ -245,7 +245,9 @@ SUPPORTED: tuple[tuple[str, str], ...] = (
     ("Llama-Nemotron-NAS-shaped heterogeneous layers (--heterogeneous-layers-config-path, "
      "core_v0.19.0, local layers): per-layer MLP sizes, no-op attention or MLP, attention "
      "and MLP replaced by linear layers; planned from the live metadata. "
-     "--decrease-batch-size-if-needed: B's batch rounded down at its DP, as the restart's",
+     "--decrease-batch-size-if-needed: B's batch rounded down at its DP, as the restart's. "
+     "No virtual stages (Megatron-LM builds none for these layers, its restart fails too): "
+     "a vpp layout is refused when requested",
      "tests/test_megatron_lm_recipes.py::nemotron_nas"),
     ("any option that changes no state shape (activations, dropout, fusions, recompute, "
      "attention backend, loss options, rotary variants): carried by B, built by Megatron-LM",
