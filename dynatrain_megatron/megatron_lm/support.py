@@ -230,10 +230,11 @@ SUPPORTED: tuple[tuple[str, str], ...] = (
      "optimizer's shards read from its own bookkeeping). Planned from the live metadata",
      "tests/test_megatron_lm_recipes.py::llama"),
     ("MoE: top-k routing with the aux loss, shared experts, --moe-layer-freq dense/MoE "
-     "patterns, --qk-layernorm, --moe-grouped-gemm (local layers), EP and expert-TP changes; "
+     "patterns, --qk-layernorm, --moe-grouped-gemm (local layers), EP changes; "
      "--account-for-loss-in-pipeline-split (the Layout's ppl); --train-samples with "
-     "--rampup-batch-size, switched inside the ramp (core_v0.16.1)",
-     "tests/test_megatron_lm_recipes.py::qwen_moe"),
+     "--rampup-batch-size, switched inside the ramp (core_v0.16.1). Expert-TP changes with "
+     "TP, SP and PP (etp1 -> etp2; no MoE biases, which Megatron-LM allows only at ETP 1)",
+     "tests/test_megatron_lm_recipes.py::qwen_moe, tests/test_megatron_lm_etp.py"),
     ("DeepSeek recipe: multi-latent attention (--multi-latent-attention, --q-lora-rank, "
      "--kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim, --qk-layernorm), "
      "local layers. Aux-loss-free MoE (--moe-router-score-function sigmoid "
