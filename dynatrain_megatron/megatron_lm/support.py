@@ -215,7 +215,8 @@ def unlike_analytic(args: Any) -> tuple[str, ...]:
 # what the switch is checked to carry inside real Megatron-LM (tests named), beside what it
 # refuses: the rows of the README's support matrix
 SUPPORTED: tuple[tuple[str, str], ...] = (
-    ("dense GPT, TP/PP/VPP/DP/CP changes, fp32 and bf16, tied or untied embeddings, "
+    ("dense GPT, TP/PP/VPP/DP/CP changes, fp32, bf16 and fp16 (dynamic loss scaling: each "
+     "optimizer's scaler carried, tests/test_megatron_lm_fp16.py), tied or untied embeddings, "
      "LayerNorm or RMSNorm, GQA, SwiGLU, biases or none. --use-tp-pp-dp-mapping (A's groups "
      "read as a placement). A --pipeline-model-parallel-layout, kept by switches that keep "
      "PP x VPP; another PP or VPP needs B's split named in the request (split<n>-<n>-...), "

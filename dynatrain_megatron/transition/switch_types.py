@@ -116,13 +116,22 @@ class SwitchOptions:
 
 @dataclass(frozen=True, slots=True)
 class Scalars:
-    """Training state that is not a tensor of the VPS."""
+    """Training state that is not a tensor of the VPS. `grad_scalers`: the state of each
+    optimizer's loss scaler (fp16), in the order of megatron-core's ChainedOptimizer
+    (dense, then expert parameters), None for one without (bf16, fp32): each keeps and
+    updates its own."""
 
     iteration: int
     consumed_samples: int
     optimizer_step: Optional[float]
     scheduler: dict
-    grad_scaler: Optional[dict]
+    grad_scalers: tuple[Optional[dict], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.grad_scalers, tuple) or not all(
+                s is None or isinstance(s, dict) for s in self.grad_scalers):
+            raise TypeError(f"grad_scalers must be a tuple of state dicts or None, got "
+                            f"{self.grad_scalers!r}")
 
 
 @dataclass
