@@ -370,6 +370,44 @@ def test_sequence_parallel_follows_the_job_and_the_layout():
     assert not at("tp2pp2", dense, False) and at("tp2pp2", moe, False)
 
 
+def test_settings_the_launch_layout_turned_off_follow_the_command_line(monkeypatch):
+    """Megatron-LM's validation turns --sequence-parallel off at TP 1, and the interleaved
+    schedule's overlaps off without VPP; a restart at a layout that allows them, with the
+    same command line, has them on. The `--dynatrain` parse notes what the command line
+    set, and B's intents follow it (found by switching a tp1pp2 job with
+    --sequence-parallel to tp2pp1dp2: without it B trained without SP and its state
+    differed from the restart's)."""
+    from dynatrain_megatron.megatron_lm.transformer_config import JobIntents
+
+    monkeypatch.setenv("RANK", "0")
+    parser = mla.chain_extra_args_providers(None)(argparse.ArgumentParser())
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--no-overlap-p2p-communication", action="store_false",
+                        dest="overlap_p2p_comm")
+    parser.add_argument("--no-align-param-gather", action="store_false",
+                        dest="align_param_gather")
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    ns = parser.parse_args(["--dynatrain", "--use-distributed-optimizer",
+                            "--sequence-parallel", "--no-overlap-p2p-communication"])
+    assert ns.dynatrain_asked == dict(sequence_parallel=True, overlap_p2p_comm=False,
+                                      align_param_gather=True)
+    assert not hasattr(parser.parse_args(["--sequence-parallel"]), "dynatrain_asked")
+    # Megatron-LM's validation at tp1pp2 (no VPP) turns all three off
+    validated = megatron_args(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                              sequence_parallel=False, overlap_p2p_comm=False,
+                              align_param_gather=False, dynatrain_asked=ns.dynatrain_asked)
+    assert JobIntents.from_args(validated) == JobIntents(sequence_parallel=True,
+                                                         overlap_p2p_comm=False,
+                                                         align_param_gather=True)
+    # where the launch layout allows a setting, Megatron-LM's validated value stands
+    tp2 = megatron_args(tensor_model_parallel_size=2, sequence_parallel=False,
+                        dynatrain_asked=ns.dynatrain_asked)
+    assert not JobIntents.from_args(tp2).sequence_parallel
+    # args not parsed here (a job built by other code): Megatron-LM's defaults
+    assert JobIntents.from_args(megatron_args(tensor_model_parallel_size=1)) == JobIntents(
+        sequence_parallel=False, overlap_p2p_comm=True, align_param_gather=True)
+
+
 def test_chained_extra_args_provider():
     def theirs(parser):
         parser.add_argument("--modelopt-thing", type=int, default=0)

@@ -26,7 +26,9 @@ its restart resumes the switched run's own save at K (made before the switch lan
   and both `--account-for-embedding/loss-in-pipeline-split` over 6 layers (chunks of 1, 2 |
   2, 1 layers: the first and last virtual chunk hold the embedding and the loss), which B
   built by Megatron-LM splits alike. bf16 is the stricter dtype, since fp32 hides numerics a
-  rebuilt B could get wrong, such as the attention softmax's precision.
+  rebuilt B could get wrong, such as the attention softmax's precision. `--sequence-parallel`
+  on both command lines: Megatron-LM turns it off at A's TP 1, the restart at B's TP 2 has
+  it, and so must B (`JobIntents`: the command line's value, noted at the parse).
 
 The two final checkpoints must be equal entry for entry, bit for bit, as logical tensors
 (read with torch.distributed.checkpoint, whatever layout wrote them); the switched run's
@@ -59,8 +61,8 @@ CASES = {  # name: (flags at A, flags at B, A, B as logged, B as requested)
     "layout-pp4": (layout_flags(2, 2) + SPLIT,
                    layout_flags(1, 4) + ["--pipeline-model-parallel-layout", "Et|t|t|tL"],
                    "tp2pp2split3-1dp1", "tp1pp4split1-1-1-1dp1", "tp1pp4split1-1-1-1"),
-    "vpp-bf16": (layout_flags(1, 2, **VPP) + ["--bf16"] + ACCOUNT_FOR,
-                 layout_flags(2, 2, **VPP) + ["--bf16"] + ACCOUNT_FOR,
+    "vpp-bf16": (layout_flags(1, 2, **VPP) + ["--bf16", "--sequence-parallel"] + ACCOUNT_FOR,
+                 layout_flags(2, 2, **VPP) + ["--bf16", "--sequence-parallel"] + ACCOUNT_FOR,
                  "tp1pp2vpp2split1-2-2-1dp2", "tp2pp2vpp2split1-2-2-1dp1", "tp2pp2vpp2dp1"),
 }
 

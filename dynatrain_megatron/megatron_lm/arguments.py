@@ -81,6 +81,7 @@ def refuse_when_parsed(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                 parser.error = full_error  # type: ignore[method-assign]
             ns = out[0] if isinstance(out, tuple) else out
             if getattr(ns, "dynatrain", False):
+                ns.dynatrain_asked = asked_settings(ns)
                 from .startup_death import StartupDeath
 
                 StartupDeath.install()  # a death before the loop: one line (module doc)
@@ -94,6 +95,18 @@ def refuse_when_parsed(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
         setattr(parser, method, checked)
     return parser
+
+
+# settings Megatron-LM's validation turns off where the launch layout does not allow them
+# (sequence parallelism at TP 1; the interleaved schedule's overlaps without VPP), which a
+# restart at another layout with the same command line has on (`JobIntents`)
+LAYOUT_DEPENDENT_SETTINGS = ("sequence_parallel", "overlap_p2p_comm", "align_param_gather")
+
+
+def asked_settings(parsed: Any) -> dict[str, Any]:
+    """The `LAYOUT_DEPENDENT_SETTINGS` as the command line set them: read from the parse,
+    before Megatron-LM validates it (kept on the args as `dynatrain_asked`)."""
+    return {k: getattr(parsed, k) for k in LAYOUT_DEPENDENT_SETTINGS if hasattr(parsed, k)}
 
 
 def arg_value(args: Any, name: str, default: Any = None) -> Any:
@@ -367,7 +380,8 @@ def performance_differences(args: Any) -> list[str]:
     return out
 
 
-__all__ = ("args_for_layout", "chain_extra_args_providers", "layout_from_megatron_args",
+__all__ = ("LAYOUT_DEPENDENT_SETTINGS", "args_for_layout", "asked_settings",
+           "chain_extra_args_providers", "layout_from_megatron_args",
            "params_dtype_of", "performance_differences", "rank_order_of", "refuse_when_parsed",
            "spec_from_megatron_args", "support_matrix", "train_config_from_megatron_args",
            "unsupported_args")

@@ -28,8 +28,10 @@ from .arguments import arg_value, args_for_layout
 class JobIntents:
     """What the job asked for that Megatron-LM's validation turns on or off by layout.
 
-    Read from the first layout's validated `args`, where a setting the layout did not
-    allow was already turned off: then Megatron-LM's default stands for the intent.
+    Read from the first layout's validated `args`; where that layout did not allow a
+    setting, Megatron-LM's validation turned it off, and the command line's value (noted
+    at the parse, `arguments.asked_settings`; else Megatron-LM's default) stands for the
+    intent, as a restart at another layout with that command line would have it.
     `sequence_parallel`: `--sequence-parallel` (kept only with TP; an MoE job with TP
     always has it). `overlap_p2p_comm`: the overlapped P2P exchange of the interleaved
     schedule (on by default; Megatron-LM requires it for VPP with pp2).
@@ -44,12 +46,14 @@ class JobIntents:
     def from_args(cls, args: Any) -> "JobIntents":
         tp = arg_value(args, "tensor_model_parallel_size", 1)
         interleaved = (arg_value(args, "virtual_pipeline_model_parallel_size") or 1) > 1
-        return cls(
-            sequence_parallel=bool(arg_value(args, "sequence_parallel", False)) if tp > 1 else False,
-            overlap_p2p_comm=bool(arg_value(args, "overlap_p2p_comm", True)) if interleaved else True,
-            align_param_gather=(bool(arg_value(args, "align_param_gather", True)) if interleaved
-                                else True),
-        )
+        asked = arg_value(args, "dynatrain_asked", None) or {}
+
+        def intent(name: str, allowed: bool, default: bool) -> bool:
+            return bool(arg_value(args, name, default) if allowed else asked.get(name, default))
+
+        return cls(sequence_parallel=intent("sequence_parallel", tp > 1, False),
+                   overlap_p2p_comm=intent("overlap_p2p_comm", interleaved, True),
+                   align_param_gather=intent("align_param_gather", interleaved, True))
 
     def overlap_for(self, layout: Layout) -> bool:
         return layout.vpp > 1 and (self.overlap_p2p_comm or layout.pp == 2)
