@@ -1,7 +1,7 @@
 """The loss scalers a switch carries (transition/scalars.py): one per optimizer inside
 megatron-core's ChainedOptimizer, each to B's optimizer of the same position, copied to the
 host and apart from A's. Stand-in optimizers and scheduler; the real ones are switched in
-tests/test_megatron_lm_fp16.py against Megatron-LM's restart."""
+tests/test_megatron_lm_moe_variants.py::fp16 against Megatron-LM's restart."""
 from types import SimpleNamespace
 
 import pytest

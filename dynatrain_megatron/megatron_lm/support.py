@@ -216,7 +216,8 @@ def unlike_analytic(args: Any) -> tuple[str, ...]:
 # refuses: the rows of the README's support matrix
 SUPPORTED: tuple[tuple[str, str], ...] = (
     ("dense GPT, TP/PP/VPP/DP/CP changes, fp32, bf16 and fp16 (dynamic loss scaling: each "
-     "optimizer's scaler carried, tests/test_megatron_lm_fp16.py), tied or untied embeddings, "
+     "optimizer's scaler carried, tests/test_megatron_lm_moe_variants.py::fp16), tied or "
+     "untied embeddings, "
      "LayerNorm or RMSNorm, GQA, SwiGLU, biases or none. --use-tp-pp-dp-mapping (A's groups "
      "read as a placement). A --pipeline-model-parallel-layout, kept by switches that keep "
      "PP x VPP; another PP or VPP needs B's split named in the request (split<n>-<n>-...), "
@@ -235,7 +236,7 @@ SUPPORTED: tuple[tuple[str, str], ...] = (
      "--account-for-loss-in-pipeline-split (the Layout's ppl); --train-samples with "
      "--rampup-batch-size, switched inside the ramp (core_v0.16.1). Expert-TP changes with "
      "TP, SP and PP (etp1 -> etp2; no MoE biases, which Megatron-LM allows only at ETP 1)",
-     "tests/test_megatron_lm_recipes.py::qwen_moe, tests/test_megatron_lm_etp.py"),
+     "tests/test_megatron_lm_recipes.py::qwen_moe, tests/test_megatron_lm_moe_variants.py::etp"),
     ("DeepSeek recipe: multi-latent attention (--multi-latent-attention, --q-lora-rank, "
      "--kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim, --v-head-dim, --qk-layernorm), "
      "local layers. Aux-loss-free MoE (--moe-router-score-function sigmoid "
