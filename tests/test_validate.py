@@ -4,6 +4,7 @@ rank-grid arithmetic, and our analytic layout; real builds on ranks are in
 test_hostile_live.py)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -83,6 +84,17 @@ def test_classes_the_quick_check_missed():
                              micro_batch_size=1)
     assert "not divisible by micro batch 2 * dp 4" in "".join(layout_errors(
         gpt, Layout.parse("tp1pp1", 4), global_batch_size=6, micro_batch_size=2))
+    # megatron-core's MoE rules are refused when a layout is requested, not while B is
+    # prepared: biases only at ETP 1, shared experts split over TP
+    biased = dataclasses.replace(moe, add_bias_linear=True)
+    with pytest.raises(LayoutError, match=r"add_bias_linear with MoE needs etp1, got etp2"):
+        validate_layout(biased, Layout.parse("tp2pp1ep2etp2", 4))
+    validate_layout(biased, Layout.parse("tp2pp1ep2etp1", 4))
+    shared = dataclasses.replace(moe, moe_shared_expert_intermediate_size=50)
+    assert "moe_shared_expert_intermediate_size 50 % tp 4 != 0" in "".join(
+        layout_errors(shared, Layout.parse("tp4", 4)))
+    assert "moe_shared_expert_intermediate_size" not in "".join(
+        layout_errors(shared, Layout.parse("tp2", 4)))
     with pytest.raises(LayoutError, match="ASCII"):
         Layout.parse("tp２pp2", 4)
     with pytest.raises(LayoutError, match="at most 64"):

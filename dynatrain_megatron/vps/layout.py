@@ -243,6 +243,15 @@ class Layout:
             if t > 1 and spec.seq_length % t:
                 # MoE with TP needs sequence parallelism, which splits the sequence over TP
                 e.append(f"seq_length {spec.seq_length} % tp {t} != 0 (MoE+TP uses sequence parallel)")
+            sh = spec.moe_shared_expert_intermediate_size
+            if sh is not None and sh % t:
+                e.append(f"moe_shared_expert_intermediate_size {sh} % tp {t} != 0")
+            if sh and spec.add_bias_linear:
+                e.append("shared experts do not support add_bias_linear (megatron-core "
+                         "SharedExpertMLP)")
+            if spec.add_bias_linear and self.etp != 1:
+                e.append(f"add_bias_linear with MoE needs etp1, got etp{self.etp} (megatron-core "
+                         f"TransformerConfig: 'Bias in Moe is only supported when ETP==1')")
         else:
             if self.ep > 1:
                 e.append(f"ep{self.ep} needs an MoE model (num_moe_experts is not set)")
