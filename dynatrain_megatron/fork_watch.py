@@ -4,9 +4,10 @@ themselves answer.
 A process whose other threads are running can fork a child that deadlocks before it runs
 any Python: in CPython without the fix of gh-112275 (3.12 has it, 3.11 since 3.11.10;
 this machine's 3.11.7 does not), `PyOS_AfterFork_Child` takes the interpreter's
-thread-state list lock, which another thread may have held at the moment of the fork. gloo's worker threads take it whenever a finished collective releases the last
-reference to a tensor with a Python object (pybind11 makes them a thread state for it,
-seen with gdb on a training rank), which a gloo job does many times a second. Such a child
+thread-state list lock, which another thread may have held at the moment of the fork.
+gloo's worker threads take it whenever a finished collective releases the last reference
+to a tensor with a Python object (pybind11 makes them a thread state for it, seen with
+gdb on a training rank), which a gloo job does many times a second. Such a child
 is alive and never does its work: whoever waits for it (a DataLoader for its batches, a
 `multiprocessing` manager's parent for its address) waits forever.
 

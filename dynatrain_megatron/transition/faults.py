@@ -16,8 +16,9 @@ registers the job before building its data iterators (`megatron_lm/seam.py`). An
 the background on `fail_rank` never starts, as a fork beside running threads can leave
 one (`megatron_lm/worker_start.py`, which finds it and builds again). With `kill`, the
 failing rank's process exits on the spot instead of raising, as a crash would (its
-sockets close). With `dst_layout`, "prepare" and "commit" failures hit only a switch to that layout (say, a B
-that cannot be built on one rank), so a later switch of the same job goes through.
+sockets close). With `dst_layout`, "prepare" and "commit" failures hit only a switch to
+that layout (say, a B that cannot be built on one rank), so a later switch of the same job
+goes through.
 `delay_seconds` delays `delay_rank` before transfer round `round` (`delay_phase` "round"), or
 at the end of its background preparation of B (`delay_phase` "prepare", only for a switch
 to `dst_layout` when that is set): a B that is not ready when the job ends. A preparation
